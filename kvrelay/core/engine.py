@@ -1,0 +1,227 @@
+"""The engine core: requests in, one step at a time, outputs out.
+
+Pure and single-threaded: no clock, no I/O, no threads. The server's engine loop
+and the simulator drive it through ``add_request``, ``abort_request``,
+``schedule``/``complete`` (or ``step``, which does both) and ``take_outputs``.
+
+The in-flight fence (DESIGN section 3): a step that was scheduled but whose output
+is not applied yet still reads and writes its requests' blocks. A request that
+finishes or is aborted meanwhile is FINISHING: its terminal output is emitted at
+once, its blocks stay until every step that references it has completed, and only
+then does the one release run. Outputs of those steps for it are dropped.
+
+Async scheduling: ``step`` schedules and runs step N+1 before it applies step N's
+output, so one step is always in flight between calls.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvrelay.config import SchedulerConfig
+from kvrelay.core.block_pool import BlockPool
+from kvrelay.core.lifecycle import TERMINAL_DECIDED, Event, FinishReason, RequestState
+from kvrelay.core.request import Request
+from kvrelay.core.runner import Batch, Runner, SampledToken, TokenLogprobs
+from kvrelay.core.scheduler import RequestRejected, Scheduler
+from kvrelay.sampling_params import SamplingParams
+
+__all__ = ["Engine", "EngineStats", "RequestOutput", "RequestRejected"]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    new_logprobs: list[TokenLogprobs] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    # Events for requests already decided (late aborts, duplicate reports): no-ops.
+    stale_events: int = 0
+    # Sampled tokens of in-flight steps for requests that had finished meanwhile.
+    dropped_samples: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+# Called instead of freeing when a prefill-side request finishes with
+# REMOTE_DECODE: it must take ownership of ``request.block_ids`` (pool.transfer).
+KvHandoff = Callable[[Request], None]
+
+
+class Engine:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        runner: Runner,
+        *,
+        pool: BlockPool | None = None,
+        kv_handoff: KvHandoff | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.pool = pool if pool is not None else BlockPool(config.num_blocks)
+        self.scheduler = Scheduler(config, self.pool)
+        self.kv_handoff = kv_handoff
+        self.stats = EngineStats()
+        # Every request not yet FINISHED (released), by id.
+        self.requests: dict[str, Request] = {}
+        self._in_flight: deque[tuple[Batch, Mapping[str, SampledToken]]] = deque()
+        self._outputs: list[RequestOutput] = []
+        self._released_since_batch: list[str] = []
+
+    # -- requests in -------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        remote_decode: bool = False,
+    ) -> Request:
+        if request_id in self.requests:
+            raise RequestRejected("request_id", f"request id {request_id!r} is already in use")
+        self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
+        req = Request(
+            request_id=request_id,
+            prompt_len=len(prompt_token_ids),
+            token_ids=list(prompt_token_ids),
+            params=params,
+            eos_token_ids=frozenset(eos_token_ids),
+            remote_decode=remote_decode,
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None
+    ) -> bool:
+        """Finish a request now, in any state. Returns False (and counts a stale
+        event) when it had already finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.state in TERMINAL_DECIDED:
+            self.stats.stale_events += 1
+            return False
+        self._finish(req, reason, error=error)
+        return True
+
+    # -- stepping ----------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.requests) or bool(self._in_flight)
+
+    def schedule(self) -> Batch | None:
+        """Schedule the next step and mark it in flight; None when nothing can run."""
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return None
+        batch.finished_ids = self._released_since_batch
+        self._released_since_batch = []
+        self.stats.steps += 1
+        return batch
+
+    def complete(self, batch: Batch, sampled: Mapping[str, SampledToken]) -> None:
+        """Apply a step's output. Steps complete in the order they were scheduled."""
+        for sr in batch.requests:
+            req = self.requests[sr.request_id]  # the fence keeps it until this point
+            req.in_flight -= 1
+            if sr.sample:
+                req.num_pending_samples -= 1
+                if req.state is RequestState.RUNNING:
+                    self._append_token(req, sampled[sr.request_id])
+                else:
+                    self.stats.dropped_samples += 1
+            self._release_if_fenced(req)
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.schedule()
+        if batch is not None:
+            self._in_flight.append((batch, self.runner.execute(batch)))
+        depth = 1 if self.config.async_scheduling else 0
+        while self._in_flight and (len(self._in_flight) > depth or batch is None):
+            done, sampled = self._in_flight.popleft()
+            self.complete(done, sampled)
+        return self.take_outputs()
+
+    def take_outputs(self) -> list[RequestOutput]:
+        out, self._outputs = self._outputs, []
+        return out
+
+    # -- internals ---------------------------------------------------------------
+    def _append_token(self, req: Request, tok: SampledToken) -> None:
+        req.token_ids.append(tok.token_id)
+        reason = self._stop_reason(req, tok.token_id)
+        if reason is None and req.remote_decode:
+            reason = FinishReason.REMOTE_DECODE
+        logprobs = [tok.logprobs] if tok.logprobs is not None else None
+        if reason is not None:
+            self._finish(req, reason, new_token=tok.token_id, logprobs=logprobs)
+        else:
+            self._outputs.append(
+                RequestOutput(
+                    req.request_id, [tok.token_id], req.prompt_len, req.num_output_tokens,
+                    logprobs,
+                )
+            )
+
+    def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
+        params = req.params
+        if token_id in req.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if req.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if len(req.token_ids) >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(
+        self,
+        req: Request,
+        reason: FinishReason,
+        *,
+        error: str | None = None,
+        new_token: int | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> None:
+        self.scheduler.remove(req)
+        req.finish_reason = reason
+        req.error = error
+        req.transition(Event.FINISH)  # FINISHING, or DRAINING while a transfer writes
+        self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
+        self._outputs.append(
+            RequestOutput(
+                req.request_id,
+                [] if new_token is None else [new_token],
+                req.prompt_len,
+                req.num_output_tokens,
+                logprobs,
+                finished=True,
+                finish_reason=reason,
+                error=error,
+            )
+        )
+        self._release_if_fenced(req)
+
+    def _release_if_fenced(self, req: Request) -> None:
+        if req.state is not RequestState.FINISHING or req.in_flight:
+            return
+        if req.finish_reason is FinishReason.REMOTE_DECODE and self.kv_handoff is not None:
+            self.kv_handoff(req)  # ownership moves to a lease in one pool transfer
+            req.block_ids = []
+        else:
+            self.scheduler.free_blocks(req)
+        req.transition(Event.RELEASE)
+        del self.requests[req.request_id]
+        self._released_since_batch.append(req.request_id)

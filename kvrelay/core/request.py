@@ -1,0 +1,53 @@
+"""A request as the engine core sees it: token ids, blocks and lifecycle state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrelay.core.block_pool import Owner, request_owner
+from kvrelay.core.lifecycle import Event, FinishReason, RequestState, next_state
+from kvrelay.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_len: int
+    # Prompt followed by the output tokens known so far.
+    token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    # Prefill side of a disaggregated pair: stop after the first token and hand the
+    # KV to a lease instead of freeing it.
+    remote_decode: bool = False
+    state: RequestState = RequestState.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # Tokens whose KV is written, or scheduled to be written by an in-flight step.
+    num_computed_tokens: int = 0
+    # Tokens sampled by in-flight steps and not yet known (async scheduling).
+    num_pending_samples: int = 0
+    # Steps scheduled with this request whose output has not been applied: the fence.
+    in_flight: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    owner: Owner = ""
+
+    def __post_init__(self) -> None:
+        if not self.owner:
+            self.owner = request_owner(self.request_id)
+
+    def transition(self, event: Event) -> None:
+        self.state = next_state(self.request_id, self.state, event)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_tokens_scheduled_to_exist(self) -> int:
+        """Known tokens plus the ones in-flight steps will sample."""
+        return len(self.token_ids) + self.num_pending_samples
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]

@@ -1,0 +1,64 @@
+"""What the engine core hands a model runner, and what it gets back.
+
+A runner computes one step: for every scheduled request, the KV of a chunk of its
+tokens is written into its blocks (positions ``start`` .. ``start + len(token_ids)``)
+and, where ``sample`` is set, one token is sampled from the logits of the chunk's
+last position. The runner only borrows block ids; it never allocates or frees.
+
+Async scheduling: a decode chunk may end with ``PLACEHOLDER``, meaning "the token
+you sampled for this request in the previous step" (not yet known to the core
+when this step was scheduled). The runner keeps its last sampled token per
+request to resolve it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvrelay.sampling_params import SamplingParams
+
+PLACEHOLDER = -1
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the chunk to compute; the last may be PLACEHOLDER
+    start: int  # position of token_ids[0] in the request's sequence
+    block_ids: list[int]  # the request's block table (read-only for the runner)
+    sample: bool  # sample a token at position start + len(token_ids)
+    params: SamplingParams
+    prompt_len: int
+
+
+@dataclass(slots=True)
+class Batch:
+    step_id: int
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    # Requests that finished since the previous batch: the runner may drop its
+    # per-request state (last sampled token, sampler generators).
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    logprob: float  # of the sampled token
+    top: list[tuple[int, float]]  # the top-n (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Runner(Protocol):
+    def execute(self, batch: Batch) -> Mapping[str, SampledToken]:
+        """Run one step; return a sampled token for every request with ``sample`` set."""
+        ...

@@ -1,0 +1,84 @@
+"""Per-request sampling and stopping parameters, validated on construction.
+
+Errors name the field and what is allowed, so the server can turn them into an
+OpenAI-style 400 with ``param`` set (``InvalidParameter.param``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidParameter(ValueError):
+    """A request parameter is out of range; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to sample and when to stop, in the spirit of vLLM's ``SamplingParams``.
+
+    ``seed``: with a seed, the token at output position i depends only on the seed,
+    i and the logits, so the same request gives the same tokens on any engine and in
+    any batch (colocated or disaggregated).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token
+    include_stop_str_in_output: bool = False
+    extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(
+            0.0 <= self.temperature <= 2.0,
+            "temperature",
+            f"temperature must be in [0, 2], got {self.temperature}",
+        )
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        _check(
+            self.top_k == -1 or self.top_k >= 0,
+            "top_k",
+            f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",
+        )
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= 20,
+            "logprobs",
+            f"logprobs must be between 0 and 20, got {self.logprobs}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "stop must be a list of non-empty strings",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "stop_token_ids must be non-negative integers",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameter(param, message)
