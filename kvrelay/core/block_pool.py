@@ -160,7 +160,9 @@ class BlockPool:
             if actual is None:
                 raise DoubleFree(f"{owner} tried to {action} block {b}, which is already free")
             if actual != owner:
-                raise ForeignFree(f"{owner} tried to {action} block {b}, which is owned by {actual}")
+                raise ForeignFree(
+                    f"{owner} tried to {action} block {b}, which is owned by {actual}"
+                )
 
     def _uncount(self, owner: Owner, n: int) -> None:
         left = self._owned[owner] - n if n else self._owned.get(owner, 0)

@@ -161,7 +161,9 @@ class Engine:
     def _append_token(self, req: Request, tok: SampledToken) -> None:
         req.token_ids.append(tok.token_id)
         reason = self._stop_reason(req, tok.token_id)
-        if reason is None and req.remote_decode:
+        if req.remote_decode and reason is not FinishReason.STOP:
+            # The prefill side samples the first token only (the proxy asks for
+            # max_tokens 1); unless it ended the sequence, the decode side goes on.
             reason = FinishReason.REMOTE_DECODE
         logprobs = [tok.logprobs] if tok.logprobs is not None else None
         if reason is not None:

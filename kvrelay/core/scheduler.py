@@ -150,7 +150,8 @@ class Scheduler:
         remaining = total - req.num_computed_tokens
         if remaining <= 0:
             return 0
-        if remaining == 1 and req.num_output_tokens + req.num_pending_samples >= req.params.max_tokens:
+        will_have = req.num_output_tokens + req.num_pending_samples
+        if remaining == 1 and will_have >= req.params.max_tokens:
             return 0  # an in-flight sample will finish it; computing more is waste
         if req.remote_decode and req.num_pending_samples:
             return 0  # the prefill side samples one token only

@@ -1,0 +1,125 @@
+"""Hypothesis drives the engine with add, abort, schedule and complete in any order."""
+
+from collections import deque
+from collections.abc import Mapping
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvrelay.config import SchedulerConfig
+from kvrelay.core.engine import Engine
+from kvrelay.core.fake_runner import FakeRunner, expected_output
+from kvrelay.core.lifecycle import HOLDS_BLOCKS, FinishReason
+from kvrelay.core.runner import Batch, SampledToken
+from kvrelay.core.scheduler import RequestRejected
+from kvrelay.sampling_params import SamplingParams
+
+VOCAB = 20
+EOS = 0
+
+
+class EngineMachine(RuleBasedStateMachine):
+    @initialize(
+        async_scheduling=st.booleans(),
+        num_blocks=st.integers(4, 12),
+        block_size=st.sampled_from([1, 2, 4]),
+        budget=st.integers(1, 16),
+        max_seqs=st.integers(1, 4),
+    )
+    def setup(
+        self, async_scheduling: bool, num_blocks: int, block_size: int, budget: int, max_seqs: int
+    ) -> None:
+        cfg = SchedulerConfig(
+            num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
+            max_num_batched_tokens=budget, max_model_len=64, async_scheduling=async_scheduling,
+        )
+        self.engine = Engine(cfg, runner=FakeRunner(VOCAB))
+        self.runner = FakeRunner(VOCAB, block_size=block_size, pool=self.engine.pool, check_kv=True)
+        self.depth = 2 if async_scheduling else 1
+        self.in_flight: deque[tuple[Batch, Mapping[str, SampledToken]]] = deque()
+        self.tokens: dict[str, list[int]] = {}
+        self.spec: dict[str, tuple[int, int, int]] = {}
+        self.terminal: dict[str, FinishReason] = {}
+        self.next_id = 0
+
+    def collect(self) -> None:
+        for out in self.engine.take_outputs():
+            assert out.request_id not in self.terminal, f"output after terminal: {out}"
+            self.tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                assert out.finish_reason is not None
+                self.terminal[out.request_id] = out.finish_reason
+                seed, prompt_len, max_tokens = self.spec[out.request_id]
+                want = expected_output(seed, prompt_len, max_tokens, VOCAB, (EOS,))
+                got = self.tokens[out.request_id]
+                if out.finish_reason is FinishReason.ABORT:
+                    assert got == want[: len(got)]
+                else:
+                    assert got == want
+
+    @rule(prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 12), seed=st.integers(0, 99))
+    def add(self, prompt_len: int, max_tokens: int, seed: int) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        try:
+            self.engine.add_request(rid, [1] * prompt_len, SamplingParams(
+                max_tokens=max_tokens, seed=seed), eos_token_ids=[EOS])
+        except RequestRejected:
+            return
+        self.tokens[rid] = []
+        self.spec[rid] = (seed, prompt_len, max_tokens)
+
+    @precondition(lambda self: self.next_id > 0)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = f"r{data.draw(st.integers(0, self.next_id - 1))}"
+        self.engine.abort_request(rid)
+        self.collect()
+
+    @rule()
+    def schedule(self) -> None:
+        if len(self.in_flight) >= self.depth:
+            return
+        batch = self.engine.schedule()
+        if batch is not None:
+            self.in_flight.append((batch, self.runner.execute(batch)))
+
+    @precondition(lambda self: bool(self.in_flight))
+    @rule()
+    def complete(self) -> None:
+        self.engine.complete(*self.in_flight.popleft())
+        self.collect()
+
+    @invariant()
+    def pool_is_sound(self) -> None:
+        pool = self.engine.pool
+        pool.check_integrity()
+        for owner, count in pool.owners().items():
+            req = self.engine.requests.get(owner.removeprefix("req:"))
+            assert req is not None and req.state in HOLDS_BLOCKS, f"{owner} is past its fence"
+            assert count == len(req.block_ids)
+        for batch, _ in self.in_flight:
+            for sr in batch.requests:
+                assert all(pool.owner_of(b) == f"req:{sr.request_id}" for b in sr.block_ids)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        # Quiescence: drain everything, then every request ended once and all is free.
+        for _ in range(10_000):
+            if not self.engine.has_work() and not self.in_flight:
+                break
+            if self.in_flight:
+                self.complete()
+            batch = self.engine.schedule()
+            if batch is not None:
+                self.in_flight.append((batch, self.runner.execute(batch)))
+            self.collect()
+        assert not self.engine.has_work()
+        assert set(self.terminal) == set(self.tokens)
+        assert self.engine.pool.num_free == self.engine.pool.num_blocks
+
+
+EngineMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestEngineMachine = EngineMachine.TestCase
