@@ -28,6 +28,7 @@ import numpy as np
 from kvrelay.core.request import Request
 from kvrelay.relay import protocol as P
 from kvrelay.relay.lease import Answer, LeaseTable, Status
+from kvrelay.relay.prefill import KvTransferParams, PrefillRelay, answer_reply
 from kvrelay.relay.transports.tcp import send_blocks
 
 log = logging.getLogger(__name__)
@@ -41,22 +42,6 @@ class ServerStats:
     protocol_errors: int = 0
     auth_failures: int = 0
     bytes_sent: int = 0  # tcp transport payload bytes
-
-
-@dataclass
-class KvTransferParams:
-    """What the prefill engine hands the proxy for the decode engine (DESIGN section 4)."""
-
-    lease_id: str
-    relay: str  # host:port
-    engine_id: str
-    block_ids: list[int]
-    num_tokens: int
-    first_token: int
-    compat: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -87,7 +72,7 @@ class RelayServer:
         self.kv_bytes = kv_bytes
         self.clock = clock
         self.stats = ServerStats()
-        self.kv_params: dict[str, KvTransferParams] = {}
+        self.relay = PrefillRelay(table, address="", compat=config.compat, clock=clock)
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -105,6 +90,7 @@ class RelayServer:
     def start(self) -> RelayServer:
         sock = socket.create_server((self.config.host, self.config.port))
         self._sock = sock
+        self.relay.address = self.address
         for target in (self._accept_loop, self._expiry_loop):
             t = threading.Thread(target=target, name=f"relay-{target.__name__}", daemon=True)
             t.start()
@@ -131,15 +117,12 @@ class RelayServer:
 
         Called by the engine with ``lock`` held (inside its step).
         """
-        lease = self.table.create(
-            req.request_id, req.block_ids, self.clock(),
-            num_tokens=req.prompt_len, first_token=req.token_ids[-1],
-        )
-        self.kv_params[req.request_id] = KvTransferParams(
-            lease.lease_id, self.address, self.table.engine_id, list(lease.block_ids),
-            lease.num_tokens, lease.first_token, self.config.compat,
-        )
+        self.relay.kv_handoff(req)
         self._wake.set()
+
+    @property
+    def kv_params(self) -> dict[str, KvTransferParams]:
+        return self.relay.kv_params
 
     # -- threads ---------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -215,24 +198,10 @@ class RelayServer:
         if isinstance(msg, P.Read):
             self._serve_read(conn, msg)
             return
-        now = self.clock()
-        t = self.table
+        if not isinstance(msg, P.Acquire | P.Heartbeat | P.Release | P.Abort):
+            self.stats.protocol_errors += 1
         with self.lock:
-            if isinstance(msg, P.Acquire):
-                ans = t.acquire(msg.engine_id, msg.lease_id, msg.holder, now)
-            elif isinstance(msg, P.Heartbeat):
-                ans = t.heartbeat(msg.engine_id, msg.lease_id, msg.holder, now)
-            elif isinstance(msg, P.Release):
-                ans = t.release(msg.engine_id, msg.lease_id, msg.holder, msg.ok, now,
-                                msg.generations)
-            elif isinstance(msg, P.Abort):
-                ans = t.abort(msg.engine_id, msg.lease_id, now)
-            else:
-                self.stats.protocol_errors += 1
-                seq = getattr(msg, "seq", 0)
-                conn.sendall(P.encode(P.Reply(seq, "error", error="unexpected message")))
-                return
-            reply = answer_reply(msg.seq, ans)
+            reply = self.relay.handle(msg, self.clock())  # type: ignore[arg-type]
         self._wake.set()  # a renewed or released lease moves the next deadline
         conn.sendall(P.encode(reply))
 
@@ -256,20 +225,3 @@ class RelayServer:
     def _reply_quietly(self, conn: socket.socket, reply: P.Reply) -> None:
         with contextlib.suppress(OSError):
             conn.sendall(P.encode(reply))
-
-
-def answer_reply(seq: int, ans: Answer) -> P.Reply:
-    reply = P.Reply(
-        seq,
-        ans.status.value,
-        state=ans.state.value if ans.state else "",
-        reason=ans.reason.value if ans.reason else "",
-        error=ans.error,
-    )
-    if ans.ok and ans.lease is not None:
-        lease = ans.lease
-        reply.block_ids = lease.block_ids
-        reply.generations = lease.generations
-        reply.num_tokens = lease.num_tokens
-        reply.first_token = lease.first_token
-    return reply
