@@ -167,6 +167,7 @@ class Scheduler:
         """The prompt's KV is in the request's blocks: decode from the first token."""
         del self.awaiting_kv[req.request_id]
         req.num_computed_tokens = req.prompt_len
+        req.remote_kv = None  # the KV is ours now: a preemption recomputes it locally
         self.running[req.request_id] = req
 
     def kv_load_failed(self, req: Request, recompute: bool) -> None:
