@@ -55,6 +55,7 @@ class TcpHandle:
     cancelled: threading.Event = field(default_factory=threading.Event)
     status: TransferStatus = field(default_factory=lambda: TransferStatus(TransferState.PENDING))
     started: float = 0.0
+    sock: socket.socket | None = None  # shut down by cancel() to unblock a waiting recv
 
 
 # Opens an authenticated data connection to a relay (HELLO done) and returns it.
@@ -93,7 +94,12 @@ class TcpTransport:
         return handle.status
 
     def cancel(self, handle: TcpHandle) -> None:
+        """Stop soon: the reader thread ends (and stops writing) at its next recv."""
         handle.cancelled.set()
+        sock = handle.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         with self._lock:
@@ -108,6 +114,9 @@ class TcpTransport:
         try:
             assert self.kv_bytes is not None and self.connect is not None
             sock = self._take(peer.relay)
+            h.sock = sock
+            if h.cancelled.is_set():
+                raise ConnectionAbortedError("transfer cancelled")
             with self._lock:
                 self._seq += 1
                 seq = self._seq
@@ -121,6 +130,7 @@ class TcpTransport:
                     f"read of {reply.nbytes} bytes does not fit {len(local)} blocks"
                 )
             self._recv_scattered(sock, remote, local, h.cancelled)
+            h.sock = None
             self._give_back(peer.relay, sock)
             sock = None
             h.status = TransferStatus(TransferState.DONE, nbytes=reply.nbytes,
@@ -128,6 +138,7 @@ class TcpTransport:
         except (OSError, ConnectionError, P.ProtocolError, AssertionError) as e:
             h.status = TransferStatus(TransferState.FAILED, error=f"tcp transfer failed: {e}")
         finally:
+            h.sock = None
             if sock is not None:
                 sock.close()
 
