@@ -20,12 +20,20 @@ from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
+import numpy as np
 import torch
 
-from kvrelay.relay.transports.base import PeerInfo, TransferState, TransferStatus, runs
+from kvrelay.relay.transports.base import (
+    PeerInfo,
+    TransferState,
+    TransferStatus,
+    byte_view,
+    runs,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_CREATED_HERE: set[str] = set()  # segments this process created (and will unlink)
 
 
 class ShmKvCache:
@@ -42,6 +50,7 @@ class ShmKvCache:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         name = f"kvrelay-{secrets.token_hex(16)}"
         self.segment = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
+        _CREATED_HERE.add(self.segment.name)
         t = torch.frombuffer(self.segment.buf, dtype=dtype, count=torch.Size(shape).numel())
         self.tensor = t.view(shape)
         self.tensor.zero_()
@@ -66,9 +75,10 @@ class ShmKvCache:
 
 def attach(descriptor: dict[str, Any]) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
     seg = shared_memory.SharedMemory(name=descriptor["name"])
-    # Python < 3.13 registers attached segments too and would unlink P's segment
-    # when this process exits; the segment is P's to remove.
-    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    if descriptor["name"] not in _CREATED_HERE:
+        # Python < 3.13 registers attached segments too and would unlink P's segment
+        # when this process exits; the segment is P's to remove.
+        resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
     shape = tuple(descriptor["shape"])
     dtype = DTYPES[descriptor["dtype"]]
     t = torch.frombuffer(seg.buf, dtype=dtype, count=torch.Size(shape).numel()).view(shape)
@@ -77,8 +87,10 @@ def attach(descriptor: dict[str, Any]) -> tuple[shared_memory.SharedMemory, torc
 
 def copy_blocks(dst: torch.Tensor, src: torch.Tensor, remote: Sequence[int],
                 local: Sequence[int]) -> None:
+    """One memcpy per run of consecutive blocks, on byte views of both caches."""
+    d, s = byte_view(dst), byte_view(src)
     for s0, d0, n in runs(remote, local):
-        dst[d0 : d0 + n].copy_(src[s0 : s0 + n])
+        np.copyto(d[d0 : d0 + n], s[s0 : s0 + n])
 
 
 @dataclass

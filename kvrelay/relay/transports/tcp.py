@@ -23,12 +23,33 @@ import numpy as np
 from kvrelay.relay import protocol as P
 from kvrelay.relay.transports.base import PeerInfo, TransferState, TransferStatus, byte_view, runs
 
-CHUNK = 4 << 20
+IOV_BATCH = 64  # buffers per sendmsg/recvmsg_into (IOV_MAX is 1024)
+
+
+def _views(kv_bytes: np.ndarray, block_ids: Sequence[int]) -> list[memoryview]:
+    """One flat memoryview per run of consecutive blocks (no copies)."""
+    return [memoryview(kv_bytes[start : start + n].reshape(-1).data).cast("B")
+            for start, _, n in runs(block_ids, block_ids)]
+
+
+def _advance(bufs: list[memoryview], i: int, n: int) -> int:
+    """Consume ``n`` bytes from ``bufs[i:]``; return the index of the first unfinished one."""
+    while n:
+        if n >= len(bufs[i]):
+            n -= len(bufs[i])
+            i += 1
+        else:
+            bufs[i] = bufs[i][n:]
+            n = 0
+    return i
 
 
 def send_blocks(sock: socket.socket, kv_bytes: np.ndarray, block_ids: Sequence[int]) -> None:
-    for start, _, n in runs(block_ids, block_ids):
-        sock.sendall(memoryview(kv_bytes[start : start + n].data))
+    """Scatter-gather send: up to IOV_BATCH runs of blocks per system call."""
+    bufs = _views(kv_bytes, block_ids)
+    i = 0
+    while i < len(bufs):
+        i = _advance(bufs, i, sock.sendmsg(bufs[i : i + IOV_BATCH]))
 
 
 def recv_blocks(
@@ -37,16 +58,16 @@ def recv_blocks(
     block_ids: Sequence[int],
     cancelled: threading.Event,
 ) -> None:
-    for start, _, n in runs(block_ids, block_ids):
-        view = memoryview(kv_bytes[start : start + n].reshape(-1).data)
-        got, total = 0, len(view)
-        while got < total:
-            if cancelled.is_set():
-                raise ConnectionAbortedError("transfer cancelled")
-            k = sock.recv_into(view[got:], min(CHUNK, total - got))
-            if k == 0:
-                raise ConnectionError("the prefill engine closed the data connection")
-            got += k
+    """Scatter receive straight into the blocks' memory, many blocks per system call."""
+    bufs = _views(kv_bytes, block_ids)
+    i = 0
+    while i < len(bufs):
+        if cancelled.is_set():
+            raise ConnectionAbortedError("transfer cancelled")
+        k = sock.recvmsg_into(bufs[i : i + IOV_BATCH])[0]
+        if k == 0:
+            raise ConnectionError("the prefill engine closed the data connection")
+        i = _advance(bufs, i, k)
 
 
 @dataclass
@@ -144,10 +165,9 @@ class TcpTransport:
 
     def _recv_scattered(self, sock: socket.socket, remote: list[int], local: list[int],
                         cancelled: threading.Event) -> None:
-        # P sends the remote blocks in request order; map each run onto local runs.
+        # P sends the remote blocks in request order: local[i] receives remote[i].
         assert self.kv_bytes is not None
-        for _, d0, n in runs(local, local):
-            recv_blocks(sock, self.kv_bytes, range(d0, d0 + n), cancelled)
+        recv_blocks(sock, self.kv_bytes, local, cancelled)
 
     def _take(self, relay: str) -> socket.socket:
         with self._lock:
