@@ -11,8 +11,8 @@
 
 Engines use the TensorFakeRunner over a real KV tensor (the prefill engine's in shared
 memory), so the decode engine verifies, before its first sample, that every byte of
-the prompt's KV arrived. ``--stall``: the transfer starts (the lease is PULLING) and
-never finishes: a decode engine to kill -9 in the middle of a transfer.
+the prompt's KV arrived. ``--stall`` (tcp): each transfer receives its first block and
+hangs: a decode engine to kill -9 in the middle of a transfer.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from kvrelay.relay.lease import LeaseTable
 from kvrelay.relay.receiver import Receiver, ReceiverConfig, RemoteKv
 from kvrelay.relay.server import RelayServer, RelayServerConfig
 from kvrelay.relay.testing import TINY_GEOMETRY, TensorFakeRunner, drive_decode, kv_shape
-from kvrelay.relay.transports.base import TransferState, TransferStatus, byte_view
+from kvrelay.relay.transports import tcp
+from kvrelay.relay.transports.base import byte_view
 from kvrelay.relay.transports.shm import ShmKvCache, ShmTransport
 from kvrelay.relay.transports.tcp import TcpTransport
 from kvrelay.sampling_params import SamplingParams
@@ -90,22 +91,18 @@ def run_prefill(args: argparse.Namespace) -> None:
         shm.close()
 
 
-class StalledTransport:
-    """Starts like the real transport (the lease is acquired), then never ends."""
+def stall_mid_stream() -> None:
+    """The tcp transport receives the first block's bytes, then hangs: a decode
+    engine to kill -9 in the middle of a byte stream."""
+    real = tcp.recv_blocks
 
-    name = "stall"
+    def recv_then_hang(sock: Any, kv_bytes: Any, block_ids: Any, cancelled: Any) -> None:
+        real(sock, kv_bytes, list(block_ids)[:1], cancelled)
+        sys.stdout.write(json.dumps({"stalled": True}) + "\n")
+        sys.stdout.flush()
+        threading.Event().wait()
 
-    def read(self, *args: Any) -> object:
-        return object()
-
-    def poll(self, handle: object) -> TransferStatus:
-        return TransferStatus(TransferState.PENDING)
-
-    def cancel(self, handle: object) -> None:
-        pass
-
-    def register(self, kv_cache: Any) -> dict[str, Any]:
-        return {}
+    tcp.recv_blocks = recv_then_hang  # type: ignore[assignment]
 
 
 def run_decode(args: argparse.Namespace) -> None:
@@ -116,8 +113,8 @@ def run_decode(args: argparse.Namespace) -> None:
     client = RelayClient(compat=COMPAT, transport=args.transport, client_id="d")
     transport: Any
     if args.stall:
-        transport = StalledTransport()
-    elif args.transport == "shm":
+        stall_mid_stream()
+    if args.transport == "shm":
         transport = ShmTransport(kv)
     else:
         transport = TcpTransport(kv, connect=client.open_data)

@@ -150,6 +150,7 @@ def test_kill9_decode_mid_transfer_frees_prefill_after_the_deadline(prefill: Nod
     for it in items:
         it["kv"] = prefill.call({"op": "prefill", **it})
     stalled.send({"op": "decode", "items": items})
+    assert stalled.read() == {"stalled": True}  # bytes are flowing into D's blocks
     wait_for(lambda: (s := prefill.call({"op": "stats"}))["leases"]["pulling"] == 3 and s,
              10.0, "the decode engine to acquire the leases")
     held = prefill.call({"op": "stats"})
