@@ -108,9 +108,13 @@ class Engine:
             remote_decode=remote_decode,
             remote_kv=remote_kv,
         )
+        self.requests[request_id] = req
         if first_token is not None:
             req.token_ids.append(first_token)
-        self.requests[request_id] = req
+            reason = self._stop_reason(req, first_token)
+            if reason is not None:  # the first token already completes it: no KV needed
+                self._finish(req, reason)
+                return req
         self.scheduler.add(req)
         return req
 

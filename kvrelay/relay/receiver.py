@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvrelay.core.engine import Engine
+from kvrelay.core.lifecycle import RequestState
 from kvrelay.core.request import Request
 from kvrelay.core.scheduler import RequestRejected
 from kvrelay.relay import protocol as P
@@ -179,6 +180,9 @@ class Receiver:
                 self.loads.setdefault(f"rejected:{kv.lease_id}", load)
             raise
         self.loads[request_id] = load
+        if req.state is RequestState.FINISHED:
+            # The first token already completed the request: nothing to pull.
+            self._tell(load, self._release_msg(load, True), now, Phase.REPORTING)
         return req
 
     def abort(self, request_id: str, now: float) -> bool:
@@ -363,7 +367,7 @@ class Receiver:
 
     def _release_msg(self, load: Load, ok: bool) -> P.Release:
         kv = load.kv
-        gens = load.generations if ok else None
+        gens = load.generations if ok and load.generations else None  # None: no copy
         return P.Release(0, kv.engine_id, kv.lease_id, self.holder, ok, gens)
 
     def _tell(self, load: Load, msg: P.Release | P.Abort, now: float, phase: Phase) -> None:

@@ -34,6 +34,7 @@ from kvrelay.sim.pd_nodes import VOCAB, Client, DecodeNode, PrefillNode, Proxy
 from kvrelay.sim.pd_world import NetFaults, SimClock, SimKv, SimNetwork, Violation
 
 MAX_SIM_TIME = 300.0
+MAX_EVENTS = 20_000  # a seed averages under 100 events; far more means it is stuck
 LINK_DELAY = 0.001
 
 
@@ -181,10 +182,13 @@ class World:
 
     # -- running -------------------------------------------------------------------
     def run(self) -> None:
+        events = 0
         while self.clock.run_next():
             self.check_invariants()
-            if self.clock.now > MAX_SIM_TIME:
-                raise Violation(f"no quiescence after {MAX_SIM_TIME:g} simulated seconds")
+            events += 1
+            if self.clock.now > MAX_SIM_TIME or events > MAX_EVENTS:
+                raise Violation(f"no quiescence after {events} events, "
+                                f"{self.clock.now:g} simulated seconds")
         self.check_quiescence()
 
     def check_invariants(self) -> None:

@@ -448,3 +448,16 @@ def test_the_sim_runner_catches_decoding_foreign_kv() -> None:
     pair.d.kv_load_done("r")  # the naive design: no copy, no validation
     with pytest.raises(Violation, match="bad KV"):
         pair.d.step()
+
+
+def test_first_token_completes_the_request_and_the_lease_is_released() -> None:
+    """The prefill side hands over even when max_tokens is 1 (the proxy asks it for one
+    token): D must finish at once and still release the lease, not wait for KV."""
+    pair = Pair()
+    kv = pair.prefill("r", max_tokens=2)
+    pair.submit("r", kv, max_tokens=1)
+    assert [type(m) for m in pair.outbox] == [P.Release]
+    pair.converse()
+    assert pair.table.stats.released == {"done": 1}
+    assert decoded(pair, "r", kv) == pair.expect(1, max_tokens=1)
+    pair.assert_all_free()

@@ -97,3 +97,14 @@ def test_abort_while_waiting_for_kv_frees_at_once() -> None:
 def test_remote_kv_needs_the_first_token() -> None:
     with pytest.raises(ValueError, match="together"):
         engine().add_request("r", PROMPT, SamplingParams(), remote_kv="kv")
+
+
+def test_a_first_token_that_completes_the_request_needs_no_kv() -> None:
+    e = engine()
+    first = expected_output(3, len(PROMPT), 1, 100)[0]
+    req = e.add_request("r", PROMPT, SamplingParams(max_tokens=1, seed=3), remote_kv="kv",
+                        first_token=first)
+    assert req.state is RequestState.FINISHED and "r" not in e.requests
+    (out,) = e.take_outputs()
+    assert out.finished and out.finish_reason is FinishReason.LENGTH and out.new_token_ids == []
+    assert e.pool.num_free == 16
