@@ -119,8 +119,8 @@ class World:
         """A relay message reaches whatever prefill engine listens at the address now."""
         reply = self.p.handle(msg)
         lease = getattr(msg, "lease_id", "")[:8]
-        self.log(f"relay {type(msg).__name__} {lease} -> {reply.status} "
-                 f"{reply.reason}{reply.error}")
+        self.log(f"relay {type(msg).__name__} {lease} -> {reply.status} {reply.reason} "
+                 f"{reply.error}".rstrip())
         if sender is not None:
             self.net.deliver(lambda: sender.on_reply(reply))
 
@@ -256,7 +256,8 @@ def run_pd(seeds: Sequence[int] | range, *, verbose: bool = False,
             out(f"seed {seed}: ok")
     dt = time.perf_counter() - t0
     n = len(seeds)
-    out(f"{n} seeds, {violations} violations ({dt:.1f} s, {n / max(dt, 1e-9):.0f} seeds/s)")
+    out(f"{dt:.1f} s, {n / max(dt, 1e-9):.0f} seeds/s")
+    out(f"{n} seeds, {violations} violations")
     return violations
 
 
