@@ -5,6 +5,7 @@
            {"op": "prefill", "rid", "prompt", "max_tokens", "seed"} -> kv_transfer_params
            {"op": "stats"} -> pool and lease figures
     python tests/e2e/relay_node.py decode --transport shm|tcp [--stall]
+    (both: --model DIR runs the real model runner of kvrelay.model instead)
         -> prints {"ready": true}; then per line:
            {"op": "decode", "items": [{"rid", "prompt", "max_tokens", "seed", "kv"}]}
            -> {"outputs": {rid: tokens 2..n}, "stats": {...}}
@@ -44,6 +45,7 @@ GEOM = TINY_GEOMETRY
 COMPAT = GEOM.compat_hash()
 NBLOCKS = 256
 VOCAB = 1000
+MODEL_BLOCK = 4
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -52,21 +54,38 @@ def emit(obj: dict[str, Any]) -> None:
 
 
 def params(item: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(max_tokens=item["max_tokens"], seed=item["seed"], temperature=0.0)
+    return SamplingParams(max_tokens=item["max_tokens"], seed=item["seed"], temperature=0.0,
+                          ignore_eos=True)
+
+
+def make_runner(args: argparse.Namespace, pool: BlockPool,
+                factory: Any = None) -> tuple[Any, torch.Tensor, str, SchedulerConfig]:
+    """(runner, kv cache, compat hash, scheduler config): the fake runner over a tiny
+    KV tensor, or with ``--model`` the real model runner (kvrelay.model)."""
+    if args.model:
+        from kvrelay.model import load_model
+
+        m = load_model(args.model, num_blocks=NBLOCKS, block_size=MODEL_BLOCK,
+                       kv_cache_factory=factory)
+        cfg = SchedulerConfig(num_blocks=NBLOCKS, block_size=MODEL_BLOCK,
+                              max_model_len=m.max_model_len)
+        return m.runner, m.kv_cache, m.kv_geometry.compat_hash(), cfg
+    shape = kv_shape(GEOM, NBLOCKS)
+    kv = factory(shape, torch.float32) if factory else torch.zeros(shape)
+    cfg = SchedulerConfig(num_blocks=NBLOCKS, block_size=GEOM.block_size)
+    return TensorFakeRunner(kv, pool=pool, vocab_size=VOCAB), kv, COMPAT, cfg
 
 
 def run_prefill(args: argparse.Namespace) -> None:
     shm = ShmKvCache()
-    kv = shm.factory(kv_shape(GEOM, NBLOCKS), torch.float32)
     pool = BlockPool(NBLOCKS)
+    runner, kv, compat, sched = make_runner(args, pool, shm.factory)
     lock = threading.Lock()
     table = LeaseTable(pool, engine_id=f"p-{time.time_ns()}",
                        acquire_timeout=args.acquire_timeout, hard_cap=60.0)
-    cfg = RelayServerConfig(compat=COMPAT, transports={"shm": shm.descriptor(), "tcp": {}})
+    cfg = RelayServerConfig(compat=compat, transports={"shm": shm.descriptor(), "tcp": {}})
     server = RelayServer(table, lock, cfg, kv_bytes=byte_view(kv)).start()
-    engine = Engine(SchedulerConfig(num_blocks=NBLOCKS, block_size=GEOM.block_size),
-                    TensorFakeRunner(kv, pool=pool, vocab_size=VOCAB), pool=pool,
-                    kv_handoff=server.kv_handoff)
+    engine = Engine(sched, runner, pool=pool, kv_handoff=server.kv_handoff)
     emit({"relay": server.address})
     try:
         for line in sys.stdin:
@@ -106,11 +125,10 @@ def stall_mid_stream() -> None:
 
 
 def run_decode(args: argparse.Namespace) -> None:
-    kv = torch.zeros(kv_shape(GEOM, NBLOCKS))
     pool = BlockPool(NBLOCKS)
-    engine = Engine(SchedulerConfig(num_blocks=NBLOCKS, block_size=GEOM.block_size),
-                    TensorFakeRunner(kv, pool=pool, vocab_size=VOCAB), pool=pool)
-    client = RelayClient(compat=COMPAT, transport=args.transport, client_id="d")
+    runner, kv, compat, sched = make_runner(args, pool)
+    engine = Engine(sched, runner, pool=pool)
+    client = RelayClient(compat=compat, transport=args.transport, client_id="d")
     transport: Any
     if args.stall:
         stall_mid_stream()
@@ -118,7 +136,7 @@ def run_decode(args: argparse.Namespace) -> None:
         transport = ShmTransport(kv)
     else:
         transport = TcpTransport(kv, connect=client.open_data)
-    rx = Receiver(engine, client, transport, holder=f"d-{time.time_ns()}", compat=COMPAT,
+    rx = Receiver(engine, client, transport, holder=f"d-{time.time_ns()}", compat=compat,
                   config=ReceiverConfig(rto=0.5, peer_timeout=5.0, heartbeat_interval=0.3))
     emit({"ready": True})
     for line in sys.stdin:
@@ -143,6 +161,7 @@ def main() -> None:
     ap.add_argument("--acquire-timeout", type=float, default=30.0)
     ap.add_argument("--transport", default="shm")
     ap.add_argument("--stall", action="store_true")
+    ap.add_argument("--model", default=None, help="a model directory for kvrelay.model")
     args = ap.parse_args()
     run_prefill(args) if args.role == "prefill" else run_decode(args)
 
