@@ -1,11 +1,12 @@
 """The decode engine's relay client: connections to prefill relays, replies into a queue.
 
-``RelayClient`` is the production ``RelayLink`` of the receiver. It keeps one control
-connection per relay (challenge, HELLO with the optional HMAC, then requests), a
-reader thread per connection that puts every ``Reply`` on ``replies``, and opens
+``RelayClient`` is the production ``RelayLink`` of the receiver. Per relay it keeps
+one control connection (challenge, HELLO with the optional HMAC, then requests)
+written by a sender thread from a queue, so ``send`` never blocks the engine loop,
+and read by a reader thread that puts every ``Reply`` on ``replies``; it also opens
 data connections for the tcp transport. The engine loop drains ``replies`` into
-``Receiver.on_reply``; a send that fails drops the connection, and the receiver's
-retransmission (or its give-up) takes it from there.
+``Receiver.on_reply``; a send that fails drops the connection and the message, and
+the receiver's retransmission (or its give-up) takes it from there.
 """
 
 from __future__ import annotations
@@ -46,9 +47,8 @@ class RelayClient:
         self.secret = secret
         self.connect_timeout = connect_timeout
         self.replies: queue.Queue[P.Reply] = queue.Queue()
-        self._conns: dict[str, tuple[socket.socket, PeerInfo]] = {}
+        self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
-        self._send_locks: dict[str, threading.Lock] = {}
 
     def open(self, relay: str) -> tuple[socket.socket, PeerInfo]:
         """A new authenticated connection to ``relay`` (control or tcp data)."""
@@ -84,35 +84,52 @@ class RelayClient:
 
     # -- RelayLink -----------------------------------------------------------------
     def peer(self, relay: str) -> PeerInfo:
-        return self._control(relay)[1]
+        """What HELLO told us about ``relay`` (connects once if it never answered)."""
+        p = self._peer(relay)
+        if p.info is None:
+            sock, p.info = self.open(relay)
+            sock.close()
+        return p.info
 
     def send(self, relay: str, msg: P.Request) -> None:
-        try:
-            sock, _ = self._control(relay)
-            with self._send_locks[relay]:
-                sock.sendall(P.encode(msg))
-        except (RelayUnavailable, OSError):
-            self._drop(relay)
+        """Queue ``msg`` for ``relay``; never blocks the engine loop on the network.
+
+        If the relay cannot be reached the message is dropped: the receiver
+        retransmits, and gives up at its peer timeout."""
+        self._peer(relay).outbox.put(msg)
 
     def close(self) -> None:
         with self._lock:
-            relays = list(self._conns)
-        for relay in relays:
-            self._drop(relay)
+            peers = list(self._peers.values())
+            self._peers.clear()
+        for p in peers:
+            p.outbox.put(None)
+            if p.sock is not None:
+                with contextlib.suppress(OSError):
+                    p.sock.shutdown(socket.SHUT_RDWR)
 
     # -- internals -----------------------------------------------------------------
-    def _control(self, relay: str) -> tuple[socket.socket, PeerInfo]:
+    def _peer(self, relay: str) -> _Peer:
         with self._lock:
-            got = self._conns.get(relay)
-            if got is not None:
-                return got
-            got = self.open(relay)
-            self._conns[relay] = got
-            self._send_locks[relay] = threading.Lock()
-        threading.Thread(target=self._read_loop, args=(relay, got[0]), daemon=True).start()
-        return got
+            p = self._peers.get(relay)
+            if p is None:
+                p = self._peers[relay] = _Peer()
+                threading.Thread(target=self._send_loop, args=(relay, p), daemon=True).start()
+            return p
 
-    def _read_loop(self, relay: str, sock: socket.socket) -> None:
+    def _send_loop(self, relay: str, p: _Peer) -> None:
+        while (msg := p.outbox.get()) is not None:
+            try:
+                if p.sock is None:
+                    sock, p.info = self.open(relay)
+                    p.sock = sock
+                    threading.Thread(target=self._read_loop, args=(p, sock), daemon=True).start()
+                p.sock.sendall(P.encode(msg))
+            except (RelayUnavailable, OSError):
+                self._drop(p, p.sock)
+        self._drop(p, p.sock)
+
+    def _read_loop(self, p: _Peer, sock: socket.socket) -> None:
         try:
             while True:
                 msg = P.recv_frame(sock)
@@ -120,15 +137,23 @@ class RelayClient:
                     self.replies.put(msg)
         except (OSError, ConnectionError, P.ProtocolError):
             pass
-        with self._lock:
-            if self._conns.get(relay, (None,))[0] is sock:
-                del self._conns[relay]
+        self._drop(p, sock)
+
+    @staticmethod
+    def _drop(p: _Peer, sock: socket.socket | None) -> None:
+        if sock is None:
+            return
+        if p.sock is sock:
+            p.sock = None
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
         sock.close()
 
-    def _drop(self, relay: str) -> None:
-        with self._lock:
-            got = self._conns.pop(relay, None)
-        if got is not None:
-            with contextlib.suppress(OSError):
-                got[0].shutdown(socket.SHUT_RDWR)
-            got[0].close()
+
+class _Peer:
+    """One prefill relay: a control connection, fed by one sender thread."""
+
+    def __init__(self) -> None:
+        self.outbox: queue.Queue[P.Request | None] = queue.Queue()
+        self.sock: socket.socket | None = None
+        self.info: PeerInfo | None = None

@@ -187,3 +187,22 @@ def test_hostile_frames_close_one_connection_and_the_server_keeps_serving(
     assert reply.seq == 7 and reply.status == "error" and "unknown lease" in reply.error
     ok.close()
     assert prefill.server.stats.protocol_errors == 5
+
+
+def test_unreachable_prefill_never_blocks_the_loop_and_falls_back() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    d = Decode("tcp", config=ReceiverConfig(rto=0.1, peer_timeout=0.5))
+    try:
+        params = SamplingParams(max_tokens=3, seed=4)
+        kv = RemoteKv("L", dead, "p-9", [0, 1], 6, expected_output(4, 6, 3, VOCAB)[0], COMPAT)
+        t0 = time.monotonic()
+        d.receiver.submit("r", list(range(6)), params, kv, t0)
+        d.client.send(dead, P.Abort(1, "p-9", "x"))
+        assert time.monotonic() - t0 < 0.1
+        got = d.run(deadline_s=5.0)
+        assert [kv.first_token, *got["r"]] == expected_output(4, 6, 3, VOCAB)
+        assert d.receiver.stats.fallbacks == {"unreachable": 1}
+    finally:
+        d.close()
