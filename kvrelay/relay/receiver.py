@@ -33,15 +33,18 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from kvrelay.core.engine import Engine
 from kvrelay.core.lifecycle import RequestState
 from kvrelay.core.request import Request
 from kvrelay.core.scheduler import RequestRejected
 from kvrelay.relay import protocol as P
-from kvrelay.relay.transports.base import PeerInfo, TransferState, Transport
+from kvrelay.relay.remote import RelayLink, RemoteKv
+from kvrelay.relay.transports.base import TransferState, Transport
 from kvrelay.sampling_params import SamplingParams
+
+__all__ = ["Phase", "Policy", "Receiver", "ReceiverConfig", "RelayLink", "RemoteKv"]
 
 
 class Policy(enum.Enum):
@@ -57,32 +60,6 @@ class Phase(enum.Enum):
     COMMITTING = "committing"
     REPORTING = "reporting"
     DONE = "done"
-
-
-@dataclass(frozen=True)
-class RemoteKv:
-    """``kv_transfer_params`` as the decode engine receives them from the proxy."""
-
-    lease_id: str
-    relay: str
-    engine_id: str
-    block_ids: list[int]
-    num_tokens: int
-    first_token: int
-    compat: str
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RemoteKv:
-        return cls(str(d["lease_id"]), str(d["relay"]), str(d["engine_id"]),
-                   [int(b) for b in d["block_ids"]], int(d["num_tokens"]),
-                   int(d["first_token"]), str(d["compat"]))
-
-
-class RelayLink(Protocol):
-    def send(self, relay: str, msg: P.Request) -> None:
-        """Fire and forget; a reply (if any) comes back through Receiver.on_reply."""
-
-    def peer(self, relay: str) -> PeerInfo: ...
 
 
 @dataclass(frozen=True)
