@@ -116,6 +116,7 @@ class PrefillNode:
 
     def _finished(self, out: RequestOutput) -> None:
         w = self.w
+        w.log(f"p{self.life} out {out.request_id} {out.new_token_ids} {out.finish_reason}")
         c = w.clients[out.request_id]
         if out.finish_reason is FinishReason.REMOTE_DECODE:
             params = self.relay.kv_params.pop(out.request_id)
@@ -177,6 +178,7 @@ class DecodeNode:
 
     def submit(self, c: Client, kv: RemoteKv) -> None:
         w = self.w
+        w.log(f"d{self.life} submit {c.rid} lease {kv.lease_id[:8]}")
         try:
             self.receiver.submit(c.rid, c.prompt, c.params, kv, w.clock.now)
         except RequestRejected as e:
