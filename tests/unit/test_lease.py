@@ -129,3 +129,23 @@ def test_expiry_cost_does_not_scan_all_leases() -> None:
 def test_bad_timeouts_are_rejected() -> None:
     with pytest.raises(ValueError, match="acquire_timeout"):
         LeaseTable(BlockPool(1), engine_id=ENGINE, acquire_timeout=10.0, hard_cap=5.0)
+
+
+def test_shutdown_releases_every_live_lease_once() -> None:
+    pool, table = make_table()
+    a = new_lease(pool, table, "a")
+    new_lease(pool, table, "b")
+    table.acquire(ENGINE, a.lease_id, "d", 0.0)
+    table.release_all(1.0)
+    assert pool.num_free == 16 and not table.leases
+    assert table.stats.released == {"aborted": 2}
+    assert table.release(ENGINE, a.lease_id, "d", True, 2.0).reason is ReleaseReason.ABORTED
+
+
+def test_tombstones_expire_after_their_ttl() -> None:
+    pool, table = make_table(acquire=1.0, cap=2.0)
+    lease = new_lease(pool, table)
+    table.expire(1.0)
+    assert table.abort(ENGINE, lease.lease_id, 2.5).status is Status.RELEASED
+    table.expire(3.0)  # tombstone_ttl defaults to the hard cap
+    assert table.abort(ENGINE, lease.lease_id, 3.0).status is Status.ERROR
