@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 # Top-level commands, and the `kvrelay bench` subcommands.
 COMMANDS: list[str] = []
-BENCH_COMMANDS: list[str] = ["kvrelay.bench.core"]
+BENCH_COMMANDS: list[str] = ["kvrelay.bench.core", "kvrelay.bench.transfer"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -88,9 +88,16 @@ class Engine:
         *,
         eos_token_ids: Sequence[int] = (),
         remote_decode: bool = False,
+        remote_kv: object | None = None,
+        first_token: int | None = None,
     ) -> Request:
+        """``remote_kv`` (decode side): the prompt's KV comes from a prefill engine,
+        which sampled ``first_token``; it is a known token here, so the first decode
+        step computes its KV and samples token 2."""
         if request_id in self.requests:
             raise RequestRejected("request_id", f"request id {request_id!r} is already in use")
+        if (remote_kv is None) != (first_token is None):
+            raise ValueError("remote_kv and first_token come together")
         self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
         req = Request(
             request_id=request_id,
@@ -99,8 +106,15 @@ class Engine:
             params=params,
             eos_token_ids=frozenset(eos_token_ids),
             remote_decode=remote_decode,
+            remote_kv=remote_kv,
         )
         self.requests[request_id] = req
+        if first_token is not None:
+            req.token_ids.append(first_token)
+            reason = self._stop_reason(req, first_token)
+            if reason is not None:  # the first token already completes it: no KV needed
+                self._finish(req, reason)
+                return req
         self.scheduler.add(req)
         return req
 
@@ -115,6 +129,36 @@ class Engine:
             return False
         self._finish(req, reason, error=error)
         return True
+
+    # -- decode side: remote KV (the relay receiver drives these) ----------------
+    def take_kv_waiting(self) -> list[Request]:
+        """Requests admitted into WAITING_FOR_KV since the last call."""
+        out, self.scheduler.newly_awaiting_kv = self.scheduler.newly_awaiting_kv, []
+        return [r for r in out if r.state is RequestState.WAITING_FOR_KV]
+
+    def kv_load_start(self, request_id: str) -> None:
+        self.requests[request_id].transition(Event.LOAD_START)
+
+    def kv_load_done(self, request_id: str) -> None:
+        """The remote KV is validated: the request decodes from its first token."""
+        req = self.requests[request_id]
+        req.transition(Event.LOAD_DONE)
+        self.scheduler.kv_loaded(req)
+
+    def kv_load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
+        """No valid KV arrived (and the transfer has stopped writing). Blocks are freed
+        once; ``recompute`` prefills locally, otherwise the request ends with ERROR."""
+        req = self.requests[request_id]
+        req.transition(Event.LOAD_FAILED)
+        self.scheduler.kv_load_failed(req, recompute)
+        if not recompute:
+            self._finish(req, FinishReason.ERROR, error=error)
+
+    def kv_transfer_ended(self, request_id: str) -> None:
+        """A request aborted while loading (DRAINING): its transfer stopped writing."""
+        req = self.requests[request_id]
+        req.transition(Event.TRANSFER_ENDED)
+        self._release_if_fenced(req)
 
     # -- stepping ----------------------------------------------------------------
     def has_work(self) -> bool:

@@ -20,6 +20,10 @@ class Request:
     # Prefill side of a disaggregated pair: stop after the first token and hand the
     # KV to a lease instead of freeing it.
     remote_decode: bool = False
+    # Decode side of a disaggregated pair: where the prompt's KV comes from (the
+    # relay's kv_transfer_params). Admission allocates the prompt's blocks and parks
+    # the request in WAITING_FOR_KV; cleared when the request falls back to recompute.
+    remote_kv: object | None = None
     state: RequestState = RequestState.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

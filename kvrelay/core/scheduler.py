@@ -37,6 +37,9 @@ class Scheduler:
         self.pool = pool
         self.waiting: OrderedDict[str, Request] = OrderedDict()
         self.running: dict[str, Request] = {}
+        # Decode side: admitted with blocks, waiting for (or loading) remote KV.
+        self.awaiting_kv: dict[str, Request] = {}
+        self.newly_awaiting_kv: list[Request] = []
         self.num_preemptions = 0
         self._next_step_id = 0
 
@@ -66,6 +69,7 @@ class Scheduler:
     def remove(self, req: Request) -> None:
         self.waiting.pop(req.request_id, None)
         self.running.pop(req.request_id, None)
+        self.awaiting_kv.pop(req.request_id, None)
 
     def has_pending(self) -> bool:
         return bool(self.waiting or self.running)
@@ -136,6 +140,10 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         while self.waiting and budget > 0 and len(self.running) < max_seqs:
             req = next(iter(self.waiting.values()))
+            if req.remote_kv is not None:
+                if not self._admit_remote(req):
+                    break
+                continue
             n = min(req.num_tokens_scheduled_to_exist - req.num_computed_tokens, budget)
             if not self._grow(req, n):
                 break  # FCFS: nobody overtakes the head of the queue
@@ -144,6 +152,33 @@ class Scheduler:
             self.running[req.request_id] = req
             self._add_to_batch(batch, req, n)
             budget -= n
+
+    def _admit_remote(self, req: Request) -> bool:
+        """Decode side: allocate the prompt's blocks and wait for the remote KV."""
+        if not self._grow(req, req.prompt_len):
+            return False
+        self.waiting.popitem(last=False)
+        req.transition(Event.AWAIT_KV)
+        self.awaiting_kv[req.request_id] = req
+        self.newly_awaiting_kv.append(req)
+        return True
+
+    def kv_loaded(self, req: Request) -> None:
+        """The prompt's KV is in the request's blocks: decode from the first token."""
+        del self.awaiting_kv[req.request_id]
+        req.num_computed_tokens = req.prompt_len
+        req.remote_kv = None  # the KV is ours now: a preemption recomputes it locally
+        self.running[req.request_id] = req
+
+    def kv_load_failed(self, req: Request, recompute: bool) -> None:
+        """Blocks freed once; with ``recompute`` the request prefills locally, first."""
+        del self.awaiting_kv[req.request_id]
+        self.free_blocks(req)
+        req.num_computed_tokens = 0
+        if recompute:
+            req.remote_kv = None
+            self.waiting[req.request_id] = req
+            self.waiting.move_to_end(req.request_id, last=False)
 
     def _tokens_to_compute(self, req: Request, budget: int) -> int:
         total = req.num_tokens_scheduled_to_exist

@@ -1,0 +1,383 @@
+"""The prefill side's lease table: KV blocks held for a decode engine, released once.
+
+When a prefill-role request finishes with reason ``remote_decode`` (after its
+in-flight fence), its blocks move from the request to a lease in one pool
+transfer. The lease then lives through one table of transitions:
+
+    HELD    --ACQUIRE(holder)------> PULLING   (acquire deadline restarts)
+    PULLING --ACQUIRE(same holder)-> PULLING   (a duplicate: answered, no change)
+    PULLING --HEARTBEAT(holder)----> PULLING   (deadline extended, never past the cap)
+    HELD|PULLING --RELEASE(ok)-----> RELEASED(done)
+    HELD|PULLING --RELEASE(failed)-> RELEASED(failed)
+    HELD|PULLING --ABORT-----------> RELEASED(aborted)
+    HELD|PULLING --deadline--------> RELEASED(expired)
+
+Entering RELEASED frees the lease's blocks, and it is the only place this module
+frees anything. Every later message about the lease is answered with the release
+reason and counted in ``stale_messages``, nothing more.
+
+The fence (DESIGN section 3): while a lease is HELD or PULLING the pool says the
+lease owns its blocks, so nobody can free or reuse them. A decode engine that
+copied the blocks commits by RELEASE(ok): the table answers ``done`` only if the
+lease was still PULLING by that holder and every generation is the one recorded,
+so the copy happened while the blocks could not change. Any other answer tells
+the reader its copy may be torn.
+
+Pure: the clock comes in as ``now`` arguments, lease ids from ``new_lease_id``.
+Deadlines sit in a heap with lazy deletion (an entry whose deadline no longer
+matches its lease is skipped), so arming, renewing and expiring cost O(log n).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvrelay.core.block_pool import BlockPool, lease_owner, request_owner
+
+
+class LeaseState(enum.Enum):
+    HELD = "held"
+    PULLING = "pulling"
+    RELEASED = "released"
+
+
+class ReleaseReason(enum.Enum):
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+
+
+class LeaseEvent(enum.Enum):
+    ACQUIRE = "acquire"
+    HEARTBEAT = "heartbeat"
+    RELEASE_OK = "release_ok"
+    RELEASE_FAILED = "release_failed"
+    ABORT = "abort"
+    EXPIRE = "expire"
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    # The lease was released before this message; ``reason`` says why.
+    RELEASED = "released"
+    # The message cannot apply: unknown lease, wrong engine, other holder, ...
+    ERROR = "error"
+
+
+L, LE, R = LeaseState, LeaseEvent, ReleaseReason
+
+# (state, event) -> (next state, release reason when it releases)
+LEASE_TRANSITIONS: dict[tuple[LeaseState, LeaseEvent], tuple[LeaseState, ReleaseReason | None]] = {
+    (L.HELD, LE.ACQUIRE): (L.PULLING, None),
+    (L.PULLING, LE.HEARTBEAT): (L.PULLING, None),
+    (L.HELD, LE.RELEASE_OK): (L.RELEASED, R.DONE),
+    (L.PULLING, LE.RELEASE_OK): (L.RELEASED, R.DONE),
+    (L.HELD, LE.RELEASE_FAILED): (L.RELEASED, R.FAILED),
+    (L.PULLING, LE.RELEASE_FAILED): (L.RELEASED, R.FAILED),
+    (L.HELD, LE.ABORT): (L.RELEASED, R.ABORTED),
+    (L.PULLING, LE.ABORT): (L.RELEASED, R.ABORTED),
+    (L.HELD, LE.EXPIRE): (L.RELEASED, R.EXPIRED),
+    (L.PULLING, LE.EXPIRE): (L.RELEASED, R.EXPIRED),
+}
+
+del L, LE, R
+
+
+def new_random_lease_id() -> str:
+    """128 random bits: a lease id is a capability, so it must be unguessable."""
+    return secrets.token_hex(16)
+
+
+@dataclass(eq=False)
+class Lease:
+    lease_id: str
+    request_id: str
+    block_ids: list[int]
+    generations: list[int]
+    num_tokens: int
+    first_token: int
+    created: float
+    deadline: float  # acquire deadline; renewed by heartbeats while PULLING
+    hard_deadline: float
+    state: LeaseState = LeaseState.HELD
+    reason: ReleaseReason | None = None
+    holder: str | None = None
+
+    @property
+    def owner(self) -> str:
+        return lease_owner(self.lease_id)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The table's answer to one message: what the relay server replies."""
+
+    status: Status
+    state: LeaseState | None = None
+    reason: ReleaseReason | None = None
+    error: str = ""
+    lease: Lease | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+
+@dataclass
+class LeaseStats:
+    created: int = 0
+    released: dict[str, int] = field(default_factory=dict)  # by ReleaseReason value
+    stale_messages: int = 0  # messages about released, unknown or foreign leases
+    fence_failures: int = 0  # RELEASE(ok) refused: the copy may be torn
+    active: dict[str, int] = field(default_factory=lambda: {"held": 0, "pulling": 0})
+
+
+class LeaseTable:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        engine_id: str,
+        acquire_timeout: float = 30.0,
+        hard_cap: float = 480.0,
+        tombstone_ttl: float | None = None,
+        new_lease_id: Callable[[], str] = new_random_lease_id,
+    ) -> None:
+        if not 0 < acquire_timeout <= hard_cap:
+            raise ValueError(
+                f"need 0 < acquire_timeout ({acquire_timeout}) <= hard_cap ({hard_cap})"
+            )
+        self.pool = pool
+        self.engine_id = engine_id
+        self.acquire_timeout = acquire_timeout
+        self.hard_cap = hard_cap
+        self.tombstone_ttl = hard_cap if tombstone_ttl is None else tombstone_ttl
+        self._new_id = new_lease_id
+        self.leases: dict[str, Lease] = {}  # HELD or PULLING
+        # Released leases, oldest first, kept a while to answer late messages.
+        self._tombstones: OrderedDict[str, tuple[float, ReleaseReason]] = OrderedDict()
+        self._deadlines: list[tuple[float, str]] = []
+        self.stats = LeaseStats()
+
+    # -- creation ----------------------------------------------------------------
+    def create(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        now: float,
+        *,
+        num_tokens: int,
+        first_token: int,
+    ) -> Lease:
+        """Take a finished request's blocks: one pool transfer, then the timer is armed.
+
+        Both happen in this one call, so no message can find the lease without a
+        deadline (race 1: a RELEASE racing the arming of the timer).
+        """
+        lease_id = self._new_id()
+        if lease_id in self.leases or lease_id in self._tombstones:
+            raise RuntimeError(f"lease id {lease_id} generated twice")
+        ids = list(block_ids)
+        self.pool.transfer(ids, request_owner(request_id), lease_owner(lease_id))
+        lease = Lease(
+            lease_id=lease_id,
+            request_id=request_id,
+            block_ids=ids,
+            generations=self.pool.generations(ids),
+            num_tokens=num_tokens,
+            first_token=first_token,
+            created=now,
+            deadline=now + self.acquire_timeout,
+            hard_deadline=now + self.hard_cap,
+        )
+        self.leases[lease_id] = lease
+        self.stats.created += 1
+        self.stats.active["held"] += 1
+        heapq.heappush(self._deadlines, (lease.deadline, lease_id))
+        return lease
+
+    # -- messages from decode engines ----------------------------------------------
+    def acquire(self, engine_id: str, lease_id: str, holder: str, now: float) -> Answer:
+        lease, answer = self._find(engine_id, lease_id)
+        if lease is None:
+            return answer
+        if lease.state is LeaseState.PULLING:
+            if lease.holder == holder:  # a duplicated or retried ACQUIRE
+                return Answer(Status.OK, lease.state, lease=lease)
+            return self._stale(f"lease {lease_id} is being pulled by another holder")
+        self._apply(lease, LeaseEvent.ACQUIRE, now)
+        lease.holder = holder
+        self._rearm(lease, now)
+        return Answer(Status.OK, lease.state, lease=lease)
+
+    def heartbeat(self, engine_id: str, lease_id: str, holder: str, now: float) -> Answer:
+        lease, answer = self._find(engine_id, lease_id)
+        if lease is None:
+            return answer
+        if lease.state is not LeaseState.PULLING or lease.holder != holder:
+            return self._stale(f"lease {lease_id} is not being pulled by {holder}")
+        self._apply(lease, LeaseEvent.HEARTBEAT, now)
+        self._rearm(lease, now)
+        return Answer(Status.OK, lease.state, lease=lease)
+
+    def release(
+        self,
+        engine_id: str,
+        lease_id: str,
+        holder: str,
+        ok: bool,
+        now: float,
+        generations: Sequence[int] | None = None,
+    ) -> Answer:
+        """RELEASE(ok) is the commit of a copy; its answer is the fence's verdict."""
+        lease, answer = self._find(engine_id, lease_id)
+        if lease is None:
+            if ok:
+                self.stats.fence_failures += 1
+            return answer
+        if lease.state is LeaseState.PULLING and lease.holder != holder:
+            return self._stale(f"lease {lease_id} is being pulled by another holder")
+        if ok and generations is not None and list(generations) != lease.generations:
+            # Cannot happen while the lease owns the blocks; refuse loudly if it does.
+            self.stats.fence_failures += 1
+            self._release(lease, LeaseEvent.RELEASE_FAILED, now)
+            return Answer(Status.ERROR, LeaseState.RELEASED, ReleaseReason.FAILED,
+                          "block generations changed during the copy")
+        event = LeaseEvent.RELEASE_OK if ok else LeaseEvent.RELEASE_FAILED
+        self._release(lease, event, now)
+        return Answer(Status.OK, lease.state, lease.reason, lease=lease)
+
+    def abort(self, engine_id: str, lease_id: str, now: float) -> Answer:
+        lease, answer = self._find(engine_id, lease_id)
+        if lease is None:
+            return answer
+        self._release(lease, LeaseEvent.ABORT, now)
+        return Answer(Status.OK, lease.state, lease.reason, lease=lease)
+
+    def readable(self, engine_id: str, lease_id: str, holder: str) -> Answer:
+        """May ``holder`` read the lease's blocks now (the tcp transport's READ)?"""
+        lease, answer = self._find(engine_id, lease_id)
+        if lease is None:
+            return answer
+        if lease.state is not LeaseState.PULLING or lease.holder != holder:
+            return self._stale(f"lease {lease_id} is not acquired by {holder}")
+        return Answer(Status.OK, lease.state, lease=lease)
+
+    # -- time ----------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        self._drop_outdated_deadlines()
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def expire(self, now: float) -> list[Lease]:
+        """Release every lease whose deadline is <= now. O(log n) per lease."""
+        expired: list[Lease] = []
+        heap = self._deadlines
+        while True:
+            self._drop_outdated_deadlines()
+            if not heap or heap[0][0] > now:
+                break
+            _, lease_id = heapq.heappop(heap)
+            lease = self.leases[lease_id]
+            self._release(lease, LeaseEvent.EXPIRE, now)
+            expired.append(lease)
+        self._prune_tombstones(now)
+        return expired
+
+    def release_all(self, now: float) -> None:
+        """Shutdown: every live lease is released as aborted."""
+        for lease in list(self.leases.values()):
+            self._release(lease, LeaseEvent.ABORT, now)
+
+    # -- invariants ----------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Each live lease owns exactly its blocks. O(blocks of live leases)."""
+        held = pulling = 0
+        for lease in self.leases.values():
+            if lease.state is LeaseState.RELEASED:
+                raise AssertionError(f"released lease {lease.lease_id} is still live")
+            held += lease.state is LeaseState.HELD
+            pulling += lease.state is LeaseState.PULLING
+            if self.pool.owned_count(lease.owner) != len(lease.block_ids):
+                raise AssertionError(f"lease {lease.lease_id} does not own its blocks")
+            for b in lease.block_ids:
+                if self.pool.owner_of(b) != lease.owner:
+                    raise AssertionError(f"block {b} of {lease.lease_id} is not the lease's")
+            if lease.deadline > lease.hard_deadline:
+                raise AssertionError(f"lease {lease.lease_id} deadline beyond its hard cap")
+        if self.stats.active != {"held": held, "pulling": pulling}:
+            raise AssertionError(f"state gauges {self.stats.active} != {held=} {pulling=}")
+
+    def leases_by_state(self) -> dict[str, int]:
+        return dict(self.stats.active)
+
+    # -- internals -----------------------------------------------------------------
+    def _find(self, engine_id: str, lease_id: str) -> tuple[Lease | None, Answer]:
+        if engine_id != self.engine_id:
+            return None, self._stale(
+                f"lease {lease_id} belongs to engine {engine_id}, this is engine "
+                f"{self.engine_id} (the prefill engine restarted)"
+            )
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            return lease, Answer(Status.OK)
+        tomb = self._tombstones.get(lease_id)
+        self.stats.stale_messages += 1
+        if tomb is not None:
+            return None, Answer(Status.RELEASED, LeaseState.RELEASED, tomb[1],
+                                f"lease {lease_id} was already released ({tomb[1].value})")
+        return None, Answer(Status.ERROR, error=f"unknown lease {lease_id}")
+
+    def _stale(self, error: str) -> Answer:
+        self.stats.stale_messages += 1
+        return Answer(Status.ERROR, error=error)
+
+    def _apply(self, lease: Lease, event: LeaseEvent, now: float) -> None:
+        try:
+            state, reason = LEASE_TRANSITIONS[(lease.state, event)]
+        except KeyError:
+            raise RuntimeError(
+                f"lease {lease.lease_id}: event {event.value!r} is not allowed in state "
+                f"{lease.state.value!r}"
+            ) from None
+        if state is not lease.state:
+            self.stats.active[lease.state.value] -= 1
+            if state is not LeaseState.RELEASED:
+                self.stats.active[state.value] += 1
+        lease.state, lease.reason = state, reason
+
+    def _release(self, lease: Lease, event: LeaseEvent, now: float) -> None:
+        self._apply(lease, event, now)
+        assert lease.reason is not None
+        # The one release: the state change and the free sit together.
+        self.pool.free(lease.block_ids, lease.owner)
+        del self.leases[lease.lease_id]
+        self._tombstones[lease.lease_id] = (now, lease.reason)
+        reason = lease.reason.value
+        self.stats.released[reason] = self.stats.released.get(reason, 0) + 1
+
+    def _rearm(self, lease: Lease, now: float) -> None:
+        lease.deadline = min(now + self.acquire_timeout, lease.hard_deadline)
+        heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
+
+    def _drop_outdated_deadlines(self) -> None:
+        heap = self._deadlines
+        while heap:
+            deadline, lease_id = heap[0]
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.deadline == deadline:
+                return
+            heapq.heappop(heap)
+
+    def _prune_tombstones(self, now: float) -> None:
+        tombs = self._tombstones
+        while tombs:
+            _, (released_at, _) = next(iter(tombs.items()))
+            if now - released_at < self.tombstone_ttl:
+                return
+            tombs.popitem(last=False)

@@ -1,0 +1,172 @@
+"""The relay protocol: versioned msgpack frames between a decode engine and P's relay port.
+
+A frame is an 8-byte header, ``b"KR"``, the protocol version (1 byte), a reserved
+byte, the payload length (4 bytes, big-endian), then a msgpack payload (msgspec,
+tagged structs). Frames above ``MAX_FRAME`` bytes are refused before they are read.
+
+Conversation on one connection:
+
+    P -> D  Challenge(engine_id, nonce)          sent on accept
+    D -> P  Hello(version, compat, layout, transport, client_id, mac)
+    P -> D  Reply(ok, engine_id, transport descriptor)   or error, then close
+    D -> P  Acquire | Heartbeat | Release | Abort | Read  (each carries a ``seq``)
+    P -> D  Reply(seq, ...)                      exactly one per request
+            (after a Reply to Read with status ok: ``nbytes`` raw bytes follow)
+
+``mac`` is HMAC-SHA256 over the challenge nonce and the Hello's fields, keyed with
+the cluster secret (``--relay-secret``); without a secret it is empty and ignored.
+Every request names the engine id it believes it talks to, so a restarted P (new
+id) refuses leases of its previous life.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAGIC = b"KR"
+HEADER = struct.Struct(">2sBBI")
+MAX_FRAME = 1 << 20
+
+
+class ProtocolError(ValueError):
+    """A frame that cannot be understood; the connection is answered and closed."""
+
+
+class Challenge(msgspec.Struct, tag="challenge"):
+    engine_id: str
+    nonce: bytes
+    version: int = PROTOCOL_VERSION
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    seq: int
+    version: int
+    compat: str  # KvGeometry.compat_hash: architecture, dtype, layers, heads, block size
+    layout: str
+    transport: str  # "shm" | "tcp"
+    client_id: str
+    mac: bytes = b""
+
+
+class Acquire(msgspec.Struct, tag="acquire"):
+    seq: int
+    engine_id: str
+    lease_id: str
+    holder: str
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    seq: int
+    engine_id: str
+    lease_id: str
+    holder: str
+
+
+class Release(msgspec.Struct, tag="release"):
+    seq: int
+    engine_id: str
+    lease_id: str
+    holder: str
+    ok: bool
+    generations: list[int] | None = None
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    seq: int
+    engine_id: str
+    lease_id: str
+
+
+class Read(msgspec.Struct, tag="read"):
+    seq: int
+    engine_id: str
+    lease_id: str
+    holder: str
+    block_ids: list[int]
+
+
+class Reply(msgspec.Struct, tag="reply", omit_defaults=True):
+    seq: int
+    status: str  # "ok" | "released" | "error"  (lease.Status values)
+    state: str = ""
+    reason: str = ""  # release reason when the lease is released
+    error: str = ""
+    engine_id: str = ""
+    block_ids: list[int] = msgspec.field(default_factory=list)
+    generations: list[int] = msgspec.field(default_factory=list)
+    num_tokens: int = 0
+    first_token: int = 0
+    nbytes: int = 0  # raw bytes following this frame (Read)
+    transport: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+Request = Hello | Acquire | Heartbeat | Release | Abort | Read
+Message = Challenge | Request | Reply
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    payload = _encoder.encode(msg)
+    if len(payload) > MAX_FRAME:
+        raise ProtocolError(f"frame of {len(payload)} bytes exceeds the {MAX_FRAME} limit")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(payload)) + payload
+
+
+def parse_header(header: bytes) -> int:
+    """Check a frame header; return the payload length."""
+    magic, version, _, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError("not a kvrelay relay frame (bad magic)")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"relay protocol version {version} is not supported; this engine speaks "
+            f"{PROTOCOL_VERSION}"
+        )
+    if length > MAX_FRAME:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME} limit")
+    return length
+
+
+def decode(payload: bytes) -> Message:
+    try:
+        return _decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed relay frame: {e}") from None
+
+
+def hello_mac(secret: bytes, nonce: bytes, hello: Hello) -> bytes:
+    fields = (hello.version, hello.compat, hello.layout, hello.transport, hello.client_id)
+    text = nonce + "|".join(str(f) for f in fields).encode()
+    return hmac.new(secret, text, hashlib.sha256).digest()
+
+
+def check_hello_mac(secret: bytes | None, nonce: bytes, hello: Hello) -> bool:
+    if secret is None:
+        return True
+    return hmac.compare_digest(hello.mac, hello_mac(secret, nonce, hello))
+
+
+def read_exact(sock: Any, n: int) -> bytes:
+    """Read exactly ``n`` bytes from a socket or raise ``ConnectionError``."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("the peer closed the relay connection")
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: Any) -> Message:
+    length = parse_header(read_exact(sock, HEADER.size))
+    return decode(read_exact(sock, length))

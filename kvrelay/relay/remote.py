@@ -1,0 +1,36 @@
+"""What the decode side knows of a remote prefill engine: its kv_transfer_params and
+the link the receiver sends relay messages over (RelayClient, or the simulator's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvrelay.relay import protocol as P
+from kvrelay.relay.transports.base import PeerInfo
+
+
+@dataclass(frozen=True)
+class RemoteKv:
+    """``kv_transfer_params`` as the decode engine receives them from the proxy."""
+
+    lease_id: str
+    relay: str
+    engine_id: str
+    block_ids: list[int]
+    num_tokens: int
+    first_token: int
+    compat: str
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RemoteKv:
+        return cls(str(d["lease_id"]), str(d["relay"]), str(d["engine_id"]),
+                   [int(b) for b in d["block_ids"]], int(d["num_tokens"]),
+                   int(d["first_token"]), str(d["compat"]))
+
+
+class RelayLink(Protocol):
+    def send(self, relay: str, msg: P.Request) -> None:
+        """Fire and forget; a reply (if any) comes back through Receiver.on_reply."""
+
+    def peer(self, relay: str) -> PeerInfo: ...

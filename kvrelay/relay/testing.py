@@ -1,0 +1,98 @@
+"""Test helpers for the relay: a fake runner that writes a real KV cache tensor.
+
+``TensorFakeRunner`` samples like ``FakeRunner`` (token = fake_token(seed, position))
+and also writes, for every computed position, the value ``kv_value(seed, pos)`` into
+every element of that position's slot in a block-major KV tensor. Before sampling
+it verifies every earlier position of the request: KV that arrived torn, from the
+wrong blocks or not at all raises ``KvCorruption``. So a decode engine that got its
+prompt's KV from a prefill engine proves the bytes arrived before its first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kvrelay.core.block_pool import BlockPool
+from kvrelay.core.fake_runner import FakeRunner, KvCorruption
+from kvrelay.core.runner import Batch, SampledToken
+from kvrelay.model.interface import KvGeometry
+
+TINY_GEOMETRY = KvGeometry(
+    architecture="fake", num_layers=2, num_kv_heads=2, head_dim=4, block_size=4,
+    dtype="float32",
+)
+
+
+def kv_value(seed: int, pos: int) -> float:
+    return float((seed * 7919 + pos * 31 + 1) % 65521)
+
+
+def kv_shape(geometry: KvGeometry, num_blocks: int) -> tuple[int, ...]:
+    g = geometry
+    return (num_blocks, g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim)
+
+
+class TensorFakeRunner:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        *,
+        vocab_size: int = 1000,
+        pool: BlockPool | None = None,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.block_size = int(kv_cache.shape[3])
+        self.inner = FakeRunner(vocab_size, block_size=self.block_size, pool=pool)
+
+    def execute(self, batch: Batch) -> Mapping[str, SampledToken]:
+        out = self.inner.execute(batch)  # checks ownership, samples
+        for sr in batch.requests:
+            seed = sr.params.seed if sr.params.seed is not None else 0
+            end = sr.start + len(sr.token_ids)
+            self._write(sr.block_ids, seed, sr.start, end)
+            if sr.sample:
+                self.verify(sr.request_id, sr.block_ids, seed, end)
+        return out
+
+    def _write(self, block_ids: list[int], seed: int, start: int, end: int) -> None:
+        bs = self.block_size
+        pos = start
+        while pos < end:
+            b, s0 = divmod(pos, bs)
+            s1 = min(bs, s0 + end - pos)
+            vals = torch.tensor([kv_value(seed, p) for p in range(pos, pos + s1 - s0)],
+                                dtype=self.kv_cache.dtype)
+            self.kv_cache[block_ids[b], :, :, s0:s1] = vals.view(1, 1, -1, 1, 1)
+            pos += s1 - s0
+
+    def verify(self, request_id: str, block_ids: list[int], seed: int, end: int) -> None:
+        nb = -(-end // self.block_size)
+        got = self.kv_cache[block_ids[:nb]]  # (nb, layers, 2, bs, heads, dim)
+        got = got.permute(0, 3, 1, 2, 4, 5).reshape(nb * self.block_size, -1)[:end]
+        want = torch.tensor([kv_value(seed, p) for p in range(end)], dtype=got.dtype)
+        bad = (got != want.view(-1, 1)).any(dim=1).nonzero()
+        if len(bad):
+            pos = int(bad[0])
+            raise KvCorruption(f"{request_id}: KV of position {pos} is wrong "
+                               f"({float(got[pos, 0])} != {float(want[pos])})")
+
+
+def drive_decode(engine: object, receiver: object, replies: object, now: float) -> list:
+    """One iteration of a decode engine's loop: replies in, receiver timers and
+    transfers, one engine step. Returns the engine's outputs."""
+    import queue
+
+    from kvrelay.core.engine import Engine
+    from kvrelay.relay.receiver import Receiver
+
+    assert isinstance(engine, Engine) and isinstance(receiver, Receiver)
+    assert isinstance(replies, queue.Queue)
+    while True:
+        try:
+            receiver.on_reply(replies.get_nowait(), now)
+        except queue.Empty:
+            break
+    receiver.tick(now)
+    return engine.step()

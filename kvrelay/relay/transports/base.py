@@ -1,0 +1,83 @@
+"""The transport interface: how a lease's block bytes move from P's cache into D's.
+
+P side: ``register(kv_cache)`` returns the descriptor D receives in the HELLO reply.
+D side: ``read(peer, lease_id, holder, remote_blocks, local_blocks) -> handle``,
+``poll(handle)`` and ``cancel(handle)``. A handle is PENDING while the transfer may
+still write into the local blocks; once ``poll`` says DONE or FAILED it never
+writes again (so the receiver may drain an aborted load, then free the blocks).
+A transport never validates: the fence at RELEASE does (see lease.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class TransferStatus:
+    state: TransferState
+    error: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class PeerInfo:
+    """A prefill engine as the decode side knows it after HELLO."""
+
+    relay: str  # host:port
+    engine_id: str
+    descriptor: dict[str, Any] = field(default_factory=dict)
+
+
+class Transport(Protocol):
+    name: str
+
+    def register(self, kv_cache: Any) -> dict[str, Any]: ...
+
+    def read(
+        self,
+        peer: PeerInfo,
+        lease_id: str,
+        holder: str,
+        remote_blocks: Sequence[int],
+        local_blocks: Sequence[int],
+    ) -> Any: ...
+
+    def poll(self, handle: Any) -> TransferStatus: ...
+
+    def cancel(self, handle: Any) -> None: ...
+
+
+def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Group (src, dst) block pairs into (src_start, dst_start, count) runs of
+    consecutive ids on both sides: one copy per run instead of one per block."""
+    out: list[tuple[int, int, int]] = []
+    if not src:
+        return out
+    s0, d0, n = src[0], dst[0], 1
+    for s, d in zip(src[1:], dst[1:], strict=True):
+        if s == s0 + n and d == d0 + n:
+            n += 1
+        else:
+            out.append((s0, d0, n))
+            s0, d0, n = s, d, 1
+    out.append((s0, d0, n))
+    return out
+
+
+def byte_view(kv_cache: Any) -> Any:
+    """(num_blocks, block_bytes) uint8 numpy view of a block-major torch KV cache."""
+    import torch
+
+    assert isinstance(kv_cache, torch.Tensor) and kv_cache.is_contiguous()
+    return kv_cache.view(torch.uint8).reshape(kv_cache.shape[0], -1).numpy()
