@@ -1,4 +1,4 @@
-"""``python -m kvrelay.sim engine --seeds N`` (or ``--seed S --trace`` to replay one)."""
+"""``python -m kvrelay.sim engine|pd --seeds N`` (or ``--seed S --trace`` to replay one)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--start", type=int, default=0, help="first seed")
         p.add_argument("--seed", type=int, default=None, help="run (replay) this one seed")
         p.add_argument("--trace", action="store_true", help="print each seed's event trace")
+    from kvrelay.sim.pd import add_pd_parser
+
+    add_pd_parser(sub)
     args = parser.parse_args(argv)
+    if args.sim == "pd":
+        return int(args.func(args))
     seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.seeds)
     from kvrelay.sim.engine_sim import run_seed
 

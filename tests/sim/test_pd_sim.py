@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.relay import receiver as R
+from kvrelay.sim.__main__ import main
 from kvrelay.sim.pd import run_pd, run_seed
-from kvrelay.sim.pd_main import main
 
 SEEDS = 5000
 
@@ -40,5 +40,5 @@ def test_a_failing_seed_prints_its_replay_command(
     assert any("decodes on bad KV" in line for line in lines)
     replay = next(line for line in lines if "replay:" in line)
     seed = int(replay.split("--seed ")[1].split()[0])
-    assert main(["--seed", str(seed)]) == 1
+    assert main(["pd", "--seed", str(seed)]) == 1
     assert "decodes on bad KV" in capsys.readouterr().out
