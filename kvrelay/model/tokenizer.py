@@ -38,7 +38,7 @@ class Tokenizer:
         eos += list(extra_eos_ids)
         if chat_template:
             eos += [tok.token_to_id(m) for m in CHAT_END_MARKERS if m in chat_template]
-        self.eos_token_ids: list[int] = sorted({i for i in eos if i is not None})
+        self.eos_token_ids: Sequence[int] = sorted({i for i in eos if i is not None})
         self._template: jinja2.Template | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
