@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvrelay.model.config import ModelConfig
@@ -84,13 +85,17 @@ def load_model(
     shape = (n_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
     if kv_cache_factory is not None:
         kv_cache = kv_cache_factory(shape, torch_dtype)
-        if tuple(kv_cache.shape) != shape or kv_cache.dtype != torch_dtype:
+        if (
+            tuple(kv_cache.shape) != shape
+            or kv_cache.dtype != torch_dtype
+            or not kv_cache.is_contiguous()
+        ):
             raise ValueError(
                 f"kv_cache_factory returned {tuple(kv_cache.shape)} {kv_cache.dtype}; "
-                f"expected {shape} {torch_dtype}"
+                f"expected a contiguous {shape} {torch_dtype} tensor"
             )
     else:
-        kv_cache = torch.zeros(shape, dtype=torch_dtype, device=dev)
+        kv_cache = _zeros(shape, torch_dtype, dev)
     runner = ModelRunner(model, kv_cache, block_size)
     return Model(
         name=_model_name(model_path),
@@ -103,6 +108,16 @@ def load_model(
         config=cfg,
         path=model_path,
     )
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # numpy takes zeroed pages from the OS (calloc), so a 1 GiB cache costs nothing
+    # until used; torch.zeros writes every byte at load (about 2 s per GiB here).
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def _read(
