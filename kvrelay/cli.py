@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 
 # Top-level commands, and the `kvrelay bench` subcommands.
-COMMANDS: list[str] = []
-BENCH_COMMANDS: list[str] = ["kvrelay.bench.core"]
+COMMANDS: list[str] = ["kvrelay.model.cli"]
+BENCH_COMMANDS: list[str] = ["kvrelay.bench.core", "kvrelay.bench.offline"]
 
 
 def build_parser() -> argparse.ArgumentParser:
