@@ -127,8 +127,7 @@ class LlamaModel:
             )
         self.rope = RotaryTable(cfg, max_len, dtype, device, rope_freq_factors)
         self._split = [
-            cfg.num_heads * cfg.head_dim,
-            cfg.num_kv_heads * cfg.head_dim,
+            (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim,
             cfg.num_kv_heads * cfg.head_dim,
         ]
 
@@ -144,15 +143,15 @@ class LlamaModel:
         cfg = self.cfg
         T = input_ids.shape[0]
         kv_rows = kv_cache.view(-1, cfg.num_kv_heads * cfg.head_dim)
+        cos, sin = self.rope.lookup(positions)
+        heads_qk = cfg.num_heads + cfg.num_kv_heads
         h = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.attn_norm)
-            q, k, v = layer.qkv(x).split(self._split, dim=-1)
-            q, k = self.rope.apply(
-                q.view(T, cfg.num_heads, cfg.head_dim),
-                k.view(T, cfg.num_kv_heads, cfg.head_dim),
-                positions,
-            )
+            qk, v = layer.qkv(x).split(self._split, dim=-1)
+            # q and k are adjacent in the fused projection: rotate them together.
+            qk = self.rope.apply(qk.view(T, heads_qk, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
             o = paged_attention(q, k, v, kv_rows, i, meta)
             h = h + layer.o(o)
@@ -164,6 +163,7 @@ class LlamaModel:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # As in transformers: normalize in float32, cast back, then scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        shape, eps = (x.shape[-1],), self.cfg.rms_norm_eps
+        if x.dtype is torch.float32:
+            return F.rms_norm(x, shape, weight, eps)
+        return weight * F.rms_norm(x.float(), shape, None, eps).to(x.dtype)
