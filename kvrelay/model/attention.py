@@ -9,8 +9,12 @@ its constant. Writes are one ``index_copy_`` per layer, reads one ``index_select
 indexing of a strided per-layer view (docs/model.md).
 
 Decode rows (one query each) are batched into one padded attention with a length
-mask; prefill chunks run one attention per chunk, since their query lengths
-differ and padding them to a common length would waste compute.
+mask, done as two batched matmuls over (request, KV head) pairs: for that the
+context is gathered as rows of ``head_dim`` (one KV head of one slot), which lands
+K/V directly in (request, KV head, position, head_dim) order; 1.6x faster than
+scaled_dot_product_attention on strided views at these shapes. Prefill chunks run
+one attention per chunk, since their query lengths differ and padding them to a
+common length would waste compute.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ class AttnMetadata:
     layer_stride: int  # rows between one layer and the next within a block: 2 * block_size
     write_rows: torch.Tensor  # (2T,) long: K rows of the step's tokens, then V rows
     decode_rows: torch.Tensor | None  # (Bd,) long: flat token index of each decode row
-    # (2 * Bd * max_ctx,) long: K rows of every decode context position, then V rows;
-    # padding points at row 0 and is masked.
-    decode_kv_rows: torch.Tensor | None
+    # (2 * Bd * KVH * max_ctx,) long: head rows (of head_dim values) of every decode
+    # context position, K then V, in (request, head, position) order; padding points
+    # at row 0 and is masked.
+    decode_head_rows: torch.Tensor | None
     decode_ctx: int
-    decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_ctx) bool: True = real position
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_ctx) float32: 0 or -inf
     prefills: list[PrefillChunk]
     all_decode: bool  # every token is a decode row, in order: no scatter of outputs
 
@@ -55,7 +60,11 @@ class ChunkSpec:
 
 
 def build_metadata(
-    chunks: Sequence[ChunkSpec], block_size: int, num_layers: int, device: torch.device
+    chunks: Sequence[ChunkSpec],
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    device: torch.device,
 ) -> AttnMetadata:
     block_rows = num_layers * 2 * block_size
     slots: list[int] = []
@@ -82,7 +91,7 @@ def build_metadata(
         layer_stride=2 * block_size,
         write_rows=torch.cat([k_rows, k_rows + block_size]),
         decode_rows=None,
-        decode_kv_rows=None,
+        decode_head_rows=None,
         decode_ctx=0,
         decode_mask=None,
         prefills=prefills,
@@ -96,11 +105,14 @@ def build_metadata(
         pos = torch.arange(ctx, device=device)
         rows = len(dec_rows)
         k = tables.gather(1, (pos // block_size).expand(rows, -1)) * block_rows + pos % block_size
+        heads = torch.arange(num_kv_heads, device=device)
+        k_heads = (k[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
         lens = torch.tensor(dec_lens, dtype=torch.long, device=device)
         meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
-        meta.decode_kv_rows = torch.cat([k.reshape(-1), k.reshape(-1) + block_size])
+        meta.decode_head_rows = torch.cat([k_heads, k_heads + block_size * num_kv_heads])
         meta.decode_ctx = ctx
-        meta.decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+        valid = (pos[None, :] < lens[:, None])[:, None, None, :]
+        meta.decode_mask = torch.zeros(valid.shape, device=device).masked_fill(~valid, -torch.inf)
     return meta
 
 
@@ -130,28 +142,31 @@ def paged_attention(
     shift = layer * meta.layer_stride
     kv_rows.index_copy_(0, meta.write_rows + shift, torch.cat([k, v]).reshape(2 * T, -1))
     if meta.all_decode:
-        return _decode(q, kv_rows, shift, meta).reshape(T, H * D)
+        return _decode(q, kv_rows, layer, meta).reshape(T, H * D)
     out = q.new_empty(T, H, D)
     if meta.decode_rows is not None:
         rows = meta.decode_rows
-        out[rows] = _decode(q[rows], kv_rows, shift, meta)
+        out[rows] = _decode(q[rows], kv_rows, layer, meta)
     for p in meta.prefills:
         s, e = p.token_start, p.token_end
         out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], kv_rows, shift, p)
     return out.reshape(T, H * D)
 
 
-def _decode(q: torch.Tensor, kv_rows: torch.Tensor, shift: int, meta: AttnMetadata) -> torch.Tensor:
+def _decode(q: torch.Tensor, kv_rows: torch.Tensor, layer: int, meta: AttnMetadata) -> torch.Tensor:
     """One query per row. GQA without expanding K/V: the G query heads that share
     a KV head become G query rows of that head."""
-    assert meta.decode_kv_rows is not None
+    assert meta.decode_head_rows is not None and meta.decode_mask is not None
     B, H, D = q.shape
     kvh = kv_rows.shape[1] // D
-    kv = kv_rows.index_select(0, meta.decode_kv_rows + shift).view(2, B, meta.decode_ctx, kvh, D)
-    qg = q.view(B, kvh, H // kvh, D)
-    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (B, KVH, ctx, D) views
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask)
-    return o.reshape(B, H, D)
+    g, ctx = H // kvh, meta.decode_ctx
+    shift = layer * meta.layer_stride * kvh
+    kv = kv_rows.view(-1, D).index_select(0, meta.decode_head_rows + shift)
+    kv = kv.view(2, B * kvh, ctx, D)
+    qg = q.reshape(B * kvh, g, D)
+    scores = torch.bmm(qg, kv[0].transpose(1, 2)).float() * D**-0.5
+    probs = (scores.view(B, kvh, g, ctx) + meta.decode_mask).softmax(dim=-1).to(q.dtype)
+    return torch.bmm(probs.view(B * kvh, g, ctx), kv[1]).view(B, H, D)
 
 
 def _prefill(

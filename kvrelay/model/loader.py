@@ -68,7 +68,8 @@ def load_model(
     cfg, state, tokenizer, freq_factors = _read(model_path)
     torch_dtype = _DTYPES[dtype]
     dev = torch.device(device)
-    max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    limit = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+    max_len = min(max_model_len or limit, limit)
     model = LlamaModel(
         cfg, state, dtype=torch_dtype, device=dev, max_len=max_len, rope_freq_factors=freq_factors
     )

@@ -66,7 +66,7 @@ def test_paged_equals_contiguous(seed: int) -> None:
         q = torch.cat([s["q"][a:b] for s, a, b in spans])
         k = torch.cat([s["k"][a:b] for s, a, b in spans])
         v = torch.cat([s["v"][a:b] for s, a, b in spans])
-        meta = build_metadata(chunks, BS, layers, torch.device("cpu"))
+        meta = build_metadata(chunks, BS, layers, KVH, torch.device("cpu"))
         out = paged_attention(q, k, v, rows, layer, meta)
         t = 0
         for s, a, b in spans:

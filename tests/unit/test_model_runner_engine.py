@@ -137,3 +137,17 @@ def test_unsupported_gguf_tensor_type_is_named(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(ValueError, match=r"token_embd.weight has quantization type F64.*Q4_1"):
         load_model(str(path))
+
+
+def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
+    from kvrelay.model.testing import (
+        tiny_hf_config,
+        tiny_tokenizer_json,
+        tiny_weights,
+        write_hf_dir,
+    )
+
+    cfg = tiny_hf_config("mistral", 384)
+    cfg["sliding_window"] = 64
+    path = write_hf_dir(tmp_path / "m", cfg, tiny_weights(cfg, 0), tiny_tokenizer_json())
+    assert load_model(str(path), num_blocks=4).max_model_len == 64
