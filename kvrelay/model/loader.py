@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvrelay.core.runner import Runner
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.interface import KvCacheFactory, KvGeometry
+from kvrelay.model.interface import KvCacheFactory, KvGeometry, LoadedModel
+from kvrelay.model.interface import Tokenizer as TokenizerProtocol
 from kvrelay.model.model import LlamaModel
 from kvrelay.model.runner import ModelRunner
 from kvrelay.model.tokenizer import Tokenizer
@@ -27,8 +29,10 @@ class Model:
     """Implements ``kvrelay.model.interface.LoadedModel``."""
 
     name: str
-    tokenizer: Tokenizer
-    runner: ModelRunner
+    # Typed as the interface's protocols (mutable protocol attributes are invariant);
+    # the objects are a kvrelay.model.tokenizer.Tokenizer and a ModelRunner.
+    tokenizer: TokenizerProtocol
+    runner: Runner
     kv_cache: torch.Tensor
     kv_geometry: KvGeometry
     num_blocks: int
@@ -167,3 +171,8 @@ def _model_name(path: Path) -> str:
         return path.name
     # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
     return re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", path.stem, flags=re.IGNORECASE)
+
+
+def _conforms(model: Model) -> LoadedModel:
+    """Never called: mypy proves here that Model implements the interface's contract."""
+    return model

@@ -20,9 +20,9 @@ from kvrelay.model.rope import RotaryTable
 
 
 class Linear:
-    """y = x W^T + b. On CPU in bfloat16 the weight is reordered once, at load, into
-    oneDNN's blocked layout: F.linear would reorder it on every call, which costs
-    more than the multiplication itself at decode batch sizes (docs/model.md)."""
+    """y = x W^T + b. On CPU the weight is reordered once, at load, into oneDNN's
+    blocked layout: F.linear reorders (bfloat16) or runs an unpacked GEMM (float32)
+    on every call; packed is 1.3-2.5x faster at decode batch sizes (docs/model.md)."""
 
     __slots__ = ("bias", "packed", "weight")
 
@@ -40,12 +40,12 @@ class Linear:
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    if device.type != "cpu" or dtype is not torch.bfloat16:
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return False
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        supported = dtype is torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
         probe = Linear(torch.ones(32, 32, dtype=dtype), None, pack=True)
         return bool(supported) and bool(
             torch.equal(
