@@ -14,8 +14,12 @@ import sys
 from collections.abc import Sequence
 
 # Top-level commands, and the `kvrelay bench` subcommands.
-COMMANDS: list[str] = []
-BENCH_COMMANDS: list[str] = ["kvrelay.bench.core", "kvrelay.bench.transfer"]
+COMMANDS: list[str] = ["kvrelay.model.cli"]
+BENCH_COMMANDS: list[str] = [
+    "kvrelay.bench.core",
+    "kvrelay.bench.transfer",
+    "kvrelay.bench.offline",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
