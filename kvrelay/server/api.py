@@ -1,0 +1,416 @@
+"""The OpenAI-compatible HTTP API.
+
+``create_app`` takes everything it serves as arguments (the engine loop, the
+model's tokenizer and limits, a detokenizer factory), so tests can inject
+stand-ins and the prefill/decode roles can reuse the same request path.
+
+Request path: parse and validate (ApiError names the field) -> tokenize ->
+``Generation.start`` (the engine accepts or rejects each choice) -> stream or
+collect ``Delta``s. Whatever ends the handler (done, error, client gone, shutdown),
+``Generation.abort_unfinished`` runs in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from kvrelay import __version__
+from kvrelay.model.interface import Tokenizer
+from kvrelay.server.engine_loop import EngineLoop
+from kvrelay.server.generation import ChoiceSpec, Delta, DetokenizerFactory, Generation
+from kvrelay.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvrelay.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LogprobFormatter,
+    bad_request,
+    new_id,
+    now,
+    parse_body,
+    sse,
+    usage,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class ServedModel:
+    """What the API needs of the model."""
+
+    names: list[str]  # served model names; the first is reported
+    tokenizer: Tokenizer
+    max_model_len: int
+    # Most tokens one request can hold: min(max_model_len, KV cache capacity).
+    max_context: int
+    make_detokenizer: DetokenizerFactory
+    created: int = field(default_factory=now)
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    model: ServedModel
+    metrics: ServerMetrics
+    api_key: str | None = None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.loop.stop)
+
+    app = FastAPI(title="kvrelay", version=__version__, lifespan=lifespan)
+    app.state.kvrelay = state
+    _install_error_handlers(app)
+    handlers = _Handlers(state)
+
+    app.add_api_route("/health", handlers.health, methods=["GET"])
+    app.add_api_route("/version", handlers.version, methods=["GET"])
+    app.add_api_route("/metrics", handlers.metrics, methods=["GET"])
+    app.add_api_route("/v1/models", handlers.models, methods=["GET"])
+    app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+
+class _Handlers:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.model = state.model
+        tok = state.model.tokenizer
+        self.logprobs = LogprobFormatter(lambda t: tok.decode([t], skip_special_tokens=False))
+
+    # -- plain endpoints -------------------------------------------------------------
+    async def health(self) -> Response:
+        if not self.state.loop.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def version(self) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def metrics(self) -> Response:
+        return Response(self.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        self._check_auth(request)
+        m = self.model
+        data = [
+            {
+                "id": name, "object": "model", "created": m.created, "owned_by": "kvrelay",
+                "root": m.name, "max_model_len": m.max_model_len,
+            }
+            for name in m.names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    # -- generation endpoints --------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        self._check_auth(request)
+        body = parse_body(await request.body(), CompletionRequest)
+        self._check_model(body.model)
+        body.check()
+        prompts = [self._encode_prompt(p, i) for i, p in enumerate(body.prompts())]
+        specs = self._specs(body, prompts, body.max_tokens, body.logprobs)
+        gen = self._generation("cmpl", {})
+        await gen.start(specs, sum(len(p) for p in prompts))
+        shape = _CompletionShape(gen.base_id, self.model.name, body.logprobs is not None,
+                                 self.logprobs)
+        return await self._respond(request, gen, shape, body.stream,
+                                   body.include_usage_in_stream(), len(specs))
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._check_auth(request)
+        body = parse_body(await request.body(), ChatCompletionRequest)
+        self._check_model(body.model)
+        body.check()
+        tok = self.model.tokenizer
+        text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=True)
+        prompt = tok.encode(text, add_special_tokens=False)
+        specs = self._specs(body, [prompt], body.requested_max_tokens(), body.num_logprobs())
+        gen = self._generation("chatcmpl", {"prompt": "messages"})
+        await gen.start(specs, len(prompt))
+        shape = _ChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs)
+        return await self._respond(request, gen, shape, body.stream,
+                                   body.include_usage_in_stream(), len(specs))
+
+    # -- helpers ---------------------------------------------------------------------
+    def _check_auth(self, request: Request) -> None:
+        key = self.state.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if not header:
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                           param="Authorization", code="invalid_api_key")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), key):
+            raise ApiError(401, "incorrect API key provided", param="Authorization",
+                           code="invalid_api_key")
+
+    def _check_model(self, name: str) -> None:
+        if name not in self.model.names:
+            raise ApiError(
+                404, f"the model {name!r} does not exist; this server serves "
+                f"{', '.join(repr(n) for n in self.model.names)}",
+                param="model", code="model_not_found",
+            )
+
+    def _encode_prompt(self, prompt: str | list[int], index: int) -> list[int]:
+        if isinstance(prompt, str):
+            return self.model.tokenizer.encode(prompt, add_special_tokens=True)
+        vocab = self.model.tokenizer.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request("prompt", f"prompt token id {bad} is outside [0, {vocab})")
+        return list(prompt)
+
+    def _specs(
+        self, body: Any, prompts: Sequence[list[int]], max_tokens: int | None,
+        logprobs: int | None,
+    ) -> list[ChoiceSpec]:
+        specs = []
+        for p_index, prompt in enumerate(prompts):
+            # Unset max_tokens: as many as the context still holds (the engine rejects a
+            # prompt that leaves no room, naming the prompt).
+            limit = max_tokens if max_tokens is not None else max(
+                1, self.model.max_context - len(prompt)
+            )
+            for i in range(body.n):
+                index = p_index * body.n + i
+                specs.append(ChoiceSpec(index, prompt, body.sampling_params(limit, logprobs, i)))
+        return specs
+
+    def _generation(self, prefix: str, param_names: dict[str, str]) -> Generation:
+        s = self.state
+        return Generation(
+            s.loop, s.metrics, s.model.make_detokenizer, new_id(prefix),
+            eos_token_ids=list(s.model.tokenizer.eos_token_ids), param_names=param_names,
+        )
+
+    async def _respond(
+        self, request: Request, gen: Generation, shape: _Shape, stream: bool,
+        include_usage: bool, num_choices: int,
+    ) -> Response:
+        if stream:
+            return EventStream(_stream(gen, shape, include_usage, num_choices),
+                               media_type="text/event-stream")
+        try:
+            collected = await _until_disconnect(request, _collect(gen, num_choices))
+        finally:
+            gen.abort_unfinished()
+        if collected is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(shape.full(collected, usage(gen.prompt_tokens, gen.completion_tokens)))
+
+
+# -- response shapes ------------------------------------------------------------------
+@dataclass
+class _Collected:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class _Shape:
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, rid: str, model: str, with_logprobs: bool, fmt: LogprobFormatter) -> None:
+        self.rid, self.model, self.with_logprobs, self.fmt = rid, model, with_logprobs, fmt
+        self.created = now()
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def full(self, choices: list[_Collected], use: dict[str, int]) -> dict[str, Any]:
+        body = self.envelope(self.object_full, [self.full_choice(i, c) for i, c in
+                                                enumerate(choices)])
+        body["usage"] = use
+        return body
+
+    def full_choice(self, index: int, c: _Collected) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _CompletionShape(_Shape):
+    object_full = object_chunk = "text_completion"
+
+    def full_choice(self, index: int, c: _Collected) -> dict[str, Any]:
+        lp = self.fmt.completion(c.token_ids, c.logprobs, 0) if self._has_lp(c) else None
+        return {"index": index, "text": "".join(c.text), "logprobs": lp,
+                "finish_reason": c.finish_reason}
+
+    def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
+        lp = None
+        if self.with_logprobs and d.logprobs is not None:
+            lp = self.fmt.completion(d.token_ids, d.logprobs, offset)
+        return self.envelope(self.object_chunk, [
+            {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+        ])
+
+    def _has_lp(self, c: _Collected) -> bool:
+        return self.with_logprobs and len(c.logprobs) == len(c.token_ids)
+
+
+class _ChatShape(_Shape):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def full_choice(self, index: int, c: _Collected) -> dict[str, Any]:
+        has_lp = self.with_logprobs and len(c.logprobs) == len(c.token_ids)
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(c.text)},
+            "logprobs": self.fmt.chat(c.token_ids, c.logprobs) if has_lp else None,
+            "finish_reason": c.finish_reason,
+        }
+
+    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        return [
+            self.envelope(self.object_chunk, [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}
+            ])
+            for i in range(num_choices)
+        ]
+
+    def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
+        lp = None
+        if self.with_logprobs and d.logprobs is not None:
+            lp = self.fmt.chat(d.token_ids, d.logprobs)
+        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+        return self.envelope(self.object_chunk, [
+            {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        ])
+
+
+# -- collecting and streaming ---------------------------------------------------------
+async def _collect(gen: Generation, num_choices: int) -> list[_Collected]:
+    out = [_Collected() for _ in range(num_choices)]
+    async for d in gen.deltas():
+        c = out[d.index]
+        c.text.append(d.text)
+        c.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            c.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            c.finish_reason = d.finish_reason
+    return out
+
+
+async def _until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Await ``work``; None when the client disconnects first (``work`` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream(
+    gen: Generation, shape: _Shape, include_usage: bool, num_choices: int
+) -> AsyncIterator[bytes]:
+    offsets = [0] * num_choices
+    try:
+        for chunk in shape.first_chunks(num_choices):
+            yield sse(_with_usage(chunk, include_usage))
+        async for d in gen.deltas():
+            yield sse(_with_usage(shape.chunk(d, offsets[d.index]), include_usage))
+            offsets[d.index] += len(d.text)
+        if include_usage:
+            final = shape.envelope(shape.object_chunk, [])
+            final["usage"] = usage(gen.prompt_tokens, gen.completion_tokens)
+            yield sse(final)
+    except ApiError as exc:
+        yield sse(exc.body())
+    finally:
+        gen.abort_unfinished()
+    yield sse("[DONE]")
+
+
+def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+class EventStream(StreamingResponse):
+    """A streaming response that notices a client going away even while it waits.
+
+    Starlette only does so for ASGI < 2.4; with newer servers a disconnect shows up
+    at the next write, which for a queued request may be minutes away. Here the
+    disconnect cancels the body iterator at once, and its ``finally`` aborts.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run)
+            await _wait_disconnect(receive)
+            tg.cancel_scope.cancel()
+
