@@ -126,9 +126,11 @@ def run(args: argparse.Namespace) -> int:
     state = build_state(args)
     config = uvicorn.Config(
         create_app(state), host=args.host, port=args.port, log_level=args.log_level,
-        access_log=args.log_level == "debug", timeout_graceful_shutdown=args.shutdown_timeout,
+        access_log=args.log_level == "debug",
+        # The drain at shutdown_timeout ends every response; this only catches a hang.
+        timeout_graceful_shutdown=args.shutdown_timeout + 5.0,
     )
-    server = GracefulServer(config)
+    server = GracefulServer(config, drain=state.loop.drain, drain_after=args.shutdown_timeout)
     log.info("serving %s on http://%s:%d/v1", state.model.name, args.host, args.port)
     server.run()
     if not server.started:

@@ -51,6 +51,9 @@ class ServerProcess:
 
     args: list[str]
     port: int = field(default_factory=free_port)
+    env: dict[str, str] | None = None  # default: this process's environment
+    log_path: str | None = None  # where its output goes (default: inherited)
+    log_level: str = "warning"
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -59,8 +62,13 @@ class ServerProcess:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "kvrelay", "serve", *self.args,
-               "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, env=os.environ.copy())
+               "--host", "127.0.0.1", "--port", str(self.port), "--log-level", self.log_level]
+        env = self.env if self.env is not None else os.environ.copy()
+        if self.log_path is None:
+            self.proc = subprocess.Popen(cmd, env=env)
+            return
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float) -> None:
         assert self.proc is not None

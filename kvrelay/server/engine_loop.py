@@ -55,7 +55,12 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+@dataclass(slots=True)
+class _Drain:
+    pass
+
+
+_Command = _Add | _Abort | _Stop | _Drain
 
 
 @dataclass
@@ -79,6 +84,7 @@ class EngineLoop:
         self._aio: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._draining = False  # loop thread only: new requests are refused
 
     # -- called from the asyncio side ---------------------------------------------
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
@@ -120,6 +126,12 @@ class EngineLoop:
         """Abort a request, in whatever state it is; never blocks. Idempotent."""
         self.stats.aborts_sent += 1
         self._commands.put(_Abort(request_id, reason))
+
+    def drain(self) -> None:
+        """Refuse new requests and abort every request in the engine (finish reason
+        abort): the handlers then end their responses normally. Used when a graceful
+        shutdown runs out of time."""
+        self._commands.put(_Drain())
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort everything still in the engine, let in-flight steps drain, join."""
@@ -171,13 +183,16 @@ class EngineLoop:
         elif isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_id, cmd.reason)
             self._deliver(self.engine.take_outputs())
+        elif isinstance(cmd, _Drain):
+            self._draining = True
+            self._abort_all()
         else:
             self._stopping = True
 
     def _apply_add(self, cmd: _Add) -> None:
         error: BaseException | None = None
-        if self._stopping:
-            error = EngineDead("the engine is shutting down")
+        if self._stopping or self._draining:
+            error = EngineDead("the server is shutting down")
         else:
             try:
                 self.engine.add_request(
@@ -204,12 +219,16 @@ class EngineLoop:
         if routed:
             self._call_async(_put_all, routed)
 
-    def _shutdown(self) -> None:
-        engine = self.engine
+    def _abort_all(self) -> None:
         # Shutdown is not a hot path: a scan of what is left is fine here.
+        engine = self.engine
         for request_id in list(engine.requests):
             engine.abort_request(request_id, FinishReason.ABORT)
         self._deliver(engine.take_outputs())
+
+    def _shutdown(self) -> None:
+        engine = self.engine
+        self._abort_all()
         while engine.has_work():  # in-flight steps complete, then blocks are released
             self._deliver(engine.step())
         self._reject_pending_adds()

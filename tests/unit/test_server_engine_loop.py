@@ -134,3 +134,19 @@ def test_param_from_loc() -> None:
     assert param_from_loc(("prompt", "list[int]", 0)) == "prompt"
     assert param_from_loc(("temperature",)) == "temperature"
     assert param_from_loc(()) == "body"
+
+
+def test_drain_ends_streams_with_abort_and_refuses_new_requests() -> None:
+    state = make_state(delay_s=0.01)
+    with serve_in_thread(state) as url:
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 100, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data"))
+            next(lines)
+            state.loop.drain()
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]"
+        assert '"finish_reason":"abort"' in rest[-2]
+        r2 = httpx.post(url + "/v1/completions", json={**body, "stream": False})
+        assert r2.status_code == 503
+        assert state.loop.engine.pool.num_free == state.loop.engine.pool.num_blocks
