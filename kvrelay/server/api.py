@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -146,13 +147,14 @@ class _Handlers:
 
     # -- generation endpoints --------------------------------------------------------
     async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
         self._check_auth(request)
         body = parse_body(await request.body(), CompletionRequest)
         self._check_model(body.model)
         body.check()
         prompts = [self._encode_prompt(p, i) for i, p in enumerate(body.prompts())]
         specs = self._specs(body, prompts, body.max_tokens, body.logprobs)
-        gen = self._generation("cmpl", {})
+        gen = self._generation("cmpl", {}, arrival)
         await gen.start(specs, sum(len(p) for p in prompts))
         shape = _CompletionShape(gen.base_id, self.model.name, body.logprobs is not None,
                                  self.logprobs)
@@ -160,6 +162,7 @@ class _Handlers:
                                    body.include_usage_in_stream(), len(specs))
 
     async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
         self._check_auth(request)
         body = parse_body(await request.body(), ChatCompletionRequest)
         self._check_model(body.model)
@@ -168,7 +171,7 @@ class _Handlers:
         text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=True)
         prompt = tok.encode(text, add_special_tokens=False)
         specs = self._specs(body, [prompt], body.requested_max_tokens(), body.num_logprobs())
-        gen = self._generation("chatcmpl", {"prompt": "messages"})
+        gen = self._generation("chatcmpl", {"prompt": "messages"}, arrival)
         await gen.start(specs, len(prompt))
         shape = _ChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs)
         return await self._respond(request, gen, shape, body.stream,
@@ -221,11 +224,14 @@ class _Handlers:
                 specs.append(ChoiceSpec(index, prompt, body.sampling_params(limit, logprobs, i)))
         return specs
 
-    def _generation(self, prefix: str, param_names: dict[str, str]) -> Generation:
+    def _generation(
+        self, prefix: str, param_names: dict[str, str], arrival: float
+    ) -> Generation:
         s = self.state
         return Generation(
             s.loop, s.metrics, s.model.make_detokenizer, new_id(prefix),
             eos_token_ids=list(s.model.tokenizer.eos_token_ids), param_names=param_names,
+            arrival=arrival,
         )
 
     async def _respond(

@@ -20,6 +20,7 @@ from kvrelay.core.runner import TokenLogprobs
 from kvrelay.sampling_params import InvalidParameter, SamplingParams
 
 MAX_N = 16
+MAX_CHOICES = 64  # prompts in a batch times n
 M = TypeVar("M", bound=BaseModel)
 MAX_TOP_LOGPROBS = 20
 
@@ -134,6 +135,11 @@ class CompletionRequest(_SamplingRequest):
             batch = list(p)  # type: ignore[arg-type]
         if not batch:
             raise bad_request("prompt", "prompt must not be empty")
+        if len(batch) * self.n > MAX_CHOICES:
+            raise bad_request(
+                "prompt", f"a batch of {len(batch)} prompts with n={self.n} makes "
+                f"{len(batch) * self.n} choices; at most {MAX_CHOICES} are allowed",
+            )
         for i, item in enumerate(batch):
             if len(item) == 0:
                 where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
