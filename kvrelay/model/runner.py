@@ -1,0 +1,91 @@
+"""The model runner: one engine step on the real model (implements core.runner.Runner)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.core.runner import PLACEHOLDER, Batch, SampledToken, ScheduledRequest
+from kvrelay.model.attention import ChunkSpec, build_metadata
+from kvrelay.model.model import LlamaModel
+from kvrelay.model.sampler import Sampler
+from kvrelay.sampling_params import SamplingParams
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, *, seed: int = 0
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = model.device
+        self.sampler = Sampler(seed)
+        # The token sampled for each request in its latest step: resolves PLACEHOLDER.
+        self._last: dict[str, int] = {}
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> dict[str, SampledToken]:
+        for rid in batch.finished_ids:
+            self._last.pop(rid, None)
+        if not batch.requests:
+            return {}
+        sampled, logits = self.compute_logits(batch)
+        if not sampled:
+            return {}
+        params: list[SamplingParams] = [sr.params for sr in sampled]
+        new_pos = [sr.start + len(sr.token_ids) for sr in sampled]
+        tokens = self.sampler.sample(logits, params, new_pos)
+        out: dict[str, SampledToken] = {}
+        for sr, tok in zip(sampled, tokens, strict=True):
+            self._last[sr.request_id] = tok.token_id
+            out[sr.request_id] = tok
+        return out
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: Batch) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """Run the batch's forward pass (writing its KV); return the requests with
+        ``sample`` set and their float32 logits, one row each, in batch order."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        chunks: list[ChunkSpec] = []
+        logit_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        for sr in batch.requests:
+            end = sr.start + len(sr.token_ids)
+            if len(sr.block_ids) * self.block_size < end:
+                raise ValueError(
+                    f"request {sr.request_id}: {len(sr.block_ids)} blocks of {self.block_size} "
+                    f"cannot hold {end} tokens"
+                )
+            token_ids.extend(self._resolve(sr))
+            positions.extend(range(sr.start, end))
+            chunks.append(ChunkSpec(sr.start, len(sr.token_ids), sr.block_ids))
+            if sr.sample:
+                logit_rows.append(len(token_ids) - 1)
+                sampled.append(sr)
+        return sampled, self._forward(token_ids, positions, chunks, logit_rows)
+
+    def _resolve(self, sr: ScheduledRequest) -> list[int]:
+        if PLACEHOLDER not in sr.token_ids:
+            return sr.token_ids
+        last = self._last.get(sr.request_id)
+        if last is None:
+            raise ValueError(f"request {sr.request_id}: placeholder with no previous sample")
+        return [last if t == PLACEHOLDER else t for t in sr.token_ids]
+
+    def _forward(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        chunks: list[ChunkSpec],
+        logit_rows: list[int],
+    ) -> torch.Tensor:
+        dev = self.device
+        meta = build_metadata(chunks, self.block_size, dev)
+        return self.model.forward(
+            torch.tensor(token_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_cache,
+            meta,
+            torch.tensor(logit_rows, dtype=torch.long, device=dev),
+        )

@@ -1,0 +1,108 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Sampling draws with the exponential race (argmax of probs / Exp(1) noise), which
+picks token t with probability probs[t]. With a seed, the noise of the token at
+sequence position ``pos`` comes from a generator seeded by (seed, pos) alone, so
+the token depends only on the seed, the position and the logits: the same on any
+engine, in any batch, colocated or disaggregated. The noise is drawn on the CPU
+for the same reason (CPU and CUDA generators differ).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvrelay.core.runner import SampledToken, TokenLogprobs
+from kvrelay.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, pos: int) -> int:
+    """splitmix64 of (seed, pos), so neighbouring seeds and positions are unrelated."""
+    z = (seed * 0x9E3779B97F4A7C15 + (pos + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # manual_seed takes a non-negative 63-bit int here
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        # Randomness of requests without a seed: one stream per runner.
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def sample(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+    ) -> list[SampledToken]:
+        """logits: (n, vocab) float32; positions: sequence position of each new token."""
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            sub = [params[i] for i in rows]
+            noise = self._noise(sub, [positions[i] for i in rows], logits.shape[1])
+            probs = torch.softmax(process_logits(logits[rows], sub), dim=-1)
+            tokens[rows] = (probs / noise.to(probs.device)).argmax(dim=-1)
+        ids = tokens.tolist()
+        out = [SampledToken(t) for t in ids]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if lp_rows:
+            lps = _logprobs(logits[lp_rows], params, lp_rows, ids)
+            for i, lp in zip(lp_rows, lps, strict=True):
+                out[i].logprobs = lp
+        return out
+
+    def _noise(
+        self, params: Sequence[SamplingParams], positions: Sequence[int], vocab: int
+    ) -> torch.Tensor:
+        noise = torch.empty(len(params), vocab)
+        for j, (p, pos) in enumerate(zip(params, positions, strict=True)):
+            gen = self._gen
+            if p.seed is not None:
+                gen = torch.Generator().manual_seed(position_seed(p.seed, pos))
+            noise[j].exponential_(generator=gen)
+        return noise
+
+
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p (on what top-k kept) and min-p; masked -> -inf."""
+    device = logits.device
+    vocab = logits.shape[1]
+    temps = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temps[:, None]
+    ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+    ps = [p.top_p for p in params]
+    if min(ks) < vocab or min(ps) < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=device)
+        drop = rank[None, :] >= torch.tensor(ks, device=device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token while the mass before it is below top_p (the first always stays).
+        before = probs.cumsum(dim=-1) - probs
+        drop = before >= torch.tensor(ps, device=device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    min_ps = [p.min_p for p in params]
+    if max(min_ps) > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_ps, device=device)[:, None]
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def _logprobs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[int], ids: Sequence[int]
+) -> list[TokenLogprobs]:
+    """Log-probabilities of the model's raw distribution (before temperature etc.)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    n_top = max(params[i].logprobs or 0 for i in rows)
+    top = lp.topk(max(n_top, 1), dim=-1)
+    top_v, top_i = top.values.tolist(), top.indices.tolist()
+    out = []
+    for j, i in enumerate(rows):
+        n = params[i].logprobs or 0
+        best = list(zip(top_i[j][:n], top_v[j][:n], strict=True))
+        out.append(TokenLogprobs(float(lp[j, ids[i]]), best))
+    return out
