@@ -164,7 +164,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None  # required, may be null (assistant turns)
 
     def text(self) -> str:
         if self.content is None:
