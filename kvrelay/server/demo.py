@@ -167,14 +167,16 @@ def stats_table(answers: list[Answer]) -> str:
     head = f"{'#':>2}  {'mode':<8} {'prompt':>6} {'output':>6} {'TTFT ms':>8} {'total ms':>9} " \
            f"{'tok/s':>7}"
     rows = [head, "-" * len(head)]
+    # tok/s: decode speed after the first token when streamed, else output over total.
     for i, a in enumerate(answers, 1):
         decode = a.total_s - a.ttft_s
         rate = (a.completion_tokens - 1) / decode if decode > 0 and a.completion_tokens > 1 else (
             a.completion_tokens / a.total_s if a.total_s else 0.0
         )
+        ttft = f"{a.ttft_s * 1e3:.0f}" if a.streamed else "-"  # unknown unless streamed
         rows.append(
             f"{i:>2}  {'stream' if a.streamed else 'full':<8} {a.prompt_tokens:>6} "
-            f"{a.completion_tokens:>6} {a.ttft_s * 1e3:>8.0f} {a.total_s * 1e3:>9.0f} {rate:>7.1f}"
+            f"{a.completion_tokens:>6} {ttft:>8} {a.total_s * 1e3:>9.0f} {rate:>7.1f}"
         )
     return "\n".join(rows)
 
