@@ -17,20 +17,18 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from kvrelay import __version__
 from kvrelay.model.interface import Tokenizer
 from kvrelay.server.engine_loop import EngineLoop
-from kvrelay.server.generation import ChoiceSpec, Delta, DetokenizerFactory, Generation
+from kvrelay.server.generation import ChoiceSpec, DetokenizerFactory, Generation
 from kvrelay.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvrelay.server.protocol import (
     ApiError,
@@ -41,12 +39,19 @@ from kvrelay.server.protocol import (
     new_id,
     now,
     parse_body,
-    sse,
     usage,
+)
+from kvrelay.server.responses import (
+    ChatShape,
+    CompletionShape,
+    EventStream,
+    Shape,
+    collect,
+    stream_events,
+    until_disconnect,
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass
@@ -152,11 +157,11 @@ class _Handlers:
         body = parse_body(await request.body(), CompletionRequest)
         self._check_model(body.model)
         body.check()
-        prompts = [self._encode_prompt(p, i) for i, p in enumerate(body.prompts())]
+        prompts = [self._encode_prompt(p) for p in body.prompts()]
         specs = self._specs(body, prompts, body.max_tokens, body.logprobs)
         gen = self._generation("cmpl", {}, arrival)
         await gen.start(specs, sum(len(p) for p in prompts))
-        shape = _CompletionShape(gen.base_id, self.model.name, body.logprobs is not None,
+        shape = CompletionShape(gen.base_id, self.model.name, body.logprobs is not None,
                                  self.logprobs)
         return await self._respond(request, gen, shape, body.stream,
                                    body.include_usage_in_stream(), len(specs))
@@ -173,7 +178,7 @@ class _Handlers:
         specs = self._specs(body, [prompt], body.requested_max_tokens(), body.num_logprobs())
         gen = self._generation("chatcmpl", {"prompt": "messages"}, arrival)
         await gen.start(specs, len(prompt))
-        shape = _ChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs)
+        shape = ChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs)
         return await self._respond(request, gen, shape, body.stream,
                                    body.include_usage_in_stream(), len(specs))
 
@@ -199,7 +204,7 @@ class _Handlers:
                 param="model", code="model_not_found",
             )
 
-    def _encode_prompt(self, prompt: str | list[int], index: int) -> list[int]:
+    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.model.tokenizer.encode(prompt, add_special_tokens=True)
         vocab = self.model.tokenizer.vocab_size
@@ -235,188 +240,16 @@ class _Handlers:
         )
 
     async def _respond(
-        self, request: Request, gen: Generation, shape: _Shape, stream: bool,
+        self, request: Request, gen: Generation, shape: Shape, stream: bool,
         include_usage: bool, num_choices: int,
     ) -> Response:
         if stream:
-            return EventStream(_stream(gen, shape, include_usage, num_choices),
-                               media_type="text/event-stream")
+            return EventStream(stream_events(gen, shape, include_usage, num_choices),
+                               on_close=gen.abort_unfinished)
         try:
-            collected = await _until_disconnect(request, _collect(gen, num_choices))
+            collected = await until_disconnect(request, collect(gen, num_choices))
         finally:
             gen.abort_unfinished()
         if collected is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return JSONResponse(shape.full(collected, usage(gen.prompt_tokens, gen.completion_tokens)))
-
-
-# -- response shapes ------------------------------------------------------------------
-@dataclass
-class _Collected:
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-class _Shape:
-    object_full = ""
-    object_chunk = ""
-
-    def __init__(self, rid: str, model: str, with_logprobs: bool, fmt: LogprobFormatter) -> None:
-        self.rid, self.model, self.with_logprobs, self.fmt = rid, model, with_logprobs, fmt
-        self.created = now()
-
-    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def full(self, choices: list[_Collected], use: dict[str, int]) -> dict[str, Any]:
-        body = self.envelope(self.object_full, [self.full_choice(i, c) for i, c in
-                                                enumerate(choices)])
-        body["usage"] = use
-        return body
-
-    def full_choice(self, index: int, c: _Collected) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
-        return []
-
-    def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-class _CompletionShape(_Shape):
-    object_full = object_chunk = "text_completion"
-
-    def full_choice(self, index: int, c: _Collected) -> dict[str, Any]:
-        lp = self.fmt.completion(c.token_ids, c.logprobs, 0) if self._has_lp(c) else None
-        return {"index": index, "text": "".join(c.text), "logprobs": lp,
-                "finish_reason": c.finish_reason}
-
-    def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
-        lp = None
-        if self.with_logprobs and d.logprobs is not None:
-            lp = self.fmt.completion(d.token_ids, d.logprobs, offset)
-        return self.envelope(self.object_chunk, [
-            {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-        ])
-
-    def _has_lp(self, c: _Collected) -> bool:
-        return self.with_logprobs and len(c.logprobs) == len(c.token_ids)
-
-
-class _ChatShape(_Shape):
-    object_full = "chat.completion"
-    object_chunk = "chat.completion.chunk"
-
-    def full_choice(self, index: int, c: _Collected) -> dict[str, Any]:
-        has_lp = self.with_logprobs and len(c.logprobs) == len(c.token_ids)
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": "".join(c.text)},
-            "logprobs": self.fmt.chat(c.token_ids, c.logprobs) if has_lp else None,
-            "finish_reason": c.finish_reason,
-        }
-
-    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
-        return [
-            self.envelope(self.object_chunk, [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}
-            ])
-            for i in range(num_choices)
-        ]
-
-    def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
-        lp = None
-        if self.with_logprobs and d.logprobs is not None:
-            lp = self.fmt.chat(d.token_ids, d.logprobs)
-        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-        return self.envelope(self.object_chunk, [
-            {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-        ])
-
-
-# -- collecting and streaming ---------------------------------------------------------
-async def _collect(gen: Generation, num_choices: int) -> list[_Collected]:
-    out = [_Collected() for _ in range(num_choices)]
-    async for d in gen.deltas():
-        c = out[d.index]
-        c.text.append(d.text)
-        c.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            c.logprobs.extend(d.logprobs)
-        if d.finish_reason is not None:
-            c.finish_reason = d.finish_reason
-    return out
-
-
-async def _until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
-    """Await ``work``; None when the client disconnects first (``work`` is cancelled)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        return None
-    return task.result()
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _stream(
-    gen: Generation, shape: _Shape, include_usage: bool, num_choices: int
-) -> AsyncIterator[bytes]:
-    offsets = [0] * num_choices
-    try:
-        for chunk in shape.first_chunks(num_choices):
-            yield sse(_with_usage(chunk, include_usage))
-        async for d in gen.deltas():
-            yield sse(_with_usage(shape.chunk(d, offsets[d.index]), include_usage))
-            offsets[d.index] += len(d.text)
-        if include_usage:
-            final = shape.envelope(shape.object_chunk, [])
-            final["usage"] = usage(gen.prompt_tokens, gen.completion_tokens)
-            yield sse(final)
-    except ApiError as exc:
-        yield sse(exc.body())
-    finally:
-        gen.abort_unfinished()
-    yield sse("[DONE]")
-
-
-def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-class EventStream(StreamingResponse):
-    """A streaming response that notices a client going away even while it waits.
-
-    Starlette only does so for ASGI < 2.4; with newer servers a disconnect shows up
-    at the next write, which for a queued request may be minutes away. Here the
-    disconnect cancels the body iterator at once, and its ``finally`` aborts.
-    """
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as tg:
-
-            async def run() -> None:
-                with contextlib.suppress(OSError):
-                    await self.stream_response(send)
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(run)
-            await _wait_disconnect(receive)
-            tg.cancel_scope.cancel()
-
