@@ -154,7 +154,7 @@ class _Handlers:
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         self._check_auth(request)
-        body = parse_body(await request.body(), CompletionRequest)
+        body = parse_body(await _read_body(request), CompletionRequest)
         self._check_model(body.model)
         body.check()
         prompts = [self._encode_prompt(p) for p in body.prompts()]
@@ -169,7 +169,7 @@ class _Handlers:
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         self._check_auth(request)
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        body = parse_body(await _read_body(request), ChatCompletionRequest)
         self._check_model(body.model)
         body.check()
         tok = self.model.tokenizer
@@ -253,3 +253,20 @@ class _Handlers:
         if collected is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return JSONResponse(shape.full(collected, usage(gen.prompt_tokens, gen.completion_tokens)))
+
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request body, refusing more than MAX_BODY_BYTES before reading it all."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

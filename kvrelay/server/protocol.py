@@ -210,7 +210,7 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     """JSON bytes -> a request model, or an ApiError naming the field."""
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise bad_request(None, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise bad_request(None, "the request body must be a JSON object")

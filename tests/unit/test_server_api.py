@@ -235,6 +235,30 @@ def test_bad_input_names_the_field(
     assert err["param"] == param and err["message"]
 
 
+def test_n_choices_streamed(client: openai.OpenAI) -> None:
+    texts = ["", ""]
+    finish: dict[int, str | None] = {}
+    for c in client.chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=4, seed=7, n=2, stream=True
+    ):
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    n = chat_prompt_len("hi")
+    assert texts == [expected_letters(7, n, 4), expected_letters(8, n, 4)]
+    assert finish == {0: "length", 1: "length"}
+
+
+def test_hostile_bodies(url: str) -> None:
+    r = httpx.post(url + CMPL, content=b"[" * 100_000)
+    assert r.status_code == 400 and r.json()["error"]["param"] is None
+    r = httpx.post(url + CMPL, content=b"\xff\xfe")
+    assert r.status_code == 400
+    r = httpx.post(url + CMPL, content=b" " * (17 * 1024 * 1024))
+    assert r.status_code == 413
+
+
 def test_server_survives_bad_input(url: str) -> None:
     assert httpx.get(url + "/health").status_code == 200
     r = httpx.get(url + "/v1/nothing")
