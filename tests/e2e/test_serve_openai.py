@@ -9,6 +9,7 @@ SIGTERM while a stream is in flight and expects exit status 0.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib
 import json
 import os
@@ -56,14 +57,17 @@ def server_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvrelay.model.testing import write_tiny_hf_model
 
-    model_dir = write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model"))
-    log = tmp_path_factory.mktemp("serve-log") / "serve.log"
+    return Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+@contextlib.contextmanager
+def start_server(model_dir: Path, log: Path, *extra: str) -> Iterator[ServerProcess]:
     proc = ServerProcess(
         [str(model_dir), "--max-model-len", str(MAX_MODEL_LEN), "--num-blocks", "96",
-         "--block-size", "16", "--api-key", KEY, "--served-model-name", "tiny"],
+         "--block-size", "16", "--api-key", KEY, "--served-model-name", "tiny", *extra],
         env=server_env(), log_path=str(log), log_level="info",
     )
     proc.start()
@@ -73,6 +77,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     finally:
         proc.stop()
         print(log.read_text()[-4000:])  # shown by pytest when a test failed
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with start_server(model_dir, tmp_path_factory.mktemp("serve-log") / "serve.log") as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +189,32 @@ def test_abort_mid_stream_returns_blocks(server: ServerProcess) -> None:
     m = wait_blocks_back(url)
     assert m['kvrelay_requests_finished_total{reason="abort"}'] == before + 1
     assert m["kvrelay_requests_running"] == 0 and m["kvrelay_requests_waiting"] == 0
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, logprobs=2,
+                                  **GREEDY)
+    lp = r.choices[0].logprobs
+    assert lp is not None and len(lp.token_logprobs) == 5
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
+    c = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        logprobs=True, top_logprobs=2, **GREEDY,
+    )
+    assert len(c.choices[0].logprobs.content) == 4
+
+
+def test_async_scheduling_gives_the_same_tokens(
+    client: openai.OpenAI, model_dir: Path, tmp_path: Path
+) -> None:
+    want = client.completions.create(model="tiny", prompt="Once upon", max_tokens=16, **GREEDY)
+    with start_server(model_dir, tmp_path / "async.log", "--async-scheduling") as proc:
+        other = openai.OpenAI(base_url=proc.base_url + "/v1", api_key=KEY, max_retries=0)
+        got = other.completions.create(model="tiny", prompt="Once upon", max_tokens=16,
+                                       **GREEDY)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.completion_tokens == 16
+        wait_blocks_back(proc.base_url)
 
 
 MSG = [{"role": "user", "content": "hi"}]
