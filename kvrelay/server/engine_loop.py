@@ -42,6 +42,7 @@ class _Add:
     eos_token_ids: Sequence[int]
     sink: OutputQueue
     accepted: asyncio.Future[None]
+    remote_decode: bool = False
 
 
 @dataclass(slots=True)
@@ -104,6 +105,7 @@ class EngineLoop:
         sink: OutputQueue,
         *,
         eos_token_ids: Sequence[int] = (),
+        remote_decode: bool = False,
     ) -> None:
         """Hand a request to the engine; returns once it is accepted.
 
@@ -113,7 +115,8 @@ class EngineLoop:
         if not self.alive:
             raise EngineDead(self.stats.dead_reason or "the engine is shutting down")
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        cmd = _Add(request_id, prompt_token_ids, params, eos_token_ids, sink, accepted)
+        cmd = _Add(request_id, prompt_token_ids, params, eos_token_ids, sink, accepted,
+                   remote_decode)
         self._commands.put(cmd)
         try:
             await accepted
@@ -197,7 +200,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(
                     cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                    eos_token_ids=cmd.eos_token_ids,
+                    eos_token_ids=cmd.eos_token_ids, remote_decode=cmd.remote_decode,
                 )
                 self._sinks[cmd.request_id] = cmd.sink
                 self.stats.added += 1
