@@ -98,29 +98,37 @@ class Generation:
         return sum(c.num_tokens for c in self._choices.values())
 
     async def start(self, specs: Sequence[ChoiceSpec], prompt_tokens: int) -> None:
-        """Add every choice to the engine; on a rejection, undo and raise ApiError."""
-        for spec in specs:
-            rid = f"{self.base_id}-{spec.index}"
-            detok = self.make_detokenizer(
-                spec.prompt_token_ids, spec.params.stop, spec.params.include_stop_str_in_output
-            )
-            choice = _Choice(spec, rid, detok)
-            try:
-                await self.loop.add(
-                    rid, spec.prompt_token_ids, spec.params, self._queue,
-                    eos_token_ids=self.eos_token_ids,
-                )
-            except RequestRejected as exc:
-                self.abort_unfinished()
-                param = self.param_names.get(exc.param, exc.param)
-                raise ApiError(400, str(exc), param=param) from exc
-            except EngineDead as exc:
-                self.abort_unfinished()
-                raise ApiError(503, str(exc), type="server_error", code="unavailable") from exc
-            self._choices[rid] = choice
-            self._num_open += 1
-            self.metrics.prompt_tokens.inc(len(spec.prompt_token_ids))
+        """Add every choice to the engine; on a rejection, undo and raise ApiError.
+
+        Also undone when the handler is cancelled half-way (the client went away
+        while some choices were already admitted)."""
+        try:
+            for spec in specs:
+                await self._add(spec)
+        except RequestRejected as exc:
+            self.abort_unfinished()
+            param = self.param_names.get(exc.param, exc.param)
+            raise ApiError(400, str(exc), param=param) from exc
+        except EngineDead as exc:
+            self.abort_unfinished()
+            raise ApiError(503, str(exc), type="server_error", code="unavailable") from exc
+        except BaseException:
+            self.abort_unfinished()
+            raise
         self.prompt_tokens = prompt_tokens
+
+    async def _add(self, spec: ChoiceSpec) -> None:
+        rid = f"{self.base_id}-{spec.index}"
+        detok = self.make_detokenizer(
+            spec.prompt_token_ids, spec.params.stop, spec.params.include_stop_str_in_output
+        )
+        await self.loop.add(
+            rid, spec.prompt_token_ids, spec.params, self._queue,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self._choices[rid] = _Choice(spec, rid, detok)
+        self._num_open += 1
+        self.metrics.prompt_tokens.inc(len(spec.prompt_token_ids))
 
     async def deltas(self) -> AsyncIterator[Delta]:
         while self._num_open:

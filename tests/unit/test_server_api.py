@@ -196,6 +196,8 @@ BAD_INPUTS = [
     (CMPL, {"model": "tiny", "prompt": []}, 400, "prompt"),
     (CMPL, {"model": "tiny", "prompt": [1, 999]}, 400, "prompt"),
     (CMPL, {"model": "tiny", "prompt": "x" * 300}, 400, "prompt"),
+    # The first prompt of the batch is admitted, the second rejected: the first is undone.
+    (CMPL, {"model": "tiny", "prompt": ["ok", "x" * 300], "max_tokens": 50}, 400, "prompt"),
     (CMPL, {"model": "tiny", "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     (CMPL, {"model": "tiny", "prompt": "a", "max_tokens": 100000}, 400, "max_tokens"),
     (CMPL, {"model": "tiny", "prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
