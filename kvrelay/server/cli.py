@@ -123,7 +123,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    state = build_state(args)
+    try:
+        state = build_state(args)
+    except (OSError, ValueError) as exc:  # no such model, bad flag values: say which
+        log.error("cannot start: %s", exc)
+        return 2
     config = uvicorn.Config(
         create_app(state), host=args.host, port=args.port, log_level=args.log_level,
         access_log=args.log_level == "debug",

@@ -83,3 +83,9 @@ def test_sigterm_with_a_stream_in_flight_exits_zero(grace: str) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_serve_names_a_missing_model() -> None:
+    from kvrelay.cli import main
+
+    assert main(["serve", "/no/such/model.gguf", "--port", "1"]) == 2
