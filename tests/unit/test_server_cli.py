@@ -48,8 +48,11 @@ def test_parser_knows_the_commands() -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("grace", ["10", "0.2"])
-def test_sigterm_with_a_stream_in_flight_exits_zero(grace: str) -> None:
+@pytest.mark.parametrize(
+    ("grace", "sig"),
+    [("10", signal.SIGTERM), ("0.2", signal.SIGTERM), ("0.2", signal.SIGINT)],
+)
+def test_signal_with_a_stream_in_flight_exits_zero(grace: str, sig: signal.Signals) -> None:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(port), grace], env=env)
@@ -73,7 +76,7 @@ def test_sigterm_with_a_stream_in_flight_exits_zero(grace: str) -> None:
         t = threading.Thread(target=stream)
         t.start()
         time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         assert proc.wait(30) == 0
         t.join(10)
         assert lines[-1] == "data: [DONE]"
