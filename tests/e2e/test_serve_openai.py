@@ -217,6 +217,19 @@ def test_async_scheduling_gives_the_same_tokens(
         wait_blocks_back(proc.base_url)
 
 
+def test_serves_a_gguf_file(tmp_path: Path) -> None:
+    testing = importlib.import_module("kvrelay.model.testing")
+    if not hasattr(testing, "write_tiny_gguf"):
+        pytest.skip("kvrelay.model.testing.write_tiny_gguf is not available")
+    gguf = testing.write_tiny_gguf(tmp_path / "tiny.gguf")
+    with start_server(gguf, tmp_path / "gguf.log") as proc:
+        c = openai.OpenAI(base_url=proc.base_url + "/v1", api_key=KEY, max_retries=0)
+        r = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, **GREEDY
+        )
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 6)
+
+
 MSG = [{"role": "user", "content": "hi"}]
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BAD_INPUTS = [
