@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 
 # Top-level commands, and the `kvrelay bench` subcommands.
-COMMANDS: list[str] = ["kvrelay.server.cli", "kvrelay.server.demo"]
-BENCH_COMMANDS: list[str] = ["kvrelay.bench.core", "kvrelay.bench.serve"]
+COMMANDS: list[str] = ["kvrelay.model.cli", "kvrelay.server.cli", "kvrelay.server.demo"]
+BENCH_COMMANDS: list[str] = ["kvrelay.bench.core", "kvrelay.bench.offline", "kvrelay.bench.serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:

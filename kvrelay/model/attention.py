@@ -1,11 +1,20 @@
 """Paged attention over the block-major KV cache.
 
-Per layer, the cache is viewed as ``(num_blocks, 2, block_size, kv_heads, head_dim)``
-(a strided view of the one block-major tensor). The step's K/V are written with one
-indexed store per layer; attention then reads each request's context through its
-block table. Decode rows (one query each) are batched into one padded attention
-with a length mask; prefill chunks run one attention per chunk, since their query
-lengths differ and padding them to a common length would waste compute.
+The cache ``(num_blocks, num_layers, 2, block_size, kv_heads, head_dim)`` is
+addressed as rows of ``kv_heads * head_dim`` values: the K row of token slot
+(block, offset) in layer l is ``((block * num_layers + l) * 2) * block_size + offset``
+and its V row is ``block_size`` further. Metadata holds layer-0 K rows; a layer adds
+its constant. Writes are one ``index_copy_`` per layer, reads one ``index_select``
+(a row memcpy): measured on the 135M model's shapes, 4x faster than advanced
+indexing of a strided per-layer view (docs/model.md).
+
+Decode rows (one query each) are batched into one padded attention with a length
+mask, done as two batched matmuls over (request, KV head) pairs: for that the
+context is gathered as rows of ``head_dim`` (one KV head of one slot), which lands
+K/V directly in (request, KV head, position, head_dim) order; 1.6x faster than
+scaled_dot_product_attention on strided views at these shapes. Prefill chunks run
+one attention per chunk, since their query lengths differ and padding them to a
+common length would waste compute.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import torch.nn.functional as F
 class PrefillChunk:
     token_start: int  # slice of the step's flat token dimension
     token_end: int
-    block_table: torch.Tensor  # (num_context_blocks,) long
+    kv_rows: torch.Tensor  # (2 * ctx_len,) long: K rows of every context position, then V
     ctx_len: int  # context after this chunk: start + chunk length
     # (chunk_len, ctx_len) bool, True = may attend; None when the chunk starts the
     # sequence, so it attends causally to its own fresh K/V without a gather.
@@ -30,14 +39,17 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class AttnMetadata:
-    write_blocks: torch.Tensor  # (T,) long: block of each token's KV slot
-    write_offsets: torch.Tensor  # (T,) long: offset within the block
+    layer_stride: int  # rows between one layer and the next within a block: 2 * block_size
+    write_rows: torch.Tensor  # (2T,) long: K rows of the step's tokens, then V rows
     decode_rows: torch.Tensor | None  # (Bd,) long: flat token index of each decode row
-    decode_tables: torch.Tensor | None  # (Bd, max_blocks) long, padded with block 0
-    decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_blocks * block_size) bool
+    # (2 * Bd * KVH * max_ctx,) long: head rows (of head_dim values) of every decode
+    # context position, K then V, in (request, head, position) order; padding points
+    # at row 0 and is masked.
+    decode_head_rows: torch.Tensor | None
+    decode_ctx: int
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_ctx) float32: 0 or -inf
     prefills: list[PrefillChunk]
-    # Every token is a decode row, in order: no scatter of outputs needed.
-    all_decode: bool
+    all_decode: bool  # every token is a decode row, in order: no scatter of outputs
 
 
 @dataclass(slots=True)
@@ -48,10 +60,14 @@ class ChunkSpec:
 
 
 def build_metadata(
-    chunks: Sequence[ChunkSpec], block_size: int, device: torch.device
+    chunks: Sequence[ChunkSpec],
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    device: torch.device,
 ) -> AttnMetadata:
-    blocks: list[int] = []
-    offsets: list[int] = []
+    block_rows = num_layers * 2 * block_size
+    slots: list[int] = []
     dec_rows: list[int] = []
     dec_tables: list[Sequence[int]] = []
     dec_lens: list[int] = []
@@ -60,21 +76,23 @@ def build_metadata(
     for c in chunks:
         end = c.start + c.length
         bt = c.block_ids
-        blocks.extend(bt[p // block_size] for p in range(c.start, end))
-        offsets.extend(p % block_size for p in range(c.start, end))
+        slots.extend(bt[p // block_size] * block_rows + p % block_size for p in range(c.start, end))
         n_ctx_blocks = -(-end // block_size)
         if c.length == 1:
             dec_rows.append(t)
             dec_tables.append(bt[:n_ctx_blocks])
             dec_lens.append(end)
         else:
-            prefills.append(_prefill_chunk(c, t, n_ctx_blocks, device))
+            table = torch.tensor(list(bt[:n_ctx_blocks]), dtype=torch.long, device=device)
+            prefills.append(_prefill_chunk(c, t, table, block_size, block_rows))
         t += c.length
+    k_rows = torch.tensor(slots, dtype=torch.long, device=device)
     meta = AttnMetadata(
-        write_blocks=torch.tensor(blocks, dtype=torch.long, device=device),
-        write_offsets=torch.tensor(offsets, dtype=torch.long, device=device),
+        layer_stride=2 * block_size,
+        write_rows=torch.cat([k_rows, k_rows + block_size]),
         decode_rows=None,
-        decode_tables=None,
+        decode_head_rows=None,
+        decode_ctx=0,
         decode_mask=None,
         prefills=prefills,
         all_decode=len(dec_rows) == t,
@@ -82,62 +100,82 @@ def build_metadata(
     if dec_rows:
         width = max(len(b) for b in dec_tables)
         padded = [list(b) + [0] * (width - len(b)) for b in dec_tables]
-        meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
-        meta.decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
+        tables = torch.tensor(padded, dtype=torch.long, device=device)
+        ctx = max(dec_lens)
+        pos = torch.arange(ctx, device=device)
+        rows = len(dec_rows)
+        k = tables.gather(1, (pos // block_size).expand(rows, -1)) * block_rows + pos % block_size
+        heads = torch.arange(num_kv_heads, device=device)
+        k_heads = (k[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
         lens = torch.tensor(dec_lens, dtype=torch.long, device=device)
-        keys = torch.arange(width * block_size, device=device)
-        meta.decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]
+        meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
+        meta.decode_head_rows = torch.cat([k_heads, k_heads + block_size * num_kv_heads])
+        meta.decode_ctx = ctx
+        valid = (pos[None, :] < lens[:, None])[:, None, None, :]
+        meta.decode_mask = torch.zeros(valid.shape, device=device).masked_fill(~valid, -torch.inf)
     return meta
 
 
-def _prefill_chunk(c: ChunkSpec, t: int, n_ctx_blocks: int, device: torch.device) -> PrefillChunk:
+def _prefill_chunk(
+    c: ChunkSpec, t: int, table: torch.Tensor, block_size: int, block_rows: int
+) -> PrefillChunk:
     end = c.start + c.length
     mask = None
+    pos = torch.arange(end, device=table.device)
     if c.start > 0:
-        q_pos = torch.arange(c.start, end, device=device)
-        mask = torch.arange(end, device=device)[None, :] <= q_pos[:, None]
-    table = torch.tensor(list(c.block_ids[:n_ctx_blocks]), dtype=torch.long, device=device)
-    return PrefillChunk(t, t + c.length, table, end, mask)
+        mask = pos[None, :] <= pos[c.start :, None]
+    k = table[pos // block_size] * block_rows + pos % block_size
+    return PrefillChunk(t, t + c.length, torch.cat([k, k + block_size]), end, mask)
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_rows: torch.Tensor,
+    layer: int,
+    meta: AttnMetadata,
 ) -> torch.Tensor:
-    """q: (T, H, D); k, v: (T, KVH, D); cache: this layer's (NB, 2, bs, KVH, D) view.
-
-    Writes k/v into the cache, then returns the attention output (T, H * D).
-    """
-    cache[meta.write_blocks, :, meta.write_offsets] = torch.stack((k, v), dim=1)
+    """q: (T, H, D); k, v: (T, KVH, D); kv_rows: the whole cache viewed as
+    (rows, KVH * D). Writes k/v into ``layer``, returns attention output (T, H * D)."""
     T, H, D = q.shape
+    shift = layer * meta.layer_stride
+    kv_rows.index_copy_(0, meta.write_rows + shift, torch.cat([k, v]).reshape(2 * T, -1))
     if meta.all_decode:
-        assert meta.decode_tables is not None and meta.decode_mask is not None
-        return _decode(q, cache, meta.decode_tables, meta.decode_mask).reshape(T, H * D)
+        return _decode(q, kv_rows, layer, meta).reshape(T, H * D)
     out = q.new_empty(T, H, D)
     if meta.decode_rows is not None:
-        assert meta.decode_tables is not None and meta.decode_mask is not None
         rows = meta.decode_rows
-        out[rows] = _decode(q[rows], cache, meta.decode_tables, meta.decode_mask)
+        out[rows] = _decode(q[rows], kv_rows, layer, meta)
     for p in meta.prefills:
         s, e = p.token_start, p.token_end
-        out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], cache, p)
+        out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], kv_rows, shift, p)
     return out.reshape(T, H * D)
 
 
-def _decode(
-    q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
+def _decode(q: torch.Tensor, kv_rows: torch.Tensor, layer: int, meta: AttnMetadata) -> torch.Tensor:
     """One query per row. GQA without expanding K/V: the G query heads that share
     a KV head become G query rows of that head."""
+    assert meta.decode_head_rows is not None and meta.decode_mask is not None
     B, H, D = q.shape
-    kvh = cache.shape[3]
-    kv = cache[tables]  # (B, nb, 2, bs, KVH, D)
-    kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, B, kvh, -1, D)
-    o = F.scaled_dot_product_attention(q.view(B, kvh, H // kvh, D), kv[0], kv[1], attn_mask=mask)
-    return o.reshape(B, H, D)
+    kvh = kv_rows.shape[1] // D
+    g, ctx = H // kvh, meta.decode_ctx
+    shift = layer * meta.layer_stride * kvh
+    kv = kv_rows.view(-1, D).index_select(0, meta.decode_head_rows + shift)
+    kv = kv.view(2, B * kvh, ctx, D)
+    qg = q.reshape(B * kvh, g, D)
+    scores = torch.bmm(qg, kv[0].transpose(1, 2)).float() * D**-0.5
+    probs = (scores.view(B, kvh, g, ctx) + meta.decode_mask).softmax(dim=-1).to(q.dtype)
+    return torch.bmm(probs.view(B * kvh, g, ctx), kv[1]).view(B, H, D)
 
 
 def _prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, p: PrefillChunk
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_rows: torch.Tensor,
+    shift: int,
+    p: PrefillChunk,
 ) -> torch.Tensor:
     qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
     if p.mask is None:
@@ -145,8 +183,9 @@ def _prefill(
         vh = v.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
-        kvh, D = cache.shape[3], cache.shape[4]
-        kv = cache[p.block_table]  # (nb, 2, bs, KVH, D)
-        kv = kv.permute(1, 3, 0, 2, 4).reshape(2, 1, kvh, -1, D)[:, :, :, : p.ctx_len]
-        o = F.scaled_dot_product_attention(qh, kv[0], kv[1], attn_mask=p.mask, enable_gqa=True)
+        D = q.shape[2]
+        kv = kv_rows.index_select(0, p.kv_rows + shift).view(2, p.ctx_len, -1, D)
+        kh = kv[0].transpose(0, 1).unsqueeze(0)
+        vh = kv[1].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=p.mask, enable_gqa=True)
     return o[0].transpose(0, 1)

@@ -29,6 +29,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     o_bias: bool = False
+    # Attention window (Mistral); None = full attention. We attend fully, so the
+    # loader caps the context at the window, where the two agree.
+    sliding_window: int | None = None
     rope_scaling: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,4 +89,12 @@ class ModelConfig:
             qkv_bias=arch == "qwen2" or bias,
             o_bias=arch != "qwen2" and bias,
             rope_scaling=rope,
+            sliding_window=_sliding_window(cfg),
         )
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return None
+    return int(window)

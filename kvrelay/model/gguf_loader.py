@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import _type_traits, dequantize
 
 from kvrelay.model.config import ModelConfig, UnsupportedModel
+from kvrelay.model.gguf_file import GgufFile, GgufTensor
 from kvrelay.model.gguf_tokenizer import tokenizer_from_gguf
 
 # Dequantizable tensor types: the gguf package's numpy kernels plus plain floats.
@@ -41,8 +42,8 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 class GgufModel:
     def __init__(self, path: Path) -> None:
-        reader = GGUFReader(str(path))
-        self.meta: dict[str, Any] = {k: _field_value(f) for k, f in reader.fields.items()}
+        reader = GgufFile(path)
+        self.meta: dict[str, Any] = reader.fields
         arch = str(self.meta.get("general.architecture", ""))
         if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModel(
@@ -107,7 +108,7 @@ class GgufModel:
         return state, freq_factors
 
 
-def _dequantize(t: Any) -> np.ndarray:
+def _dequantize(t: GgufTensor) -> np.ndarray:
     # GGUF lists shapes innermost first; numpy wants them outermost first.
     shape = tuple(int(d) for d in reversed(t.shape))
     arr = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
@@ -138,10 +139,3 @@ def _rope_scaling(m: dict[str, Any], arch: str) -> dict[str, Any]:
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(m[f"{arch}.rope.scaling.factor"])}
     return {"rope_type": str(kind)}  # ModelConfig names it as unsupported
-
-
-def _field_value(field: Any) -> Any:
-    try:
-        return field.contents()
-    except Exception:  # a field type this gguf version cannot decode: not one we read
-        return None

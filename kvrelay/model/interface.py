@@ -47,8 +47,14 @@ class KvGeometry:
         text = "|".join(
             str(x)
             for x in (
-                self.architecture, self.num_layers, self.num_kv_heads, self.head_dim,
-                self.block_size, self.dtype, self.layout, model_id,
+                self.architecture,
+                self.num_layers,
+                self.num_kv_heads,
+                self.head_dim,
+                self.block_size,
+                self.dtype,
+                self.layout,
+                model_id,
             )
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -7,10 +7,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from kvrelay.core.runner import Runner
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.interface import KvCacheFactory, KvGeometry
+from kvrelay.model.interface import KvCacheFactory, KvGeometry, LoadedModel
+from kvrelay.model.interface import Tokenizer as TokenizerProtocol
 from kvrelay.model.model import LlamaModel
 from kvrelay.model.runner import ModelRunner
 from kvrelay.model.tokenizer import Tokenizer
@@ -26,8 +29,10 @@ class Model:
     """Implements ``kvrelay.model.interface.LoadedModel``."""
 
     name: str
-    tokenizer: Tokenizer
-    runner: ModelRunner
+    # Typed as the interface's protocols (mutable protocol attributes are invariant);
+    # the objects are a kvrelay.model.tokenizer.Tokenizer and a ModelRunner.
+    tokenizer: TokenizerProtocol
+    runner: Runner
     kv_cache: torch.Tensor
     kv_geometry: KvGeometry
     num_blocks: int
@@ -67,7 +72,8 @@ def load_model(
     cfg, state, tokenizer, freq_factors = _read(model_path)
     torch_dtype = _DTYPES[dtype]
     dev = torch.device(device)
-    max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    limit = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+    max_len = min(max_model_len or limit, limit)
     model = LlamaModel(
         cfg, state, dtype=torch_dtype, device=dev, max_len=max_len, rope_freq_factors=freq_factors
     )
@@ -84,13 +90,17 @@ def load_model(
     shape = (n_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
     if kv_cache_factory is not None:
         kv_cache = kv_cache_factory(shape, torch_dtype)
-        if tuple(kv_cache.shape) != shape or kv_cache.dtype != torch_dtype:
+        if (
+            tuple(kv_cache.shape) != shape
+            or kv_cache.dtype != torch_dtype
+            or not kv_cache.is_contiguous()
+        ):
             raise ValueError(
                 f"kv_cache_factory returned {tuple(kv_cache.shape)} {kv_cache.dtype}; "
-                f"expected {shape} {torch_dtype}"
+                f"expected a contiguous {shape} {torch_dtype} tensor"
             )
     else:
-        kv_cache = torch.zeros(shape, dtype=torch_dtype, device=dev)
+        kv_cache = _zeros(shape, torch_dtype, dev)
     runner = ModelRunner(model, kv_cache, block_size)
     return Model(
         name=_model_name(model_path),
@@ -103,6 +113,16 @@ def load_model(
         config=cfg,
         path=model_path,
     )
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # numpy takes zeroed pages from the OS (calloc), so a 1 GiB cache costs nothing
+    # until used; torch.zeros writes every byte at load (about 2 s per GiB here).
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def _read(
@@ -151,3 +171,8 @@ def _model_name(path: Path) -> str:
         return path.name
     # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
     return re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", path.stem, flags=re.IGNORECASE)
+
+
+def _conforms(model: Model) -> LoadedModel:
+    """Never called: mypy proves here that Model implements the interface's contract."""
+    return model

@@ -55,17 +55,18 @@ class RotaryTable:
         freqs = torch.outer(pos, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        # rotate_half(x) * sin == swap_halves(x) * signed_sin: one flip instead of a
+        # negation and a concatenation per application.
+        signed = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+        self.signed_sin = signed.to(dtype=dtype, device=device)
 
-    def apply(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: (T, H, D), k: (T, KVH, D); positions: (T,)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for (T,) positions, shaped (T, 1, D): once per step."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x: (T, heads, D), rotate-half layout (as transformers' apply_rotary_pos_emb)."""
+        T, n, D = x.shape
+        swapped = x.reshape(T, n, 2, D // 2).flip(2).reshape(T, n, D)
+        return x * cos + swapped * signed_sin

@@ -81,7 +81,8 @@ class ModelRunner:
         logit_rows: list[int],
     ) -> torch.Tensor:
         dev = self.device
-        meta = build_metadata(chunks, self.block_size, dev)
+        cfg = self.model.cfg
+        meta = build_metadata(chunks, self.block_size, cfg.num_layers, cfg.num_kv_heads, dev)
         return self.model.forward(
             torch.tensor(token_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

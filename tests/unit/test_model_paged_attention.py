@@ -47,7 +47,9 @@ def test_paged_equals_contiguous(seed: int) -> None:
                 "out": torch.empty(length, H * D),
             }
         )
-    cache = torch.zeros(NB, 1, 2, BS, KVH, D)[:, 0]  # one layer's strided view
+    layers, layer = 3, 1
+    cache = torch.zeros(NB, layers, 2, BS, KVH, D)
+    rows = cache.view(-1, KVH * D)
     # Steps of a random mix: each unfinished sequence computes a random-size chunk
     # (size 1 = a decode row), all in one batch.
     while any(s["done"] < s["len"] for s in seqs):
@@ -64,11 +66,18 @@ def test_paged_equals_contiguous(seed: int) -> None:
         q = torch.cat([s["q"][a:b] for s, a, b in spans])
         k = torch.cat([s["k"][a:b] for s, a, b in spans])
         v = torch.cat([s["v"][a:b] for s, a, b in spans])
-        out = paged_attention(q, k, v, cache, build_metadata(chunks, BS, torch.device("cpu")))
+        meta = build_metadata(chunks, BS, layers, KVH, torch.device("cpu"))
+        out = paged_attention(q, k, v, rows, layer, meta)
         t = 0
         for s, a, b in spans:
             s["out"][a:b] = out[t : t + b - a]
             t += b - a
+    # Only this layer's slots were written: K of position p sits in its block's slot.
+    assert cache[:, 0].abs().sum() == 0 and cache[:, 2].abs().sum() == 0
+    s = seqs[0]
+    last = s["len"] - 1
+    slot = cache[s["blocks"][last // BS], layer, :, last % BS]
+    assert torch.equal(slot[0], s["k"][last]) and torch.equal(slot[1], s["v"][last])
     for s in seqs:
         torch.testing.assert_close(
             s["out"], _reference(s["q"], s["k"], s["v"]), atol=1e-5, rtol=1e-5

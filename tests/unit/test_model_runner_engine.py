@@ -110,3 +110,44 @@ def test_clear_errors(tmp_path: Path, model_dir: Path) -> None:
         load_model(str(tmp_path / "m"))
     with pytest.raises(ValueError, match="dtype 'int8'"):
         load_model(str(model_dir), dtype="int8")
+
+
+def test_bfloat16_is_close_to_float32(model_dir: Path) -> None:
+    import torch
+
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        m = load_model(str(model_dir), dtype=dtype, block_size=4, num_blocks=16)
+        assert m.kv_cache.dtype == getattr(torch, dtype)
+        sr = ScheduledRequest("a", PROMPTS[2], 0, list(range(8)), True, SamplingParams(), 28)
+        logits[dtype] = m.runner.compute_logits(Batch(0, [sr]))[1][0]
+    torch.testing.assert_close(logits["bfloat16"], logits["float32"], atol=0.1, rtol=0.05)
+
+
+def test_unsupported_gguf_tensor_type_is_named(tmp_path: Path) -> None:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "f64.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float64))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"token_embd.weight has quantization type F64.*Q4_1"):
+        load_model(str(path))
+
+
+def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
+    from kvrelay.model.testing import (
+        tiny_hf_config,
+        tiny_tokenizer_json,
+        tiny_weights,
+        write_hf_dir,
+    )
+
+    cfg = tiny_hf_config("mistral", 384)
+    cfg["sliding_window"] = 64
+    path = write_hf_dir(tmp_path / "m", cfg, tiny_weights(cfg, 0), tiny_tokenizer_json())
+    assert load_model(str(path), num_blocks=4).max_model_len == 64
