@@ -54,6 +54,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--save-result", default=None, metavar="FILE.json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--offline-reference", action="store_true",
+                   help="afterwards, run the same prompts on the engine in this process (no "
+                   "HTTP) and print the ratio served / offline; for a kvrelay server of the "
+                   "same model on this machine")
+    p.add_argument("--offline-model", default=None,
+                   help="model for --offline-reference (default: the embedded model)")
+    p.add_argument("--offline-dtype", default="float32",
+                   help="dtype for --offline-reference (match the server's --dtype)")
     p.set_defaults(func=run)
 
 
@@ -252,10 +260,41 @@ def format_summary(s: dict[str, Any], model: str, args: argparse.Namespace) -> s
     return "\n".join(lines)
 
 
+def offline_reference(args: argparse.Namespace) -> float:
+    """Output tokens/s of the same prompts straight on the engine core, no server."""
+    from kvrelay.config import SchedulerConfig
+    from kvrelay.core.engine import Engine
+    from kvrelay.model import load_model
+    from kvrelay.sampling_params import SamplingParams
+
+    m = load_model(args.offline_model, dtype=args.offline_dtype)
+    config = SchedulerConfig(
+        num_blocks=m.num_blocks, block_size=m.kv_geometry.block_size,
+        max_model_len=m.max_model_len, max_num_seqs=args.concurrency or 256,
+    )
+    engine = Engine(config, m.runner)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0,
+                            ignore_eos=args.ignore_eos)
+    prompts = make_prompts(args.prompt_kind, args.num_prompts, args.input_len, args.seed)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"ref-{i}", m.tokenizer.encode(prompt), params,
+                           eos_token_ids=m.tokenizer.eos_token_ids)
+    t0 = time.perf_counter()
+    tokens = 0
+    while engine.has_work():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    return tokens / (time.perf_counter() - t0)
+
+
 def run(args: argparse.Namespace) -> int:
     results, duration, model = asyncio.run(run_load(args))
     summary = summarize(results, duration)
     print(format_summary(summary, model, args))
+    if args.offline_reference:
+        ref = offline_reference(args)
+        summary["offline_output_throughput"] = ref
+        print(f"{'Offline engine, same prompts (tok/s):':<36}{ref:>14.2f}")
+        print(f"{'Served / offline throughput:':<36}{summary['output_throughput'] / ref:>14.2f}")
     if args.save_result:
         record = {
             "model": model,
