@@ -14,11 +14,12 @@ import sys
 from collections.abc import Sequence
 
 # Top-level commands, and the `kvrelay bench` subcommands.
-COMMANDS: list[str] = ["kvrelay.model.cli"]
+COMMANDS: list[str] = ["kvrelay.model.cli", "kvrelay.server.cli", "kvrelay.server.demo"]
 BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.core",
     "kvrelay.bench.transfer",
     "kvrelay.bench.offline",
+    "kvrelay.bench.serve",
 ]
 
 
@@ -26,12 +27,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(name).register(sub)
+        _register(name, sub)
     bench = sub.add_parser("bench", help="benchmarks that print a ratio against a reference")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     for name in BENCH_COMMANDS:
-        importlib.import_module(name).register(bench_sub)
+        _register(name, bench_sub)
     return parser
+
+
+def _register(module_name: str, subparsers: argparse._SubParsersAction) -> None:
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise  # a broken import inside the command is a bug, not a missing command
+        return  # the command's module is not part of this build (yet)
+    module.register(subparsers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

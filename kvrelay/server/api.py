@@ -1,0 +1,272 @@
+"""The OpenAI-compatible HTTP API.
+
+``create_app`` takes everything it serves as arguments (the engine loop, the
+model's tokenizer and limits, a detokenizer factory), so tests can inject
+stand-ins and the prefill/decode roles can reuse the same request path.
+
+Request path: parse and validate (ApiError names the field) -> tokenize ->
+``Generation.start`` (the engine accepts or rejects each choice) -> stream or
+collect ``Delta``s. Whatever ends the handler (done, error, client gone, shutdown),
+``Generation.abort_unfinished`` runs in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvrelay import __version__
+from kvrelay.model.interface import Tokenizer
+from kvrelay.server.engine_loop import EngineLoop
+from kvrelay.server.generation import ChoiceSpec, DetokenizerFactory, Generation
+from kvrelay.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvrelay.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LogprobFormatter,
+    bad_request,
+    new_id,
+    now,
+    parse_body,
+    usage,
+)
+from kvrelay.server.responses import (
+    ChatShape,
+    CompletionShape,
+    EventStream,
+    Shape,
+    collect,
+    stream_events,
+    until_disconnect,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedModel:
+    """What the API needs of the model."""
+
+    names: list[str]  # served model names; the first is reported
+    tokenizer: Tokenizer
+    max_model_len: int
+    # Most tokens one request can hold: min(max_model_len, KV cache capacity).
+    max_context: int
+    make_detokenizer: DetokenizerFactory
+    created: int = field(default_factory=now)
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    model: ServedModel
+    metrics: ServerMetrics
+    api_key: str | None = None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.loop.stop)
+
+    app = FastAPI(title="kvrelay", version=__version__, lifespan=lifespan)
+    app.state.kvrelay = state
+    _install_error_handlers(app)
+    handlers = _Handlers(state)
+
+    app.add_api_route("/health", handlers.health, methods=["GET"])
+    app.add_api_route("/version", handlers.version, methods=["GET"])
+    app.add_api_route("/metrics", handlers.metrics, methods=["GET"])
+    app.add_api_route("/v1/models", handlers.models, methods=["GET"])
+    app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+
+class _Handlers:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.model = state.model
+        tok = state.model.tokenizer
+        self.logprobs = LogprobFormatter(lambda t: tok.decode([t], skip_special_tokens=False))
+
+    # -- plain endpoints -------------------------------------------------------------
+    async def health(self) -> Response:
+        if not self.state.loop.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def version(self) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def metrics(self) -> Response:
+        return Response(self.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        self._check_auth(request)
+        m = self.model
+        data = [
+            {
+                "id": name, "object": "model", "created": m.created, "owned_by": "kvrelay",
+                "root": m.name, "max_model_len": m.max_model_len,
+            }
+            for name in m.names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    # -- generation endpoints --------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        self._check_auth(request)
+        body = parse_body(await _read_body(request), CompletionRequest)
+        self._check_model(body.model)
+        body.check()
+        prompts = [self._encode_prompt(p) for p in body.prompts()]
+        specs = self._specs(body, prompts, body.max_tokens, body.logprobs)
+        gen = self._generation("cmpl", {}, arrival)
+        await gen.start(specs, sum(len(p) for p in prompts))
+        shape = CompletionShape(gen.base_id, self.model.name, body.logprobs is not None,
+                                 self.logprobs)
+        return await self._respond(request, gen, shape, body.stream,
+                                   body.include_usage_in_stream(), len(specs))
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        self._check_auth(request)
+        body = parse_body(await _read_body(request), ChatCompletionRequest)
+        self._check_model(body.model)
+        body.check()
+        tok = self.model.tokenizer
+        text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=True)
+        prompt = tok.encode(text, add_special_tokens=False)
+        specs = self._specs(body, [prompt], body.requested_max_tokens(), body.num_logprobs())
+        gen = self._generation("chatcmpl", {"prompt": "messages"}, arrival)
+        await gen.start(specs, len(prompt))
+        shape = ChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs)
+        return await self._respond(request, gen, shape, body.stream,
+                                   body.include_usage_in_stream(), len(specs))
+
+    # -- helpers ---------------------------------------------------------------------
+    def _check_auth(self, request: Request) -> None:
+        key = self.state.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if not header:
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                           param="Authorization", code="invalid_api_key")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), key):
+            raise ApiError(401, "incorrect API key provided", param="Authorization",
+                           code="invalid_api_key")
+
+    def _check_model(self, name: str) -> None:
+        if name not in self.model.names:
+            raise ApiError(
+                404, f"the model {name!r} does not exist; this server serves "
+                f"{', '.join(repr(n) for n in self.model.names)}",
+                param="model", code="model_not_found",
+            )
+
+    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.model.tokenizer.encode(prompt, add_special_tokens=True)
+        vocab = self.model.tokenizer.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request("prompt", f"prompt token id {bad} is outside [0, {vocab})")
+        return list(prompt)
+
+    def _specs(
+        self, body: Any, prompts: Sequence[list[int]], max_tokens: int | None,
+        logprobs: int | None,
+    ) -> list[ChoiceSpec]:
+        specs = []
+        for p_index, prompt in enumerate(prompts):
+            # Unset max_tokens: as many as the context still holds (the engine rejects a
+            # prompt that leaves no room, naming the prompt).
+            limit = max_tokens if max_tokens is not None else max(
+                1, self.model.max_context - len(prompt)
+            )
+            for i in range(body.n):
+                index = p_index * body.n + i
+                specs.append(ChoiceSpec(index, prompt, body.sampling_params(limit, logprobs, i)))
+        return specs
+
+    def _generation(
+        self, prefix: str, param_names: dict[str, str], arrival: float
+    ) -> Generation:
+        s = self.state
+        return Generation(
+            s.loop, s.metrics, s.model.make_detokenizer, new_id(prefix),
+            eos_token_ids=list(s.model.tokenizer.eos_token_ids), param_names=param_names,
+            arrival=arrival,
+        )
+
+    async def _respond(
+        self, request: Request, gen: Generation, shape: Shape, stream: bool,
+        include_usage: bool, num_choices: int,
+    ) -> Response:
+        if stream:
+            return EventStream(stream_events(gen, shape, include_usage, num_choices),
+                               on_close=gen.abort_unfinished)
+        try:
+            collected = await until_disconnect(request, collect(gen, num_choices))
+        finally:
+            gen.abort_unfinished()
+        if collected is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(shape.full(collected, usage(gen.prompt_tokens, gen.completion_tokens)))
+
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request body, refusing more than MAX_BODY_BYTES before reading it all."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,143 @@
+"""``kvrelay serve [MODEL]``: the OpenAI-compatible server on one colocated engine.
+
+Flags follow vLLM's names. The model, the engine and the app are built by
+``build_state`` so that other commands (the demo, later the prefill/decode roles)
+build the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvrelay.model.interface import LoadedModel
+    from kvrelay.server.api import ServerState
+
+log = logging.getLogger("kvrelay.serve")
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (a Hugging Face directory or a .gguf file; default: the "
+        "embedded SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API.",
+    )
+    add_model_args(p)
+    add_server_args(p)
+    p.set_defaults(func=run)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face model directory or .gguf file (default: embedded model)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length limit (default: the model's own)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV cache blocks (default: from --kv-cache-memory or the model)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="memory for the KV cache in GiB (ignored with --num-blocks)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most requests running in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens computed in one step (prefill chunks included)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule step N+1 before step N's output is applied")
+    p.add_argument("--seed", type=int, default=0, help="global random seed")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--api-key", default=os.environ.get("KVRELAY_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (env KVRELAY_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients use; the first is reported (default: model's)")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, how long in-flight requests may finish before "
+                   "they are aborted")
+
+
+def build_state(args: argparse.Namespace) -> ServerState:
+    """Load the model and build the engine, its loop and the app state."""
+    import random
+
+    import torch
+
+    from kvrelay.config import SchedulerConfig
+    from kvrelay.core.engine import Engine
+    from kvrelay.model.detokenizer import IncrementalDetokenizer
+    from kvrelay.server.api import ServedModel, ServerState
+    from kvrelay.server.engine_loop import EngineLoop
+    from kvrelay.server.metrics import ServerMetrics
+
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    # Looked up by name: the model package is built on its own branch, against the
+    # contract in kvrelay/model/interface.py.
+    load_model = importlib.import_module("kvrelay.model").load_model
+    model: LoadedModel = load_model(
+        args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+    )
+    block_size = model.kv_geometry.block_size
+    config = SchedulerConfig(
+        num_blocks=model.num_blocks, block_size=block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=model.max_model_len,
+        async_scheduling=args.async_scheduling,
+    )
+    engine = Engine(config, model.runner)
+    tok = model.tokenizer
+    names = args.served_model_name or [model.name]
+    served = ServedModel(
+        names=names, tokenizer=tok, max_model_len=model.max_model_len,
+        max_context=min(model.max_model_len, model.num_blocks * block_size),
+        make_detokenizer=lambda ids, stop, include: IncrementalDetokenizer(
+            tok, ids, stop=stop, include_stop_str_in_output=include
+        ),
+    )
+    log.info(
+        "model %s: %d KV blocks of %d tokens, max_model_len %d, dtype %s, device %s",
+        names[0], model.num_blocks, block_size, model.max_model_len, args.dtype, args.device,
+    )
+    return ServerState(EngineLoop(engine), served, ServerMetrics(engine, names[0]), args.api_key)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvrelay.server.api import create_app
+    from kvrelay.server.graceful import GracefulServer
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        state = build_state(args)
+    except (OSError, ValueError) as exc:  # no such model, bad flag values: say which
+        log.error("cannot start: %s", exc)
+        return 2
+    config = uvicorn.Config(
+        create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        # The drain at shutdown_timeout ends every response; this only catches a hang.
+        timeout_graceful_shutdown=args.shutdown_timeout + 5.0,
+    )
+    server = GracefulServer(config, drain=state.loop.drain, drain_after=args.shutdown_timeout)
+    log.info("serving %s on http://%s:%d/v1", state.model.name, args.host, args.port)
+    server.run()
+    if not server.started:
+        return 1  # e.g. the port was taken; uvicorn logged why
+    log.info("stopped")
+    return 0

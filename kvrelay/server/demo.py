@@ -1,0 +1,230 @@
+"""``kvrelay demo``: a server on a free localhost port, a few chat requests, a table.
+
+The server runs as a real subprocess (``python -m kvrelay serve``) and is driven
+with the official ``openai`` client, exactly as a user would. The processes are
+described by ``Deployment`` so that the disaggregated demo (prefill + decode +
+proxy) only adds processes; the client part talks to one base URL either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the sea.",
+)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "demo", help="start a local server with the embedded model and chat with it",
+    )
+    p.add_argument("--model", default=None, help="model to serve (default: embedded model)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer")
+    p.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `kvrelay serve` (repeatable)")
+    p.set_defaults(func=run)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    """One ``kvrelay serve`` subprocess on localhost."""
+
+    args: list[str]
+    port: int = field(default_factory=free_port)
+    env: dict[str, str] | None = None  # default: this process's environment
+    log_path: str | None = None  # where its output goes (default: inherited)
+    log_level: str = "warning"
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "kvrelay", "serve", *self.args,
+               "--host", "127.0.0.1", "--port", str(self.port), "--log-level", self.log_level]
+        env = self.env if self.env is not None else os.environ.copy()
+        if self.log_path is None:
+            self.proc = subprocess.Popen(cmd, env=env)
+            return
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout: float) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"the server was not healthy within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return 0 if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@dataclass
+class Deployment:
+    """The processes of the demo and the URL a client talks to."""
+
+    servers: list[ServerProcess]
+
+    @property
+    def client_url(self) -> str:
+        return self.servers[-1].base_url
+
+    def start(self, timeout: float) -> None:
+        for s in self.servers:
+            s.start()
+        for s in self.servers:
+            s.wait_healthy(timeout)
+
+    def stop(self) -> list[int]:
+        return [s.stop() for s in reversed(self.servers)]
+
+
+def colocated(model: str | None, extra: list[str]) -> Deployment:
+    return Deployment([ServerProcess(([model] if model else []) + extra)])
+
+
+@dataclass
+class Answer:
+    question: str
+    text: str
+    streamed: bool
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    total_s: float
+
+
+def ask(client: Any, model: str, question: str, max_tokens: int, stream: bool) -> Answer:
+    messages = [{"role": "user", "content": question}]
+    t0 = time.perf_counter()
+    if not stream:
+        r = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0
+        )
+        total = time.perf_counter() - t0
+        u = r.usage
+        return Answer(question, r.choices[0].message.content or "", False, u.prompt_tokens,
+                      u.completion_tokens, total, total)
+    parts: list[str] = []
+    ttft = 0.0
+    usage = None
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                if not parts:
+                    ttft = time.perf_counter() - t0
+                parts.append(choice.delta.content)
+                print(choice.delta.content, end="", flush=True)
+    print()
+    total = time.perf_counter() - t0
+    return Answer(question, "".join(parts), True, usage.prompt_tokens if usage else 0,
+                  usage.completion_tokens if usage else 0, ttft, total)
+
+
+def stats_table(answers: list[Answer]) -> str:
+    head = f"{'#':>2}  {'mode':<8} {'prompt':>6} {'output':>6} {'TTFT ms':>8} {'total ms':>9} " \
+           f"{'tok/s':>7}"
+    rows = [head, "-" * len(head)]
+    # tok/s: decode speed after the first token when streamed, else output over total.
+    for i, a in enumerate(answers, 1):
+        decode = a.total_s - a.ttft_s
+        rate = (a.completion_tokens - 1) / decode if decode > 0 and a.completion_tokens > 1 else (
+            a.completion_tokens / a.total_s if a.total_s else 0.0
+        )
+        ttft = f"{a.ttft_s * 1e3:.0f}" if a.streamed else "-"  # unknown unless streamed
+        rows.append(
+            f"{i:>2}  {'stream' if a.streamed else 'full':<8} {a.prompt_tokens:>6} "
+            f"{a.completion_tokens:>6} {ttft:>8} {a.total_s * 1e3:>9.0f} {rate:>7.1f}"
+        )
+    return "\n".join(rows)
+
+
+def server_metrics(base_url: str, names: tuple[str, ...]) -> dict[str, float]:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            values[name] = float(value)
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    import openai
+
+    deployment = colocated(args.model, list(args.server_arg))
+    print("starting the server (loading the model)...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        try:
+            deployment.start(args.startup_timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"kvrelay demo: the server did not come up: {exc}", file=sys.stderr)
+            return 1
+        print(f"server ready at {deployment.client_url} in {time.perf_counter() - t0:.1f} s\n")
+        client = openai.OpenAI(base_url=deployment.client_url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        answers = []
+        for i, q in enumerate(QUESTIONS):
+            stream = i == 0
+            print(f"Q: {q}\nA: ", end="", flush=True)
+            a = ask(client, model, q, args.max_tokens, stream)
+            if not stream:
+                print(a.text.strip())
+            print()
+            answers.append(a)
+        print(f"model: {model}\n")
+        print(stats_table(answers))
+        m = server_metrics(deployment.client_url, ("kvrelay_kv_blocks_total",
+                                                   "kvrelay_kv_blocks_free"))
+        print(f"\nKV blocks free after the requests: {m.get('kvrelay_kv_blocks_free', 0):.0f} / "
+              f"{m.get('kvrelay_kv_blocks_total', 0):.0f}")
+    finally:
+        codes = deployment.stop()
+    if any(codes):
+        print(f"a server exited with status {codes}", file=sys.stderr)
+        return 1
+    return 0

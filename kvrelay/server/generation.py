@@ -1,0 +1,186 @@
+"""One HTTP request's generation: its engine requests (one per choice), their text.
+
+The request side of the engine loop. It owns a single asyncio queue into which the
+loop thread delivers the outputs of all of this request's engine requests, turns
+token ids into text with an incremental detokenizer, ends a choice when a stop
+string matches (and aborts that engine request so its blocks come back at once),
+and records latency metrics as tokens arrive.
+
+Invariant: every engine request this object added is either finished by the engine
+or aborted by ``abort_unfinished``; the handlers call it in a ``finally``, so a
+client that goes away (or a handler that is cancelled) never leaves a request
+behind in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvrelay.core.engine import RequestOutput, RequestRejected
+from kvrelay.core.lifecycle import FinishReason
+from kvrelay.core.runner import TokenLogprobs
+from kvrelay.sampling_params import SamplingParams
+from kvrelay.server.engine_loop import EngineDead, EngineLoop
+from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.protocol import ApiError
+
+
+class Detokenizer(Protocol):
+    stopped: bool
+
+    def add(self, new_token_ids: Sequence[int]) -> str: ...
+
+    def finish(self) -> str: ...
+
+
+# (prompt token ids, stop strings, include_stop_str_in_output) -> a detokenizer
+DetokenizerFactory = Callable[[Sequence[int], Sequence[str], bool], Detokenizer]
+
+
+@dataclass(slots=True)
+class ChoiceSpec:
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class Delta:
+    """New output of one choice: text, the tokens behind it, maybe the end."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Choice:
+    spec: ChoiceSpec
+    request_id: str
+    detok: Detokenizer
+    num_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    finish_reason: str | None = None
+
+
+_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.REMOTE_DECODE: "remote_decode",
+}
+
+
+@dataclass
+class Generation:
+    loop: EngineLoop
+    metrics: ServerMetrics
+    make_detokenizer: DetokenizerFactory
+    base_id: str
+    eos_token_ids: Sequence[int] = ()
+    # Engine parameter names as this endpoint calls them ("prompt" -> "messages").
+    param_names: dict[str, str] = field(default_factory=dict)
+    arrival: float = field(default_factory=time.monotonic)
+    _queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
+    _choices: dict[str, _Choice] = field(default_factory=dict)
+    _num_open: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self._choices.values())
+
+    async def start(self, specs: Sequence[ChoiceSpec], prompt_tokens: int) -> None:
+        """Add every choice to the engine; on a rejection, undo and raise ApiError.
+
+        Also undone when the handler is cancelled half-way (the client went away
+        while some choices were already admitted)."""
+        try:
+            for spec in specs:
+                await self._add(spec)
+        except RequestRejected as exc:
+            self.abort_unfinished()
+            param = self.param_names.get(exc.param, exc.param)
+            raise ApiError(400, str(exc), param=param) from exc
+        except EngineDead as exc:
+            self.abort_unfinished()
+            raise ApiError(503, str(exc), type="server_error", code="unavailable") from exc
+        except BaseException:
+            self.abort_unfinished()
+            raise
+        self.prompt_tokens = prompt_tokens
+
+    async def _add(self, spec: ChoiceSpec) -> None:
+        rid = f"{self.base_id}-{spec.index}"
+        detok = self.make_detokenizer(
+            spec.prompt_token_ids, spec.params.stop, spec.params.include_stop_str_in_output
+        )
+        await self.loop.add(
+            rid, spec.prompt_token_ids, spec.params, self._queue,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self._choices[rid] = _Choice(spec, rid, detok)
+        self._num_open += 1
+        self.metrics.prompt_tokens.inc(len(spec.prompt_token_ids))
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        while self._num_open:
+            out = await self._queue.get()
+            delta = self._apply(out)
+            if delta is not None:
+                yield delta
+
+    def abort_unfinished(self) -> None:
+        for choice in self._choices.values():
+            if choice.finish_reason is None:
+                self.loop.abort(choice.request_id)
+                self._finish(choice, "abort")
+
+    # -- internals --------------------------------------------------------------------
+    def _apply(self, out: RequestOutput) -> Delta | None:
+        choice = self._choices.get(out.request_id)
+        if choice is None or choice.finish_reason is not None:
+            return None  # e.g. the abort that follows a stop-string match
+        if out.finish_reason is FinishReason.ERROR:
+            self._finish(choice, "error")
+            raise ApiError(500, out.error or "the engine failed", type="server_error")
+        text = ""
+        if out.new_token_ids:
+            self._record_tokens(choice, len(out.new_token_ids))
+            text = choice.detok.add(out.new_token_ids)
+        delta = Delta(choice.spec.index, text, out.new_token_ids, out.new_logprobs)
+        if choice.detok.stopped:
+            # A stop string ended the text: the engine request must end too, now.
+            self.loop.abort(choice.request_id, FinishReason.STOP)
+            delta.finish_reason = "stop"
+        elif out.finished:
+            delta.text += choice.detok.finish()
+            assert out.finish_reason is not None
+            delta.finish_reason = _REASONS.get(out.finish_reason, out.finish_reason.value)
+        if delta.finish_reason is not None:
+            self._finish(choice, delta.finish_reason)
+        return delta
+
+    def _record_tokens(self, choice: _Choice, n: int) -> None:
+        t = time.monotonic()
+        if choice.first_token_at is None:
+            choice.first_token_at = t
+            self.metrics.ttft.observe(t - self.arrival)
+        else:
+            self.metrics.itl.observe(t - choice.last_token_at)
+        choice.last_token_at = t
+        choice.num_tokens += n
+        self.metrics.generation_tokens.inc(n)
+
+    def _finish(self, choice: _Choice, reason: str) -> None:
+        choice.finish_reason = reason
+        self._num_open -= 1
+        self.metrics.requests_finished.labels(reason=reason).inc()
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)

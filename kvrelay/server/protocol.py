@@ -1,0 +1,300 @@
+"""OpenAI request models, error bodies and response pieces.
+
+Requests are parsed with pydantic; every failure becomes an ``ApiError`` whose
+body is the OpenAI shape ``{"error": {"message", "type", "param", "code"}}`` with
+``param`` naming the offending field (``messages[0].content``, ``temperature``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvrelay.core.runner import TokenLogprobs
+from kvrelay.sampling_params import InvalidParameter, SamplingParams
+
+MAX_N = 16
+MAX_CHOICES = 64  # prompts in a batch times n
+M = TypeVar("M", bound=BaseModel)
+MAX_TOP_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message, "type": self.type, "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(param: str | None, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+# -- requests -------------------------------------------------------------------------
+class _Strict(BaseModel):
+    # Unknown fields are ignored (as vLLM does), so newer clients keep working.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0  # accepted for compatibility; not applied
+    frequency_penalty: float = 0.0  # accepted for compatibility; not applied
+    user: str | None = None
+
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_common(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request("n", f"n must be between 1 and {MAX_N}, got {self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options", "stream_options is only allowed with stream=true")
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, index: int
+    ) -> SamplingParams:
+        """Params of choice ``index``; with a seed, choice i samples with seed + i."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                seed=None if self.seed is None else self.seed + index,
+                stop=tuple(stop),
+                stop_token_ids=tuple(self.stop_token_ids),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except InvalidParameter as exc:
+            raise bad_request(exc.param, str(exc)) from exc
+
+
+PromptInput = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: PromptInput
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: a string, a token list, or a list of either."""
+        p = self.prompt
+        if isinstance(p, str):
+            batch: list[str | list[int]] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            batch = [p]  # type: ignore[list-item]
+        else:
+            batch = list(p)  # type: ignore[arg-type]
+        if not batch:
+            raise bad_request("prompt", "prompt must not be empty")
+        if len(batch) * self.n > MAX_CHOICES:
+            raise bad_request(
+                "prompt", f"a batch of {len(batch)} prompts with n={self.n} makes "
+                f"{len(batch) * self.n} choices; at most {MAX_CHOICES} are allowed",
+            )
+        for i, item in enumerate(batch):
+            if len(item) == 0:
+                where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+                raise bad_request(where, f"{where} is empty; at least one token is required")
+        return batch
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise bad_request("echo", "echo is not supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(
+                "logprobs",
+                f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}",
+            )
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None  # required, may be null (assistant turns)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if not self.messages:
+            raise bad_request("messages", "messages must contain at least one message")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise bad_request("top_logprobs", "top_logprobs requires logprobs=true")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise bad_request(
+                    "top_logprobs",
+                    f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
+                    f"got {self.top_logprobs}",
+                )
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else (
+            self.max_tokens
+        )
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def parse_body(raw: bytes, model: type[M]) -> M:
+    """JSON bytes -> a request model, or an ApiError naming the field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise bad_request(None, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise bad_request(None, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = param_from_loc(err["loc"])
+        missing = err["type"] == "missing"
+        msg = f"{param} is required" if missing else f"{param}: {err['msg']}"
+        raise bad_request(param, msg) from exc
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none)$|[\[\-]")
+
+
+def param_from_loc(loc: Sequence[int | str]) -> str:
+    """('messages', 0, 'content', 'str') -> 'messages[0].content'. Union tags dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _TYPE_TAG.search(part):
+            break
+        else:
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+# -- responses ------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class LogprobFormatter:
+    """OpenAI logprobs objects from ``TokenLogprobs`` (one per sampled token)."""
+
+    def __init__(self, token_text: Any) -> None:
+        self._text = token_text  # token id -> its text
+
+    def completion(
+        self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs], offset: int
+    ) -> dict[str, Any]:
+        tokens = [self._text(t) for t in token_ids]
+        offsets = []
+        pos = offset
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self._text(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def chat(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        return {"content": [self._chat_entry(t, lp) for t, lp in zip(token_ids, lps, strict=True)]}
+
+    def _chat_entry(self, token_id: int, lp: TokenLogprobs) -> dict[str, Any]:
+        text = self._text(token_id)
+        return {
+            "token": text,
+            "logprob": lp.logprob,
+            "bytes": list(text.encode()),
+            "top_logprobs": [
+                {"token": (s := self._text(t)), "logprob": v, "bytes": list(s.encode())}
+                for t, v in lp.top
+            ],
+        }
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()

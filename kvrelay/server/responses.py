@@ -1,0 +1,204 @@
+"""Response bodies: OpenAI JSON for a whole generation, SSE chunks for a stream.
+
+``Shape`` subclasses know the completion and chat layouts; ``collect`` and
+``stream_events`` consume a ``Generation``'s deltas. ``EventStream`` ends the stream (and
+aborts the generation) as soon as the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvrelay.server.generation import Delta, Generation
+from kvrelay.server.protocol import ApiError, LogprobFormatter, now, sse, usage
+
+T = TypeVar("T")
+
+
+# -- response shapes ------------------------------------------------------------------
+@dataclass
+class Collected:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Shape:
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, rid: str, model: str, with_logprobs: bool, fmt: LogprobFormatter) -> None:
+        self.rid, self.model, self.with_logprobs, self.fmt = rid, model, with_logprobs, fmt
+        self.created = now()
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def full(self, choices: list[Collected], use: dict[str, int]) -> dict[str, Any]:
+        body = self.envelope(self.object_full, [self.full_choice(i, c) for i, c in
+                                                enumerate(choices)])
+        body["usage"] = use
+        return body
+
+    def full_choice(self, index: int, c: Collected) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionShape(Shape):
+    object_full = object_chunk = "text_completion"
+
+    def full_choice(self, index: int, c: Collected) -> dict[str, Any]:
+        lp = self.fmt.completion(c.token_ids, c.logprobs, 0) if self._has_lp(c) else None
+        return {"index": index, "text": "".join(c.text), "logprobs": lp,
+                "finish_reason": c.finish_reason}
+
+    def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
+        lp = None
+        if self.with_logprobs and d.logprobs is not None:
+            lp = self.fmt.completion(d.token_ids, d.logprobs, offset)
+        return self.envelope(self.object_chunk, [
+            {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+        ])
+
+    def _has_lp(self, c: Collected) -> bool:
+        return self.with_logprobs and len(c.logprobs) == len(c.token_ids)
+
+
+class ChatShape(Shape):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def full_choice(self, index: int, c: Collected) -> dict[str, Any]:
+        has_lp = self.with_logprobs and len(c.logprobs) == len(c.token_ids)
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(c.text)},
+            "logprobs": self.fmt.chat(c.token_ids, c.logprobs) if has_lp else None,
+            "finish_reason": c.finish_reason,
+        }
+
+    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        return [
+            self.envelope(self.object_chunk, [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}
+            ])
+            for i in range(num_choices)
+        ]
+
+    def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
+        lp = None
+        if self.with_logprobs and d.logprobs is not None:
+            lp = self.fmt.chat(d.token_ids, d.logprobs)
+        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+        return self.envelope(self.object_chunk, [
+            {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        ])
+
+
+# -- collecting and streaming ---------------------------------------------------------
+async def collect(gen: Generation, num_choices: int) -> list[Collected]:
+    out = [Collected() for _ in range(num_choices)]
+    async for d in gen.deltas():
+        c = out[d.index]
+        c.text.append(d.text)
+        c.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            c.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            c.finish_reason = d.finish_reason
+    return out
+
+
+async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Await ``work``; None when the client disconnects first (``work`` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def stream_events(
+    gen: Generation, shape: Shape, include_usage: bool, num_choices: int
+) -> AsyncIterator[bytes]:
+    offsets = [0] * num_choices
+    try:
+        for chunk in shape.first_chunks(num_choices):
+            yield sse(_with_usage(chunk, include_usage))
+        async for d in gen.deltas():
+            yield sse(_with_usage(shape.chunk(d, offsets[d.index]), include_usage))
+            offsets[d.index] += len(d.text)
+        if include_usage:
+            final = shape.envelope(shape.object_chunk, [])
+            final["usage"] = usage(gen.prompt_tokens, gen.completion_tokens)
+            yield sse(final)
+    except ApiError as exc:
+        yield sse(exc.body())
+    finally:
+        gen.abort_unfinished()
+    yield sse("[DONE]")
+
+
+def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+class EventStream(StreamingResponse):
+    """A streaming response that notices a client going away even while it waits.
+
+    Starlette only does so for ASGI < 2.4; with newer servers a disconnect shows up
+    at the next write, which for a queued request may be minutes away. Here the
+    disconnect cancels the body iterator at once. ``on_close`` runs however the
+    response ends, also when the body iterator never started.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def run() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(run)
+                await _wait_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            self.on_close()
+
