@@ -14,7 +14,12 @@ import sys
 from collections.abc import Sequence
 
 # Top-level commands, and the `kvrelay bench` subcommands.
-COMMANDS: list[str] = ["kvrelay.model.cli", "kvrelay.server.cli", "kvrelay.server.demo"]
+COMMANDS: list[str] = [
+    "kvrelay.model.cli",
+    "kvrelay.server.cli",
+    "kvrelay.server.proxy",
+    "kvrelay.server.demo",
+]
 BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.core",
     "kvrelay.bench.transfer",

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
@@ -41,6 +42,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # Prefill side, finish reason REMOTE_DECODE: the lease the decode side pulls
+    # (set by the server's engine loop once the fence has handed the blocks over).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

@@ -44,7 +44,14 @@ from kvrelay.relay.remote import RelayLink, RemoteKv
 from kvrelay.relay.transports.base import TransferState, Transport
 from kvrelay.sampling_params import SamplingParams
 
-__all__ = ["Phase", "Policy", "Receiver", "ReceiverConfig", "RelayLink", "RemoteKv"]
+__all__ = [
+    "INVALID_PARAMS", "Phase", "Policy", "Receiver", "ReceiverConfig", "RelayLink", "RemoteKv",
+]
+
+# Errors that start with this are the client's (forged, replayed or mismatched
+# kv_transfer_params): the request fails whatever the policy, and the server
+# answers 400 naming kv_transfer_params.
+INVALID_PARAMS = "invalid kv_transfer_params: "
 
 
 class Policy(enum.Enum):
@@ -147,6 +154,12 @@ class Receiver:
                     f"the prefill engine's KV (compat {kv.compat}) does not fit this "
                     f"engine's model (compat {self.compat})",
                 )
+            if kv.num_tokens != len(prompt_token_ids):
+                raise RequestRejected(
+                    "kv_transfer_params",
+                    f"the lease holds the KV of {kv.num_tokens} tokens, the prompt has "
+                    f"{len(prompt_token_ids)}",
+                )
             req = self.engine.add_request(
                 request_id, prompt_token_ids, params, eos_token_ids=eos_token_ids,
                 remote_kv=kv, first_token=kv.first_token,
@@ -244,14 +257,18 @@ class Receiver:
         req = self.engine.requests[rid]
         need = len(req.block_ids)
         if reply.status != "ok":
-            reason = "engine_restarted" if "restarted" in reply.error else "acquire_failed"
-            self._fallback(load, reason, f"the KV lease could not be acquired: "
-                           f"{reply.error or reply.reason}")
+            why = reply.error or reply.reason
+            if reply.status == "error" and "restarted" not in reply.error:
+                # No such lease (forged or replayed params): nothing to fall back from.
+                self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{why}", fail=True)
+            else:
+                reason = "engine_restarted" if "restarted" in reply.error else "acquire_failed"
+                self._fallback(load, reason, f"the KV lease could not be acquired: {why}")
             self._finish_load(load)  # the lease is gone (or not ours): nothing to tell
             return
-        if len(reply.block_ids) < need:
-            self._fallback(load, "acquire_failed", f"the lease holds {len(reply.block_ids)} "
-                           f"blocks, the prompt needs {need}")
+        mismatch = self._mismatch(kv, reply, need)
+        if mismatch:
+            self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{mismatch}", fail=True)
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
             return
         load.generations = list(reply.generations[:need])
@@ -337,9 +354,20 @@ class Receiver:
         self._set_phase(load, Phase.DRAINING)
         self._poll(load, now)
 
-    def _fallback(self, load: Load, reason: str, error: str) -> None:
+    @staticmethod
+    def _mismatch(kv: RemoteKv, reply: P.Reply, need: int) -> str:
+        """Why the params the client sent disagree with the lease P holds ('' if not)."""
+        if len(reply.block_ids) < need:
+            return f"the lease holds {len(reply.block_ids)} blocks, the prompt needs {need}"
+        if list(reply.block_ids[:need]) != list(kv.block_ids[:need]):
+            return "block_ids do not match the lease"
+        if reply.first_token != kv.first_token or reply.num_tokens != kv.num_tokens:
+            return "first_token or num_tokens do not match the lease"
+        return ""
+
+    def _fallback(self, load: Load, reason: str, error: str, *, fail: bool = False) -> None:
         self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
-        recompute = self.config.policy is Policy.RECOMPUTE
+        recompute = self.config.policy is Policy.RECOMPUTE and not fail
         self.engine.kv_load_failed(load.request_id, error, recompute=recompute)
 
     def _release_msg(self, load: Load, ok: bool) -> P.Release:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay import __version__
 from kvrelay.model.interface import Tokenizer
+from kvrelay.relay.remote import RemoteKv
 from kvrelay.server.engine_loop import EngineLoop
 from kvrelay.server.generation import ChoiceSpec, DetokenizerFactory, Generation
 from kvrelay.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -77,6 +79,9 @@ class ServerState:
     model: ServedModel
     metrics: ServerMetrics
     api_key: str | None = None
+    role: str = "both"  # "prefill" | "decode" | "both" (colocated)
+    # Prefill role: gives a lease back when the client left before the decode engine.
+    release_lease: Callable[[str, str], dict[str, Any]] | None = None
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -99,6 +104,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/models", handlers.models, methods=["GET"])
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/kv/release", handlers.release_lease, methods=["POST"])
     return app
 
 
@@ -182,7 +188,43 @@ class _Handlers:
         return await self._respond(request, gen, shape, body.stream,
                                    body.include_usage_in_stream(), len(specs))
 
+    async def release_lease(self, request: Request) -> Response:
+        """Give back a lease nobody will pull (the proxy, when its client left)."""
+        self._check_auth(request)
+        if self.state.release_lease is None:
+            raise ApiError(404, "this engine holds no leases (it is not --role prefill)")
+        try:
+            params = json.loads(await _read_body(request))["kv_transfer_params"]
+            engine_id, lease_id = str(params["engine_id"]), str(params["lease_id"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise bad_request("kv_transfer_params", f"expected {{'kv_transfer_params': "
+                              f"{{'engine_id', 'lease_id'}}}}: {exc}") from exc
+        return JSONResponse(self.state.release_lease(engine_id, lease_id))
+
     # -- helpers ---------------------------------------------------------------------
+    def _kv_mode(self, body: Any, num_prompts: int) -> tuple[bool, RemoteKv | None]:
+        """(remote_decode, remote_kv) from the request's kv_transfer_params."""
+        params, role = body.kv_transfer_params, self.state.role
+        if not params:
+            return False, None
+        if body.n != 1 or num_prompts != 1:
+            raise bad_request("kv_transfer_params", "kv_transfer_params takes one prompt, n=1")
+        if params.get("do_remote_decode"):
+            if role != "prefill":
+                raise bad_request("kv_transfer_params", "do_remote_decode needs an engine "
+                                  f"started with --role prefill; this one is --role {role}")
+            if body.stream:
+                raise bad_request("kv_transfer_params", "do_remote_decode takes stream=false")
+            return True, None
+        if role != "decode":
+            raise bad_request("kv_transfer_params", "a KV lease can only be pulled by an "
+                              f"engine started with --role decode; this one is --role {role}")
+        try:
+            return False, RemoteKv.from_dict(params)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise bad_request("kv_transfer_params", "kv_transfer_params lacks or mangles a "
+                              f"field of the lease: {exc!r}") from exc
+
     def _check_auth(self, request: Request) -> None:
         key = self.state.api_key
         if key is None:
@@ -217,6 +259,7 @@ class _Handlers:
         self, body: Any, prompts: Sequence[list[int]], max_tokens: int | None,
         logprobs: int | None,
     ) -> list[ChoiceSpec]:
+        remote_decode, remote_kv = self._kv_mode(body, len(prompts))
         specs = []
         for p_index, prompt in enumerate(prompts):
             # Unset max_tokens: as many as the context still holds (the engine rejects a
@@ -226,7 +269,8 @@ class _Handlers:
             )
             for i in range(body.n):
                 index = p_index * body.n + i
-                specs.append(ChoiceSpec(index, prompt, body.sampling_params(limit, logprobs, i)))
+                params = body.sampling_params(limit, logprobs, i)
+                specs.append(ChoiceSpec(index, prompt, params, remote_decode, remote_kv))
         return specs
 
     def _generation(

@@ -8,6 +8,7 @@ build the same way.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import logging
 import os
@@ -30,7 +31,33 @@ def register(subparsers: Any) -> None:
     )
     add_model_args(p)
     add_server_args(p)
+    add_role_args(p)
     p.set_defaults(func=run)
+
+
+def add_role_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("disaggregation (see docs/operations.md)")
+    g.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                   help="both: one colocated engine; prefill: serve do_remote_decode requests "
+                   "and lease their KV; decode: pull leased KV and decode")
+    g.add_argument("--relay-host", default="127.0.0.1",
+                   help="prefill: address of the relay port decode engines connect to")
+    g.add_argument("--relay-port", type=int, default=0,
+                   help="prefill: relay port (default: any free port, logged at start)")
+    g.add_argument("--kv-transport", choices=("auto", "shm", "tcp"), default="auto",
+                   help="prefill: what to offer (auto: shm and tcp); decode: what to use "
+                   "(auto: shm for a prefill engine on this host, tcp otherwise)")
+    g.add_argument("--lease-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="prefill: a lease nobody acquires (or heartbeats) is freed after this; "
+                   "decode: how long to wait for a prefill engine's answer")
+    g.add_argument("--lease-max", type=float, default=480.0, metavar="SECONDS",
+                   help="prefill: hard cap on a lease's life, heartbeats included")
+    g.add_argument("--relay-secret", default=os.environ.get("KVRELAY_RELAY_SECRET"),
+                   help="shared secret authenticating decode engines (HMAC of HELLO; env "
+                   "KVRELAY_RELAY_SECRET)")
+    g.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"),
+                   default="recompute", help="decode: when the KV cannot be pulled, prefill "
+                   "locally (recompute) or fail the request with a clear error")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -78,7 +105,14 @@ def build_state(args: argparse.Namespace) -> ServerState:
     from kvrelay.core.engine import Engine
     from kvrelay.model.detokenizer import IncrementalDetokenizer
     from kvrelay.server.api import ServedModel, ServerState
-    from kvrelay.server.engine_loop import EngineLoop
+    from kvrelay.server.disagg import (
+        DecodeHooks,
+        PrefillHooks,
+        RelayExport,
+        build_decode,
+        build_prefill,
+    )
+    from kvrelay.server.engine_loop import EngineLoop, LoopHooks
     from kvrelay.server.metrics import ServerMetrics
 
     random.seed(args.seed)
@@ -86,10 +120,17 @@ def build_state(args: argparse.Namespace) -> ServerState:
     # Looked up by name: the model package is built on its own branch, against the
     # contract in kvrelay/model/interface.py.
     load_model = importlib.import_module("kvrelay.model").load_model
+    role = getattr(args, "role", "both")
+    shm = None
+    if role == "prefill" and args.kv_transport in ("auto", "shm"):
+        from kvrelay.relay.transports.shm import ShmKvCache
+
+        shm = ShmKvCache()  # decode engines on this host copy blocks straight out of it
+        atexit.register(shm.close)
     model: LoadedModel = load_model(
         args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len, kv_cache_factory=shm.factory if shm else None,
     )
     block_size = model.kv_geometry.block_size
     config = SchedulerConfig(
@@ -97,7 +138,15 @@ def build_state(args: argparse.Namespace) -> ServerState:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=model.max_model_len,
         async_scheduling=args.async_scheduling,
     )
-    engine = Engine(config, model.runner)
+    hooks: LoopHooks | None = None
+    release = None
+    if role == "prefill":
+        engine, prefill = build_prefill(args, config, model, shm)
+        hooks, release = prefill, prefill.release
+    elif role == "decode":
+        engine, hooks = build_decode(args, config, model)
+    else:
+        engine = Engine(config, model.runner)
     tok = model.tokenizer
     names = args.served_model_name or [model.name]
     served = ServedModel(
@@ -111,7 +160,11 @@ def build_state(args: argparse.Namespace) -> ServerState:
         "model %s: %d KV blocks of %d tokens, max_model_len %d, dtype %s, device %s",
         names[0], model.num_blocks, block_size, model.max_model_len, args.dtype, args.device,
     )
-    return ServerState(EngineLoop(engine), served, ServerMetrics(engine, names[0]), args.api_key)
+    metrics = ServerMetrics(engine, names[0])
+    if isinstance(hooks, PrefillHooks | DecodeHooks):
+        metrics.registry.register(RelayExport(hooks))
+    return ServerState(EngineLoop(engine, hooks=hooks), served, metrics, args.api_key,
+                       role=role, release_lease=release)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,9 +20,11 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvrelay.core.engine import Engine, RequestOutput, RequestRejected
 from kvrelay.core.lifecycle import FinishReason
+from kvrelay.relay.remote import RemoteKv
 from kvrelay.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class _Add:
     sink: OutputQueue
     accepted: asyncio.Future[None]
     remote_decode: bool = False
+    remote_kv: RemoteKv | None = None
 
 
 @dataclass(slots=True)
@@ -73,11 +76,46 @@ class LoopStats:
     dead_reason: str | None = field(default=None)
 
 
+class LoopHooks:
+    """What a role adds to the loop (kvrelay.server.disagg): nothing, when colocated.
+
+    Everything here runs in the loop thread, under ``lock``, the lock the prefill
+    side's relay server takes before it touches the lease table and so the pool.
+    """
+
+    lock: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    poll_s = 0.001  # how often to look at the relay while only it has work
+
+    def busy(self) -> bool:
+        """Relay work pending that the engine's own has_work does not see."""
+        return False
+
+    def add(self, engine: Engine, cmd: _Add) -> None:
+        if cmd.remote_kv is not None:
+            raise RequestRejected("kv_transfer_params", "this engine does not pull remote KV "
+                                  "(start it with --role decode)")
+        engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                           eos_token_ids=cmd.eos_token_ids, remote_decode=cmd.remote_decode)
+
+    def abort(self, engine: Engine, request_id: str, reason: FinishReason) -> None:
+        engine.abort_request(request_id, reason)
+
+    def before_step(self) -> None:
+        """Relay events in (replies, timers, finished transfers)."""
+
+    def route(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs to deliver now (the prefill side holds back until the hand-off)."""
+        return outputs
+
+
 class EngineLoop:
     """Runs ``engine`` in a dedicated thread; ``add``/``abort`` are safe from asyncio."""
 
-    def __init__(self, engine: Engine, *, idle_poll_s: float = 0.5) -> None:
+    def __init__(
+        self, engine: Engine, *, idle_poll_s: float = 0.5, hooks: LoopHooks | None = None
+    ) -> None:
         self.engine = engine
+        self.hooks = hooks or LoopHooks()
         self.stats = LoopStats()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._sinks: dict[str, OutputQueue] = {}  # loop thread only
@@ -106,6 +144,7 @@ class EngineLoop:
         *,
         eos_token_ids: Sequence[int] = (),
         remote_decode: bool = False,
+        remote_kv: RemoteKv | None = None,
     ) -> None:
         """Hand a request to the engine; returns once it is accepted.
 
@@ -116,7 +155,7 @@ class EngineLoop:
             raise EngineDead(self.stats.dead_reason or "the engine is shutting down")
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         cmd = _Add(request_id, prompt_token_ids, params, eos_token_ids, sink, accepted,
-                   remote_decode)
+                   remote_decode, remote_kv)
         self._commands.put(cmd)
         try:
             await accepted
@@ -148,30 +187,41 @@ class EngineLoop:
     # -- the loop thread ------------------------------------------------------------
     def _run(self) -> None:
         try:
+            hooks = self.hooks
             while True:
                 engine = self.engine
-                self._drain_commands(block=not engine.has_work())
+                if hooks.busy() and not engine.has_work():
+                    # Only the relay has work (a pull in flight): look again soon.
+                    self._drain_commands(block=True, timeout=hooks.poll_s)
+                else:
+                    self._drain_commands(block=not engine.has_work())
                 if self._stopping:
-                    self._shutdown()
+                    with hooks.lock:
+                        self._shutdown()
                     return
-                if engine.has_work():
+                with hooks.lock:
+                    hooks.before_step()
+                    if not engine.has_work():
+                        self._deliver(engine.take_outputs())
+                        continue
                     steps_before = engine.stats.steps
                     outputs = engine.step()
-                    self._deliver(outputs)
-                    self.stats.steps += 1
-                    if engine.stats.steps == steps_before and not outputs:
-                        # Nothing schedulable (cannot happen with a consistent core):
-                        # wait for a command instead of spinning.
-                        self._drain_commands(block=True)
+                self._deliver(outputs)
+                self.stats.steps += 1
+                if engine.stats.steps == steps_before and not outputs and not hooks.busy():
+                    # Nothing schedulable (cannot happen with a consistent core):
+                    # wait for a command instead of spinning.
+                    self._drain_commands(block=True)
         except Exception as exc:  # a runner or core failure: fail every request loudly
             log.exception("engine loop failed")
             self.stats.dead_reason = f"engine failure: {type(exc).__name__}: {exc}"
             self._stopping = True
             self._fail_all(self.stats.dead_reason)
 
-    def _drain_commands(self, *, block: bool) -> None:
+    def _drain_commands(self, *, block: bool, timeout: float | None = None) -> None:
         try:
-            cmd = self._commands.get(timeout=self._idle_poll_s) if block else None
+            wait = self._idle_poll_s if timeout is None else timeout
+            cmd = self._commands.get(timeout=wait) if block else None
             if cmd is None:
                 cmd = self._commands.get_nowait()
             while True:
@@ -181,10 +231,14 @@ class EngineLoop:
             return
 
     def _apply(self, cmd: _Command) -> None:
+        with self.hooks.lock:
+            self._apply_locked(cmd)
+
+    def _apply_locked(self, cmd: _Command) -> None:
         if isinstance(cmd, _Add):
             self._apply_add(cmd)
         elif isinstance(cmd, _Abort):
-            self.engine.abort_request(cmd.request_id, cmd.reason)
+            self.hooks.abort(self.engine, cmd.request_id, cmd.reason)
             self._deliver(self.engine.take_outputs())
         elif isinstance(cmd, _Drain):
             self._draining = True
@@ -198,10 +252,7 @@ class EngineLoop:
             error = EngineDead("the server is shutting down")
         else:
             try:
-                self.engine.add_request(
-                    cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                    eos_token_ids=cmd.eos_token_ids, remote_decode=cmd.remote_decode,
-                )
+                self.hooks.add(self.engine, cmd)
                 self._sinks[cmd.request_id] = cmd.sink
                 self.stats.added += 1
             except RequestRejected as exc:
@@ -210,6 +261,7 @@ class EngineLoop:
         self._call_async(_settle, cmd.accepted, error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        outputs = self.hooks.route(outputs)
         if not outputs:
             return
         routed: list[tuple[OutputQueue, RequestOutput]] = []

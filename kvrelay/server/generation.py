@@ -18,11 +18,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvrelay.core.engine import RequestOutput, RequestRejected
 from kvrelay.core.lifecycle import FinishReason
 from kvrelay.core.runner import TokenLogprobs
+from kvrelay.relay.receiver import INVALID_PARAMS
+from kvrelay.relay.remote import RemoteKv
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.server.engine_loop import EngineDead, EngineLoop
 from kvrelay.server.metrics import ServerMetrics
@@ -46,6 +48,8 @@ class ChoiceSpec:
     index: int
     prompt_token_ids: list[int]
     params: SamplingParams
+    remote_decode: bool = False  # prefill role: hand the KV to a lease after token 1
+    remote_kv: RemoteKv | None = None  # decode role: pull the prompt's KV from here
 
 
 @dataclass(slots=True)
@@ -57,6 +61,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -124,9 +129,17 @@ class Generation:
         )
         await self.loop.add(
             rid, spec.prompt_token_ids, spec.params, self._queue,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=self.eos_token_ids, remote_decode=spec.remote_decode,
+            remote_kv=spec.remote_kv,
         )
-        self._choices[rid] = _Choice(spec, rid, detok)
+        choice = _Choice(spec, rid, detok)
+        if spec.remote_kv is not None:
+            # The prefill engine sampled token 1 and sent its text to the client; the
+            # detokenizer still needs it, to emit the text that follows exactly as a
+            # colocated engine would. It counts in usage: the request is one.
+            detok.add([spec.remote_kv.first_token])
+            choice.num_tokens = 1
+        self._choices[rid] = choice
         self._num_open += 1
         self.metrics.prompt_tokens.inc(len(spec.prompt_token_ids))
 
@@ -150,6 +163,8 @@ class Generation:
             return None  # e.g. the abort that follows a stop-string match
         if out.finish_reason is FinishReason.ERROR:
             self._finish(choice, "error")
+            if out.error and out.error.startswith(INVALID_PARAMS):
+                raise ApiError(400, out.error, param="kv_transfer_params")
             raise ApiError(500, out.error or "the engine failed", type="server_error")
         text = ""
         if out.new_token_ids:
@@ -160,6 +175,11 @@ class Generation:
             # A stop string ended the text: the engine request must end too, now.
             self.loop.abort(choice.request_id, FinishReason.STOP)
             delta.finish_reason = "stop"
+        elif out.finish_reason is FinishReason.REMOTE_DECODE:
+            # Text held back (a split character, a possible stop string) is the
+            # decode engine's to emit, once it knows the tokens that follow.
+            delta.finish_reason = "remote_decode"
+            delta.kv_transfer_params = out.kv_transfer_params
         elif out.finished:
             delta.text += choice.detok.finish()
             assert out.finish_reason is not None

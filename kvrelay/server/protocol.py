@@ -80,6 +80,9 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Disaggregation: {"do_remote_decode": true} on a prefill engine, the lease
+    # (from the prefill engine's answer) on a decode engine.
+    kv_transfer_params: dict[str, Any] | None = None
     presence_penalty: float = 0.0  # accepted for compatibility; not applied
     frequency_penalty: float = 0.0  # accepted for compatibility; not applied
     user: str | None = None

@@ -45,7 +45,7 @@ from prometheus_client import (
 
 log = logging.getLogger(__name__)
 
-RELEASE_PATH = "/v1/kv/release"
+RELEASE_PATH = "/v1/kv/release"  # on the prefill engine
 
 
 class UpstreamDown(Exception):
@@ -502,3 +502,38 @@ def create_proxy_app(proxy: Proxy) -> FastAPI:
         return await proxy.handle(request, "/v1/chat/completions")
 
     return app
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "proxy", help="an OpenAI-compatible front for prefill and decode engines",
+        description="Route each request through a prefill engine and a decode engine "
+        "(least outstanding requests among the healthy), seeding the first token.",
+    )
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill engines (kvrelay serve --role prefill), e.g. http://h:8100")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode engines (kvrelay serve --role decode)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--api-key", default=None,
+                   help="require and forward 'Authorization: Bearer KEY'")
+    p.add_argument("--health-interval", type=float, default=2.0, metavar="SECONDS",
+                   help="how often each engine's /health is checked")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=run)
+
+
+def run(args: Any) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    proxy = Proxy(args.prefill, args.decode, api_key=args.api_key,
+                  health_interval=args.health_interval)
+    log.info("proxy on http://%s:%d/v1: prefill %s, decode %s", args.host, args.port,
+             " ".join(args.prefill), " ".join(args.decode))
+    uvicorn.run(create_proxy_app(proxy), host=args.host, port=args.port,
+                log_level=args.log_level, access_log=args.log_level == "debug")
+    return 0

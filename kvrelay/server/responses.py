@@ -31,6 +31,7 @@ class Collected:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class Shape:
@@ -49,6 +50,9 @@ class Shape:
         body = self.envelope(self.object_full, [self.full_choice(i, c) for i, c in
                                                 enumerate(choices)])
         body["usage"] = use
+        leases = [c.kv_transfer_params for c in choices if c.kv_transfer_params is not None]
+        if leases:  # prefill role (one choice): the lease the decode engine pulls
+            body["kv_transfer_params"] = leases[0]
         return body
 
     def full_choice(self, index: int, c: Collected) -> dict[str, Any]:
@@ -124,6 +128,7 @@ async def collect(gen: Generation, num_choices: int) -> list[Collected]:
             c.logprobs.extend(d.logprobs)
         if d.finish_reason is not None:
             c.finish_reason = d.finish_reason
+            c.kv_transfer_params = d.kv_transfer_params
     return out
 
 

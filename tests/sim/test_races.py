@@ -320,7 +320,8 @@ def test_race11_abort_while_the_peer_writes_into_our_blocks() -> None:
     rx.submit("r", list(range(9)), SamplingParams(max_tokens=4, seed=1), remote, 0.0)
     engine.step()
     rx.tick(0.0)
-    rx.on_reply(P.Reply(sent[0].seq, "ok", block_ids=[0, 1, 2], generations=[0, 0, 0]), 0.0)
+    rx.on_reply(P.Reply(sent[0].seq, "ok", block_ids=[0, 1, 2], generations=[0, 0, 0],
+                        num_tokens=9, first_token=5), 0.0)
     load = rx.loads["r"]
     deadline = time.monotonic() + 5
     while not relay.conns and time.monotonic() < deadline:

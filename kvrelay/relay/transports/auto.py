@@ -1,0 +1,60 @@
+"""``--kv-transport auto`` on the decode side: shm for a prefill engine on this host,
+tcp for one elsewhere, chosen per prefill engine by its relay address."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from kvrelay.relay import protocol as P
+from kvrelay.relay.client import RelayClient, split_address
+from kvrelay.relay.transports.base import PeerInfo, TransferStatus, Transport
+
+
+def is_local(relay: str) -> bool:
+    host = split_address(relay)[0]
+    if host in ("localhost", socket.gethostname()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class AutoLink:
+    """A RelayLink that talks to each relay through the client of its transport."""
+
+    def __init__(self, shm: RelayClient, tcp: RelayClient) -> None:
+        self.shm, self.tcp = shm, tcp
+
+    def client_for(self, relay: str) -> RelayClient:
+        return self.shm if is_local(relay) else self.tcp
+
+    def send(self, relay: str, msg: P.Request) -> None:
+        self.client_for(relay).send(relay, msg)
+
+    def peer(self, relay: str) -> PeerInfo:
+        return self.client_for(relay).peer(relay)
+
+
+class AutoTransport:
+    name = "auto"
+
+    def __init__(self, shm: Transport, tcp: Transport) -> None:
+        self.shm, self.tcp = shm, tcp
+
+    def register(self, kv_cache: Any) -> dict[str, Any]:
+        raise NotImplementedError("auto chooses on the decode side; prefill offers both")
+
+    def read(self, peer: PeerInfo, lease_id: str, holder: str, remote_blocks: Sequence[int],
+             local_blocks: Sequence[int]) -> tuple[Transport, Any]:
+        t = self.shm if is_local(peer.relay) else self.tcp
+        return t, t.read(peer, lease_id, holder, remote_blocks, local_blocks)
+
+    def poll(self, handle: tuple[Transport, Any]) -> TransferStatus:
+        return handle[0].poll(handle[1])
+
+    def cancel(self, handle: tuple[Transport, Any]) -> None:
+        handle[0].cancel(handle[1])

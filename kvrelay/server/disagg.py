@@ -1,0 +1,206 @@
+"""The prefill and decode roles: what each adds to the engine loop.
+
+Prefill (``--role prefill``): the KV cache lives in shared memory (for the shm
+transport) and a relay server answers decode engines. A request with
+``kv_transfer_params: {"do_remote_decode": true}`` is prefilled, samples its first
+token and finishes with ``remote_decode``; once the in-flight fence has moved its
+blocks to a lease, its output carries the lease as ``kv_transfer_params``.
+
+Decode (``--role decode``): a request with the lease in ``kv_transfer_params`` is
+admitted through the relay receiver, which pulls and validates the KV, then the
+engine decodes from the first token. Replies from prefill engines arrive on the
+relay client's queue and are applied in the loop thread, before each step.
+
+Both roles serve requests without ``kv_transfer_params`` as a colocated engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.config import SchedulerConfig
+from kvrelay.core.block_pool import BlockPool
+from kvrelay.core.engine import Engine, RequestOutput
+from kvrelay.core.lifecycle import FinishReason
+from kvrelay.model.interface import LoadedModel
+from kvrelay.relay.client import RelayClient
+from kvrelay.relay.lease import LeaseTable
+from kvrelay.relay.metrics import Samples, decode_metrics, prefill_metrics
+from kvrelay.relay.receiver import Policy, Receiver, ReceiverConfig
+from kvrelay.relay.server import RelayServer, RelayServerConfig
+from kvrelay.relay.transports.auto import AutoLink, AutoTransport
+from kvrelay.relay.transports.base import byte_view
+from kvrelay.relay.transports.shm import ShmKvCache, ShmTransport
+from kvrelay.relay.transports.tcp import TcpTransport
+from kvrelay.server.engine_loop import LoopHooks, _Add
+
+log = logging.getLogger(__name__)
+
+
+class PrefillHooks(LoopHooks):
+    def __init__(self, server: RelayServer) -> None:
+        self.server = server
+        self.lock = server.lock
+        # Finished (remote_decode) outputs whose blocks are not handed over yet: an
+        # in-flight step still referenced them. Delivered after the hand-off.
+        self._held: dict[str, RequestOutput] = {}
+
+    def route(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        ready: list[RequestOutput] = []
+        params = self.server.kv_params
+        for out in outputs:
+            if out.finish_reason is FinishReason.REMOTE_DECODE:
+                self._held[out.request_id] = out
+            else:
+                ready.append(out)
+        # Only outputs held for their fence: a handful, never a scan of requests.
+        for rid in [r for r in self._held if r in params]:
+            out = self._held.pop(rid)
+            out.kv_transfer_params = params.pop(rid).to_dict()
+            ready.append(out)
+        return ready
+
+    def busy(self) -> bool:
+        return bool(self._held)
+
+    def release(self, engine_id: str, lease_id: str) -> dict[str, Any]:
+        """The proxy's ``/v1/kv/release``: the client went away before the decode
+        engine had the request. Answered like any relay message (stale: counted)."""
+        with self.lock:
+            ans = self.server.table.abort(engine_id, lease_id, time.monotonic())
+        return {"status": ans.status.value, "reason": ans.reason.value if ans.reason else None,
+                "error": ans.error or None}
+
+    def metrics(self) -> Samples:
+        with self.lock:
+            return prefill_metrics(self.server.table, self.server)
+
+
+class DecodeHooks(LoopHooks):
+    def __init__(self, receiver: Receiver, clients: list[RelayClient]) -> None:
+        self.receiver = receiver
+        self.clients = clients
+        self.lock = threading.Lock()  # guards metrics reads against the loop thread
+
+    def busy(self) -> bool:
+        return self.receiver.has_work()
+
+    def add(self, engine: Engine, cmd: _Add) -> None:
+        if cmd.remote_kv is None:
+            super().add(engine, cmd)
+            return
+        self.receiver.submit(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.remote_kv,
+                             time.monotonic(), eos_token_ids=cmd.eos_token_ids)
+
+    def abort(self, engine: Engine, request_id: str, reason: FinishReason) -> None:
+        if request_id in self.receiver.loads:
+            self.receiver.abort(request_id, time.monotonic())
+        else:
+            engine.abort_request(request_id, reason)
+
+    def before_step(self) -> None:
+        now = time.monotonic()
+        for client in self.clients:
+            while True:
+                try:
+                    self.receiver.on_reply(client.replies.get_nowait(), now)
+                except queue.Empty:
+                    break
+        self.receiver.tick(now)
+
+    def metrics(self) -> Samples:
+        with self.lock:
+            return decode_metrics(self.receiver)
+
+
+@dataclass(eq=False)
+class RelayExport:
+    """Reads relay samples for /metrics (a prometheus custom collector)."""
+
+    hooks: PrefillHooks | DecodeHooks
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for name, samples in self.hooks.metrics().items():
+            labels = ["state"] if name == "kvrelay_leases" else (
+                ["reason"] if name.endswith(("released_total", "fallbacks_total")) else [])
+            if name.endswith("_total"):
+                family: Any = CounterMetricFamily(name[: -len("_total")], name, labels=labels)
+            else:
+                family = GaugeMetricFamily(name, name, labels=labels)
+            for key, value in samples.items():
+                family.add_metric(list(key), value)
+            yield family
+
+
+def new_engine_id() -> str:
+    """Unique per process life: a restarted engine rejects leases of its previous one."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def build_prefill(
+    args: Any, config: SchedulerConfig, model: LoadedModel, shm: ShmKvCache | None
+) -> tuple[Engine, PrefillHooks]:
+    pool = BlockPool(config.num_blocks)
+    table = LeaseTable(pool, engine_id=new_engine_id(), acquire_timeout=args.lease_timeout,
+                       hard_cap=args.lease_max)
+    transports: dict[str, dict[str, Any]] = {"tcp": {}}
+    if shm is not None:
+        transports["shm"] = shm.descriptor()
+    cfg = RelayServerConfig(
+        compat=model.kv_geometry.compat_hash(model.name), host=args.relay_host,
+        port=args.relay_port, secret=_secret(args), transports=transports,
+    )
+    server = RelayServer(table, threading.Lock(), cfg, kv_bytes=byte_view(model.kv_cache))
+    server.start()
+    log.info("relay for decode engines on %s (transports: %s)", server.address,
+             ", ".join(sorted(transports)))
+    engine = Engine(config, model.runner, pool=pool, kv_handoff=server.kv_handoff)
+    return engine, PrefillHooks(server)
+
+
+def build_decode(
+    args: Any, config: SchedulerConfig, model: LoadedModel
+) -> tuple[Engine, DecodeHooks]:
+    engine = Engine(config, model.runner)
+    engine_id = new_engine_id()
+    compat = model.kv_geometry.compat_hash(model.name)
+
+    def client(transport: str) -> RelayClient:
+        return RelayClient(compat=compat, transport=transport, client_id=engine_id,
+                           secret=_secret(args))
+
+    transport: Any
+    if args.kv_transport == "auto":
+        shm_client, tcp_client = client("shm"), client("tcp")
+        link: Any = AutoLink(shm_client, tcp_client)
+        clients = [shm_client, tcp_client]
+        transport = AutoTransport(ShmTransport(model.kv_cache),
+                                  TcpTransport(model.kv_cache, connect=tcp_client.open_data))
+    else:
+        only = client(args.kv_transport)
+        link, clients = only, [only]
+        transport = (ShmTransport(model.kv_cache) if args.kv_transport == "shm"
+                     else TcpTransport(model.kv_cache, connect=only.open_data))
+    receiver = Receiver(
+        engine, link, transport, holder=engine_id, compat=compat,
+        config=ReceiverConfig(
+            policy=Policy(args.kv_load_failure_policy), peer_timeout=args.lease_timeout,
+            heartbeat_interval=max(0.05, args.lease_timeout / 4),
+            copy_timeout=args.lease_max,
+        ),
+    )
+    return engine, DecodeHooks(receiver, clients)
+
+
+def _secret(args: Any) -> bytes | None:
+    return args.relay_secret.encode() if args.relay_secret else None
