@@ -1,9 +1,8 @@
-"""``kvrelay demo``: a server on a free localhost port, a few chat requests, a table.
+"""``kvrelay demo``: prefill + decode + proxy on localhost, a few chat requests, a table.
 
-The server runs as a real subprocess (``python -m kvrelay serve``) and is driven
-with the official ``openai`` client, exactly as a user would. The processes are
-described by ``Deployment`` so that the disaggregated demo (prefill + decode +
-proxy) only adds processes; the client part talks to one base URL either way.
+Every part runs as a real subprocess (``python -m kvrelay serve --role ...`` and
+``python -m kvrelay proxy``) and is driven with the official ``openai`` client
+through the proxy, exactly as a user would. ``--colocated`` runs one engine instead.
 """
 
 from __future__ import annotations
@@ -36,6 +35,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `kvrelay serve` (repeatable)")
+    p.add_argument("--colocated", action="store_true",
+                   help="one colocated engine instead of prefill + decode + proxy")
+    p.add_argument("--kv-transport", choices=("auto", "shm", "tcp"), default="auto",
+                   help="how the decode engine pulls the KV cache")
     p.set_defaults(func=run)
 
 
@@ -50,6 +53,7 @@ class ServerProcess:
     """One ``kvrelay serve`` subprocess on localhost."""
 
     args: list[str]
+    command: str = "serve"
     port: int = field(default_factory=free_port)
     env: dict[str, str] | None = None  # default: this process's environment
     log_path: str | None = None  # where its output goes (default: inherited)
@@ -61,7 +65,7 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "kvrelay", "serve", *self.args,
+        cmd = [sys.executable, "-m", "kvrelay", self.command, *self.args,
                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", self.log_level]
         env = self.env if self.env is not None else os.environ.copy()
         if self.log_path is None:
@@ -120,6 +124,16 @@ def colocated(model: str | None, extra: list[str]) -> Deployment:
     return Deployment([ServerProcess(([model] if model else []) + extra)])
 
 
+def disaggregated(model: str | None, extra: list[str], transport: str) -> Deployment:
+    """A prefill engine, a decode engine and the proxy in front (the client's URL)."""
+    base = ([model] if model else []) + extra
+    prefill = ServerProcess([*base, "--role", "prefill"])
+    decode = ServerProcess([*base, "--role", "decode", "--kv-transport", transport])
+    proxy = ServerProcess(["--prefill", prefill.base_url, "--decode", decode.base_url],
+                          command="proxy")
+    return Deployment([prefill, decode, proxy])
+
+
 @dataclass
 class Answer:
     question: str
@@ -163,9 +177,29 @@ def ask(client: Any, model: str, question: str, max_tokens: int, stream: bool) -
                   usage.completion_tokens if usage else 0, ttft, total)
 
 
-def stats_table(answers: list[Answer]) -> str:
+TRANSFER_METRICS = ("kvrelay_kv_transfer_bytes_total", "kvrelay_kv_transfer_seconds_sum")
+RELEASES = tuple(f'kvrelay_leases_released_total{{reason="{r}"}}'
+                 for r in ("done", "failed", "aborted", "expired"))
+
+
+def print_pools(deployment: Deployment) -> None:
+    roles = ("prefill", "decode") if len(deployment.servers) > 1 else ("engine",)
+    for role, server in zip(roles, deployment.servers, strict=False):
+        m = server_metrics(server.base_url, ("kvrelay_kv_blocks_total",
+                                             "kvrelay_kv_blocks_free", *RELEASES))
+        line = (f"{role}: KV blocks free {m.get('kvrelay_kv_blocks_free', 0):.0f} / "
+                f"{m.get('kvrelay_kv_blocks_total', 0):.0f}")
+        if role == "prefill":
+            line += "; leases released: " + ", ".join(
+                f"{k.split(chr(34))[1]} {m.get(k, 0):.0f}" for k in RELEASES)
+        print(line)
+
+
+def stats_table(answers: list[Answer], moved: list[tuple[float, ...]] | None = None) -> str:
     head = f"{'#':>2}  {'mode':<8} {'prompt':>6} {'output':>6} {'TTFT ms':>8} {'total ms':>9} " \
            f"{'tok/s':>7}"
+    if moved is not None:
+        head += f" {'KV bytes':>10} {'pull ms':>8}"
     rows = [head, "-" * len(head)]
     # tok/s: decode speed after the first token when streamed, else output over total.
     for i, a in enumerate(answers, 1):
@@ -174,10 +208,11 @@ def stats_table(answers: list[Answer]) -> str:
             a.completion_tokens / a.total_s if a.total_s else 0.0
         )
         ttft = f"{a.ttft_s * 1e3:.0f}" if a.streamed else "-"  # unknown unless streamed
-        rows.append(
-            f"{i:>2}  {'stream' if a.streamed else 'full':<8} {a.prompt_tokens:>6} "
-            f"{a.completion_tokens:>6} {ttft:>8} {a.total_s * 1e3:>9.0f} {rate:>7.1f}"
-        )
+        row = (f"{i:>2}  {'stream' if a.streamed else 'full':<8} {a.prompt_tokens:>6} "
+               f"{a.completion_tokens:>6} {ttft:>8} {a.total_s * 1e3:>9.0f} {rate:>7.1f}")
+        if moved is not None:
+            row += f" {moved[i - 1][0]:>10.0f} {moved[i - 1][1] * 1e3:>8.1f}"
+        rows.append(row)
     return "\n".join(rows)
 
 
@@ -195,8 +230,12 @@ def server_metrics(base_url: str, names: tuple[str, ...]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     import openai
 
-    deployment = colocated(args.model, list(args.server_arg))
-    print("starting the server (loading the model)...", flush=True)
+    if args.colocated:
+        deployment = colocated(args.model, list(args.server_arg))
+        print("starting the server (loading the model)...", flush=True)
+    else:
+        deployment = disaggregated(args.model, list(args.server_arg), args.kv_transport)
+        print("starting a prefill engine, a decode engine and the proxy...", flush=True)
     t0 = time.perf_counter()
     try:
         try:
@@ -207,21 +246,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"server ready at {deployment.client_url} in {time.perf_counter() - t0:.1f} s\n")
         client = openai.OpenAI(base_url=deployment.client_url + "/v1", api_key="none")
         model = client.models.list().data[0].id
-        answers = []
+        decode_url = deployment.servers[1 if len(deployment.servers) > 1 else 0].base_url
+        answers, moved = [], []
         for i, q in enumerate(QUESTIONS):
             stream = i == 0
+            before = server_metrics(decode_url, TRANSFER_METRICS)
             print(f"Q: {q}\nA: ", end="", flush=True)
             a = ask(client, model, q, args.max_tokens, stream)
+            after = server_metrics(decode_url, TRANSFER_METRICS)
+            moved.append(tuple(after.get(k, 0.0) - before.get(k, 0.0) for k in TRANSFER_METRICS))
             if not stream:
                 print(a.text.strip())
             print()
             answers.append(a)
         print(f"model: {model}\n")
-        print(stats_table(answers))
-        m = server_metrics(deployment.client_url, ("kvrelay_kv_blocks_total",
-                                                   "kvrelay_kv_blocks_free"))
-        print(f"\nKV blocks free after the requests: {m.get('kvrelay_kv_blocks_free', 0):.0f} / "
-              f"{m.get('kvrelay_kv_blocks_total', 0):.0f}")
+        print(stats_table(answers, None if args.colocated else moved))
+        print_pools(deployment)
     finally:
         codes = deployment.stop()
     if any(codes):

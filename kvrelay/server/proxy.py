@@ -66,10 +66,16 @@ class Upstreams:
             raise ValueError(f"at least one --{role} URL is required")
         self.all = [Upstream(u.rstrip("/"), role) for u in urls]
 
-    def pick(self, exclude: set[int] | None = None) -> Upstream | None:
-        """Least outstanding among the healthy (a handful of engines: a scan is fine)."""
-        live = [u for u in self.all if u.healthy and (not exclude or id(u) not in exclude)]
-        return min(live, key=lambda u: u.outstanding) if live else None
+    def candidates(self) -> list[Upstream]:
+        """The healthy by outstanding requests, then the rest: a failed health check is
+        a hint (the engine may be back since), not a verdict. A handful of engines:
+        sorting them per request is fine."""
+        return sorted(self.all, key=lambda u: (not u.healthy, u.outstanding))
+
+    def pick(self) -> Upstream | None:
+        """Least outstanding among the healthy; None when none is healthy."""
+        best = self.candidates()[0]
+        return best if best.healthy else None
 
 
 def error_body(
@@ -178,12 +184,7 @@ class Proxy:
             # Several choices or logprobs stay on one engine: nothing is handed over.
             self.metrics.requests.labels("colocated").inc()
             return await self._colocated(request, path, body)
-        tried: set[int] = set()
-        for attempt in range(len(self.prefill.all)):
-            up = self.prefill.pick(tried)
-            if up is None:
-                break
-            tried.add(id(up))
+        for attempt, up in enumerate(self.prefill.candidates()):
             try:
                 first = await self._prefill(up, path, body)
             except UpstreamDown as exc:
@@ -191,6 +192,7 @@ class Proxy:
                 up.healthy = False
                 log.warning("prefill engine %s failed (attempt %d): %s", up.url, attempt + 1, exc)
                 continue
+            up.healthy = True
             if isinstance(first, Response):
                 return first  # the engine refused the request itself (4xx): pass it on
             self.metrics.requests.labels("disaggregated").inc()
@@ -220,10 +222,8 @@ class Proxy:
         return first
 
     async def _colocated(self, request: Request, path: str, body: dict[str, Any]) -> Response:
-        up = self.decode.pick()
-        if up is None:
-            return error_body(503, "no healthy engine is available", type_="server_error")
-        return await self._forward(request, up, path, body, on_chunk=None)
+        up = self.decode.candidates()[0]
+        return await self._forward(request, up, path, body)
 
     async def _decode(
         self,
@@ -242,34 +242,21 @@ class Proxy:
                 await self._release(first["_prefill_url"], params)
             self.metrics.ttft.observe(time.perf_counter() - started)
             return self._as_response(body, first)
-        up = self.decode.pick()
-        if up is None:
-            await self._release(first["_prefill_url"], params)
-            return error_body(503, "no healthy decode engine is available", type_="server_error")
+        up = self.decode.candidates()[0]
         d_body = dict(body, kv_transfer_params=params)
-        seed_text = _text_of(choice)
-        if body.get("stream"):
+        stream = bool(body.get("stream"))
+        if stream:  # the first token goes out now: that is the client's TTFT
             self.metrics.ttft.observe(time.perf_counter() - started)
-            return await self._forward(
-                request,
-                up,
-                path,
-                d_body,
-                first=first,
-                release=lambda: self._release(first["_prefill_url"], params),
-            )
-        response = await self._forward(
-            request,
-            up,
-            path,
-            d_body,
-            on_chunk=None,
-            release=lambda: self._release(first["_prefill_url"], params),
-        )
-        if response.status_code == 200 and isinstance(response, JSONResponse):
+
+        def release() -> Awaitable[None]:
+            return self._release(first["_prefill_url"], params)
+
+        response = await self._forward(request, up, path, d_body,
+                                       first=first if stream else None, release=release)
+        if not stream and response.status_code == 200 and isinstance(response, JSONResponse):
             merged = json.loads(bytes(response.body))
             c = merged["choices"][0]
-            _set_text(c, seed_text + _text_of(c))
+            _set_text(c, _text_of(choice) + _text_of(c))
             self.metrics.ttft.observe(time.perf_counter() - started)
             return JSONResponse(merged)
         return response
@@ -286,6 +273,9 @@ class Proxy:
     def _as_response(self, body: dict[str, Any], first: dict[str, Any]) -> Response:
         first.pop("_prefill_url", None)
         first.pop("kv_transfer_params", None)
+        for c in first["choices"]:
+            if c.get("finish_reason") == "remote_decode":
+                c["finish_reason"] = "length"  # the client asked for one token
         if not body.get("stream"):
             return JSONResponse(first)
         chunks = _chunks_from_full(first, body)
@@ -304,7 +294,6 @@ class Proxy:
         path: str,
         body: dict[str, Any],
         *,
-        on_chunk: Callable[[bytes], None] | None = None,
         first: dict[str, Any] | None = None,
         release: Callable[[], Awaitable[None]] | None = None,
     ) -> Response:
@@ -483,9 +472,7 @@ def create_proxy_app(proxy: Proxy) -> FastAPI:
     async def models(request: Request) -> Response:
         if not authorized(request):
             return error_body(401, "missing or wrong API key", type_="authentication_error")
-        up = proxy.decode.pick()
-        if up is None:
-            return error_body(503, "no healthy engine is available", type_="server_error")
+        up = proxy.decode.candidates()[0]
         r = await proxy._http().get(f"{up.url}/v1/models", headers=proxy._headers())
         return _json_or_raw(r)
 
@@ -528,12 +515,16 @@ def register(subparsers: Any) -> None:
 def run(args: Any) -> int:
     import uvicorn
 
+    from kvrelay.server.graceful import GracefulServer
+
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     proxy = Proxy(args.prefill, args.decode, api_key=args.api_key,
                   health_interval=args.health_interval)
     log.info("proxy on http://%s:%d/v1: prefill %s, decode %s", args.host, args.port,
              " ".join(args.prefill), " ".join(args.decode))
-    uvicorn.run(create_proxy_app(proxy), host=args.host, port=args.port,
-                log_level=args.log_level, access_log=args.log_level == "debug")
-    return 0
+    config = uvicorn.Config(create_proxy_app(proxy), host=args.host, port=args.port,
+                            log_level=args.log_level, access_log=args.log_level == "debug")
+    server = GracefulServer(config, drain=lambda: None, drain_after=10.0)
+    server.run()
+    return 0 if server.started else 1
