@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, num_blocks=None)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: bad --device
         print(f"kvrelay generate: {e}", file=sys.stderr)
         return 1
 

@@ -151,3 +151,36 @@ def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
     cfg["sliding_window"] = 64
     path = write_hf_dir(tmp_path / "m", cfg, tiny_weights(cfg, 0), tiny_tokenizer_json())
     assert load_model(str(path), num_blocks=4).max_model_len == 64
+
+
+def test_sharded_safetensors_and_chat_template_file(tmp_path: Path, model_dir: Path) -> None:
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shard_dir = tmp_path / "sharded"
+    shutil.copytree(model_dir, shard_dir)
+    state = load_file(str(shard_dir / "model.safetensors"))
+    (shard_dir / "model.safetensors").unlink()
+    names = sorted(state)
+    half = len(names) // 2
+    save_file(
+        {n: state[n] for n in names[:half]}, str(shard_dir / "model-00001-of-00002.safetensors")
+    )
+    save_file(
+        {n: state[n] for n in names[half:]}, str(shard_dir / "model-00002-of-00002.safetensors")
+    )
+    tcfg = json.loads((shard_dir / "tokenizer_config.json").read_text())
+    del tcfg["chat_template"]
+    (shard_dir / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    (shard_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    a = load_model(str(model_dir), block_size=4, num_blocks=8)
+    b = load_model(str(shard_dir), block_size=4, num_blocks=8)
+    assert b.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
+    sr = ScheduledRequest("a", PROMPTS[0], 0, [0, 1, 2, 3, 4], True, SamplingParams(), 10)
+    import torch
+
+    la = a.runner.compute_logits(Batch(0, [sr]))[1]
+    lb = b.runner.compute_logits(Batch(0, [sr]))[1]
+    assert torch.equal(la, lb)
