@@ -41,13 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register(module_name: str, subparsers: argparse._SubParsersAction) -> None:
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise  # a broken import inside the command is a bug, not a missing command
-        return  # the command's module is not part of this build (yet)
-    module.register(subparsers)
+    importlib.import_module(module_name).register(subparsers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import importlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -103,6 +102,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
 
     from kvrelay.config import SchedulerConfig
     from kvrelay.core.engine import Engine
+    from kvrelay.model import load_model
     from kvrelay.model.detokenizer import IncrementalDetokenizer
     from kvrelay.server.api import ServedModel, ServerState
     from kvrelay.server.disagg import (
@@ -117,9 +117,6 @@ def build_state(args: argparse.Namespace) -> ServerState:
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    # Looked up by name: the model package is built on its own branch, against the
-    # contract in kvrelay/model/interface.py.
-    load_model = importlib.import_module("kvrelay.model").load_model
     role = getattr(args, "role", "both")
     shm = None
     if role == "prefill" and args.kv_transport in ("auto", "shm"):
