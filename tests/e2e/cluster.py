@@ -124,6 +124,13 @@ class Cluster:
             "proxy", "--prefill", *[p.url for p in prefill], "--decode",
             *[d.url for d in decode], "--health-interval", "0.5"]).start()
 
+    def restart(self, old: Proc) -> Proc:
+        """A fresh process with the same arguments and port (the proxy keeps its URL)."""
+        old.kill()
+        new = Proc(old.name, old.args, old.log, port=old.port)
+        self.procs.append(new)
+        return new.start().wait_healthy()
+
     def close(self) -> None:
         for p in reversed(self.procs):
             p.kill()
@@ -168,3 +175,23 @@ def pools_free(*engines: Proc, prefill: tuple[Proc, ...] = (), timeout: float = 
             return
         assert time.monotonic() < deadline, f"pools not free after {timeout} s: {bad}"
         time.sleep(0.1)
+
+
+def write_fat_model(dir: Path) -> Path:
+    """The tiny model's tokenizer with more layers and KV heads: ~64 KiB of KV per block of
+    4 tokens, so that a long prompt's transfer takes long enough to be interrupted."""
+    import json
+
+    from kvrelay.model.testing import (
+        tiny_hf_config,
+        tiny_tokenizer_json,
+        tiny_weights,
+        write_hf_dir,
+    )
+
+    tok = tiny_tokenizer_json()
+    cfg = tiny_hf_config("llama", len(json.loads(tok)["model"]["vocab"]))
+    cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+               num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+               max_position_embeddings=1024)
+    return write_hf_dir(Path(dir), cfg, tiny_weights(cfg, 0), tok)
