@@ -11,6 +11,7 @@ kills are restarted on the same port so the proxy finds them again.
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import signal
 import threading
@@ -37,7 +38,8 @@ class Faults:
         self.colo = c.colocated()
         self.p = c.prefill()
         self.d = c.decode("decode", "tcp", "--kv-load-failure-policy", "recompute")
-        for x in (self.colo, self.p, self.d):
+        self.d_shm = c.decode("decode-shm", "shm")  # not behind the proxy
+        for x in (self.colo, self.p, self.d, self.d_shm):
             x.wait_healthy()
         self.proxy = c.proxy([self.p], [self.d]).wait_healthy()
 
@@ -63,14 +65,15 @@ class Faults:
 
     def heal(self) -> None:
         """Restart whatever an earlier (failed) test left dead or stopped."""
-        for name in ("p", "d"):
+        for name in ("p", "d", "d_shm"):
             proc = getattr(self, name)
             proc.signal(signal.SIGCONT) if proc.alive() else setattr(
                 self, name, self.c.restart(proc))
 
     def decode_direct(self, body: dict[str, Any], params: dict[str, Any],
-                      timeout: float = 30) -> httpx.Response:
-        return httpx.post(self.d.url + "/v1/completions", timeout=timeout,
+                      timeout: float = 30, d: Any = None) -> httpx.Response:
+        d = d or self.d
+        return httpx.post(d.url + "/v1/completions", timeout=timeout,
                           json={**body, "kv_transfer_params": params})
 
     def wait_proxy_sees(self, timeout: float = 10.0) -> None:
@@ -112,19 +115,23 @@ def f(cluster: Faults) -> Faults:
     return cluster
 
 
-def test_kill_decode_during_transfer(f: Faults) -> None:
-    """kill -9 D while P's lease is PULLING: P frees the blocks at the lease deadline."""
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_kill_decode_during_transfer(f: Faults, transport: str) -> None:
+    """kill -9 D while P's lease is PULLING: P frees the blocks at the lease deadline,
+    a restarted D serves (through the proxy for tcp, directly for shm)."""
+    attr = "d" if transport == "tcp" else "d_shm"
+    d = getattr(f, attr)
     caught = False
     for attempt in range(8):
         body = f.body(LONG + str(attempt), 4)
         params = f.prefill_direct(body)
-        t = threading.Thread(target=_swallow, args=(f.decode_direct, body, params, 10),
+        t = threading.Thread(target=_swallow, args=(f.decode_direct, body, params, 10, d),
                              daemon=True)
         t.start()
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and t.is_alive():
-            if metrics(f.p.url).get('kvrelay_leases{state="pulling"}', 0) > 0:
-                f.d.kill()  # SIGKILL
+            if pulling(f.p):
+                d.kill()  # SIGKILL
                 caught = True
                 break
         t.join(15)
@@ -135,11 +142,26 @@ def test_kill_decode_during_transfer(f: Faults) -> None:
     pools_free(prefill=(f.p,), timeout=FREE_WAIT)
     m1 = released(f.p)
     delta = {k.split('"')[1]: m1[k] - m0.get(k, 0) for k in m1}
-    print("kill D mid-pull:", delta)
+    print(f"kill D ({transport}) mid-pull:", delta)
     assert sum(delta.values()) >= 1, "the lease was not released after D died"
-    f.d = f.c.restart(f.d)
+    d = f.c.restart(d)
+    setattr(f, attr, d)
+    body = f.body("A new decode engine serves", 6)
+    params = f.prefill_direct(body)
+    bytes0 = metric(metrics(d.url), "kvrelay_kv_transfer_bytes_total")
+    r = f.decode_direct(body, params, d=d)
+    assert r.status_code == 200, r.text
+    assert f.first_text + r.json()["choices"][0]["text"] == f.colocated_text(body)
+    assert metric(metrics(d.url), "kvrelay_kv_transfer_bytes_total") > bytes0
     f.wait_proxy_sees()
-    f.free()
+    pools_free(d, f.d, prefill=(f.p,), timeout=FREE_WAIT)
+
+
+def shm_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("kvrelay-")}
+    except OSError:
+        return set()
 
 
 def _swallow(fn: Any, *args: Any) -> None:
@@ -151,6 +173,8 @@ def test_kill_prefill_after_answer_decode_recomputes(f: Faults) -> None:
     body = f.body("Prefill dies after answering", 8)
     want = f.colocated_text(body)
     params = f.prefill_direct(body)
+    segments = shm_segments()
+    assert segments, "P (--kv-transport auto) has no kvrelay-* segment in /dev/shm"
     f.p.kill()
     r = f.decode_direct(body, params)
     assert r.status_code == 200, r.text
@@ -158,6 +182,11 @@ def test_kill_prefill_after_answer_decode_recomputes(f: Faults) -> None:
     m = metrics(f.d.url)
     assert metric(m, "kvrelay_kv_load_fallbacks_total") >= 1, m
     pools_free(f.d, timeout=FREE_WAIT)
+    # P's KV cache was a shared-memory segment: a SIGKILL must not leak it in /dev/shm.
+    deadline = time.monotonic() + 5
+    while not segments - shm_segments() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert segments - shm_segments(), f"P's segment was not removed: {segments}"
     f.p = f.c.restart(f.p)
     f.wait_proxy_sees()
     f.free()
