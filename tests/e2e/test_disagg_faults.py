@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 LEASE_TIMEOUT = 2.0
 FREE_WAIT = LEASE_TIMEOUT + 8.0
 LONG = "ab " * 300  # ~600 tokens, ~150 blocks of 4
+PULL = "ab " * 450  # ~900 tokens, ~225 blocks (~14 MiB): a pull long enough to catch
 HUGE = "ab " * 500  # ~1000 tokens
 
 
@@ -122,8 +123,8 @@ def test_kill_decode_during_transfer(f: Faults, transport: str) -> None:
     attr = "d" if transport == "tcp" else "d_shm"
     d = getattr(f, attr)
     caught = False
-    for attempt in range(8):
-        body = f.body(LONG + str(attempt), 4)
+    for attempt in range(12):
+        body = f.body(PULL + str(attempt), 4)
         params = f.prefill_direct(body)
         t = threading.Thread(target=_swallow, args=(f.decode_direct, body, params, 10, d),
                              daemon=True)
