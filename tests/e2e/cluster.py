@@ -1,0 +1,197 @@
+"""Real kvrelay processes on localhost for the disaggregated e2e tests.
+
+``Proc`` is one subprocess (an engine or the proxy) with its log file; ``Cluster``
+starts a set of them, waits for /health and kills every one in ``close`` (also
+after failures). Helpers read Prometheus metrics and wait until the KV pools are
+entirely free and no lease is held.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK_ARGS = ("--num-blocks", "256", "--block-size", "4")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}
+
+
+@dataclass
+class Proc:
+    name: str
+    args: list[str]
+    log: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Proc:
+        cmd = [sys.executable, "-m", "kvrelay", *self.args, "--host", "127.0.0.1",
+               "--port", str(self.port), "--log-level", "info"]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, env=env(), stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        return self
+
+    def wait_healthy(self, timeout: float = 60.0) -> Proc:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                   + self.tail())
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} not healthy within {timeout} s:\n" + self.tail())
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+class Cluster:
+    """Engines and proxies; every process started through it is killed in close()."""
+
+    def __init__(self, model: Path, logdir: Path) -> None:
+        self.model = model
+        self.logdir = logdir
+        self.procs: list[Proc] = []
+
+    def _proc(self, name: str, args: list[str]) -> Proc:
+        p = Proc(name, args, self.logdir / f"{name}-{len(self.procs)}.log")
+        self.procs.append(p)
+        return p
+
+    def colocated(self, name: str = "colo") -> Proc:
+        return self._proc(name, ["serve", str(self.model), *BLOCK_ARGS]).start()
+
+    def prefill(self, name: str = "prefill", *extra: str) -> Proc:
+        return self._proc(name, [
+            "serve", str(self.model), "--role", "prefill", "--relay-port", str(free_port()),
+            "--kv-transport", "auto", "--lease-timeout", "2", *BLOCK_ARGS, *extra]).start()
+
+    def decode(self, name: str = "decode", transport: str = "shm", *extra: str) -> Proc:
+        return self._proc(name, [
+            "serve", str(self.model), "--role", "decode", "--kv-transport", transport,
+            "--lease-timeout", "2", *BLOCK_ARGS, *extra]).start()
+
+    def proxy(self, prefill: list[Proc], decode: list[Proc], name: str = "proxy") -> Proc:
+        return self._proc(name, [
+            "proxy", "--prefill", *[p.url for p in prefill], "--decode",
+            *[d.url for d in decode], "--health-interval", "0.5"]).start()
+
+    def restart(self, old: Proc) -> Proc:
+        """A fresh process with the same arguments and port (the proxy keeps its URL)."""
+        old.kill()
+        new = Proc(old.name, old.args, old.log, port=old.port)
+        self.procs.append(new)
+        return new.start().wait_healthy()
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.kill()
+
+    def logs(self) -> str:
+        return "\n".join(f"==== {p.name} ====\n{p.tail()}" for p in self.procs)
+
+
+def metrics(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def metric(m: dict[str, float], prefix: str) -> float:
+    """Sum of every sample whose name (with labels) starts with ``prefix``."""
+    return sum(v for k, v in m.items() if k == prefix or k.startswith(prefix + "{"))
+
+
+def held_leases(m: dict[str, float]) -> float:
+    return sum(v for k, v in m.items()
+               if k.startswith("kvrelay_leases{") and ('"held"' in k or '"pulling"' in k))
+
+
+def pools_free(*engines: Proc, prefill: tuple[Proc, ...] = (), timeout: float = 10.0) -> None:
+    """Wait until every engine's pool is entirely free and no prefill lease is held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        bad = {}
+        for e in (*engines, *prefill):
+            m = metrics(e.url)
+            if m["kvrelay_kv_blocks_free"] != m["kvrelay_kv_blocks_total"]:
+                bad[e.name] = (m["kvrelay_kv_blocks_free"], m["kvrelay_kv_blocks_total"])
+        for p in prefill:
+            h = held_leases(metrics(p.url))
+            if h:
+                bad[p.name + " leases"] = h
+        if not bad:
+            return
+        assert time.monotonic() < deadline, f"pools not free after {timeout} s: {bad}"
+        time.sleep(0.1)
+
+
+def write_fat_model(dir: Path) -> Path:
+    """The tiny model's tokenizer with more layers and KV heads: ~64 KiB of KV per block of
+    4 tokens, so that a long prompt's transfer takes long enough to be interrupted."""
+    import json
+
+    from kvrelay.model.testing import (
+        tiny_hf_config,
+        tiny_tokenizer_json,
+        tiny_weights,
+        write_hf_dir,
+    )
+
+    tok = tiny_tokenizer_json()
+    cfg = tiny_hf_config("llama", len(json.loads(tok)["model"]["vocab"]))
+    cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+               num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+               max_position_embeddings=1024)
+    return write_hf_dir(Path(dir), cfg, tiny_weights(cfg, 0), tok)

@@ -1,0 +1,342 @@
+"""Faults on a real disaggregated cluster: crashes, stops, disconnects, forged params.
+
+One module-scoped cluster (a "fat" tiny model with ~64 KiB of KV per 4-token block so
+that a long prompt's transfer can be interrupted): a colocated engine for reference
+answers, one prefill engine, one decode engine (tcp, recompute policy) and a proxy.
+Every test ends with both pools entirely free (after the 2 s lease deadline), no lease
+held, and the survivors serving the next request through the proxy. Engines a test
+kills are restarted on the same port so the proxy finds them again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import Cluster, metric, metrics, pools_free, write_fat_model
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
+
+LEASE_TIMEOUT = 2.0
+FREE_WAIT = LEASE_TIMEOUT + 8.0
+LONG = "ab " * 300  # ~600 tokens, ~150 blocks of 4
+PULL = "ab " * 450  # ~900 tokens, ~225 blocks (~14 MiB): a pull long enough to catch
+HUGE = "ab " * 500  # ~1000 tokens
+
+
+class Faults:
+    def __init__(self, c: Cluster, model: str) -> None:
+        self.c, self.model = c, model
+        self.colo = c.colocated()
+        self.p = c.prefill()
+        self.d = c.decode("decode", "tcp", "--kv-load-failure-policy", "recompute")
+        self.d_shm = c.decode("decode-shm", "shm")  # not behind the proxy
+        for x in (self.colo, self.p, self.d, self.d_shm):
+            x.wait_healthy()
+        self.proxy = c.proxy([self.p], [self.d]).wait_healthy()
+
+    def body(self, prompt: str, max_tokens: int = 6, **kw: Any) -> dict[str, Any]:
+        return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True, **kw}
+
+    def colocated_text(self, body: dict[str, Any]) -> str:
+        r = httpx.post(self.colo.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["text"])
+
+    def prefill_direct(self, body: dict[str, Any]) -> dict[str, Any]:
+        """P's kv_transfer_params; P's first-token text is kept in ``self.first_text``
+        (D answers tokens 2..n: the proxy is the one that sends the first token)."""
+        r = httpx.post(self.p.url + "/v1/completions", timeout=30,
+                       json={**body, "kv_transfer_params": {"do_remote_decode": True}})
+        assert r.status_code == 200, r.text
+        params = r.json()["kv_transfer_params"]
+        assert params["lease_id"] and params["block_ids"], params
+        self.first_text = str(r.json()["choices"][0]["text"])
+        return dict(params)
+
+    def heal(self) -> None:
+        """Restart whatever an earlier (failed) test left dead or stopped."""
+        for name in ("p", "d", "d_shm"):
+            proc = getattr(self, name)
+            proc.signal(signal.SIGCONT) if proc.alive() else setattr(
+                self, name, self.c.restart(proc))
+
+    def decode_direct(self, body: dict[str, Any], params: dict[str, Any],
+                      timeout: float = 30, d: Any = None) -> httpx.Response:
+        d = d or self.d
+        return httpx.post(d.url + "/v1/completions", timeout=timeout,
+                          json={**body, "kv_transfer_params": params})
+
+    def wait_proxy_sees(self, timeout: float = 10.0) -> None:
+        """After a restart: the proxy's health loop must have found the engine again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.serves()
+                return
+            except AssertionError:
+                assert time.monotonic() < deadline, "proxy does not serve after a restart"
+                time.sleep(0.25)
+
+    def serves(self) -> None:
+        body = self.body("The survivors still serve", 5)
+        r = httpx.post(self.proxy.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == self.colocated_text(body)
+
+    def free(self) -> None:
+        pools_free(self.d, prefill=(self.p,), timeout=FREE_WAIT)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faults]:
+    model = write_fat_model(tmp_path_factory.mktemp("fat") / "fat")
+    c = Cluster(model, tmp_path_factory.mktemp("disagg-fault-logs"))
+    try:
+        faults = Faults(c, model.name)
+        yield faults
+    finally:
+        c.close()
+        print(c.logs())  # shown by pytest when a test failed
+
+
+@pytest.fixture
+def f(cluster: Faults) -> Faults:
+    cluster.heal()
+    return cluster
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_kill_decode_during_transfer(f: Faults, transport: str) -> None:
+    """kill -9 D while P's lease is PULLING: P frees the blocks at the lease deadline,
+    a restarted D serves (through the proxy for tcp, directly for shm)."""
+    attr = "d" if transport == "tcp" else "d_shm"
+    d = getattr(f, attr)
+    caught = False
+    for attempt in range(12):
+        body = f.body(PULL + str(attempt), 4)
+        params = f.prefill_direct(body)
+        t = threading.Thread(target=_swallow, args=(f.decode_direct, body, params, 10, d),
+                             daemon=True)
+        t.start()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and t.is_alive():
+            if pulling(f.p):
+                d.kill()  # SIGKILL
+                caught = True
+                break
+        t.join(15)
+        if caught:
+            break
+    assert caught, "never saw a lease in state pulling to kill D during"
+    m0 = released(f.p)
+    pools_free(prefill=(f.p,), timeout=FREE_WAIT)
+    m1 = released(f.p)
+    delta = {k.split('"')[1]: m1[k] - m0.get(k, 0) for k in m1}
+    print(f"kill D ({transport}) mid-pull:", delta)
+    assert sum(delta.values()) >= 1, "the lease was not released after D died"
+    d = f.c.restart(d)
+    setattr(f, attr, d)
+    body = f.body("A new decode engine serves", 6)
+    params = f.prefill_direct(body)
+    bytes0 = metric(metrics(d.url), "kvrelay_kv_transfer_bytes_total")
+    r = f.decode_direct(body, params, d=d)
+    assert r.status_code == 200, r.text
+    assert f.first_text + r.json()["choices"][0]["text"] == f.colocated_text(body)
+    assert metric(metrics(d.url), "kvrelay_kv_transfer_bytes_total") > bytes0
+    f.wait_proxy_sees()
+    pools_free(d, f.d, prefill=(f.p,), timeout=FREE_WAIT)
+
+
+def shm_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("kvrelay-")}
+    except OSError:
+        return set()
+
+
+def _swallow(fn: Any, *args: Any) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        fn(*args)
+
+
+def test_kill_prefill_after_answer_decode_recomputes(f: Faults) -> None:
+    body = f.body("Prefill dies after answering", 8)
+    want = f.colocated_text(body)
+    params = f.prefill_direct(body)
+    segments = shm_segments()
+    assert segments, "P (--kv-transport auto) has no kvrelay-* segment in /dev/shm"
+    f.p.kill()
+    r = f.decode_direct(body, params)
+    assert r.status_code == 200, r.text
+    assert f.first_text + r.json()["choices"][0]["text"] == want
+    m = metrics(f.d.url)
+    assert metric(m, "kvrelay_kv_load_fallbacks_total") >= 1, m
+    pools_free(f.d, timeout=FREE_WAIT)
+    # P's KV cache was a shared-memory segment: a SIGKILL must not leak it in /dev/shm.
+    deadline = time.monotonic() + 5
+    while not segments - shm_segments() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert segments - shm_segments(), f"P's segment was not removed: {segments}"
+    f.p = f.c.restart(f.p)
+    f.wait_proxy_sees()
+    f.free()
+
+
+def pulling(p: Any) -> bool:
+    return metrics(p.url).get('kvrelay_leases{state="pulling"}', 0) > 0
+
+
+def _stream_and_close(url: str, body: dict[str, Any], after_chunks: int,
+                      until: Any = None) -> int:
+    """Stream a completion and close the connection after ``after_chunks`` data lines
+    (and, with ``until``, once until() is true, polled for at most 3 s). Returns the
+    number of chunks read, negative when ``until`` never became true."""
+    n = 0
+    with httpx.Client(timeout=30) as cl, cl.stream("POST", url + "/v1/completions",
+                                                    json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:") and "[DONE]" not in line:
+                n += 1
+                if n >= after_chunks:
+                    deadline = time.monotonic() + 3
+                    while until is not None and not until():
+                        if time.monotonic() > deadline:
+                            return -n
+                    break
+    return n
+
+
+@pytest.mark.parametrize("stage", ["waiting_for_prefill", "between_prefill_and_decode",
+                                   "during_pull", "during_decode"])
+def test_client_disconnect(f: Faults, stage: str) -> None:
+    before = released(f.p)
+    if stage == "waiting_for_prefill":
+        # A huge prompt: the client gives up long before the prefill answers.
+        for i in range(3):
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(f.proxy.url + "/v1/completions",
+                           json=f.body(HUGE + str(i), 4), timeout=0.02)
+    elif stage == "between_prefill_and_decode":
+        # The proxy streams P's first token at once: close right after it.
+        for i in range(3):
+            _stream_and_close(f.proxy.url, f.body(f"short {i}", 50), 1)
+    elif stage == "during_pull":
+        # Close once P shows the lease PULLING (D is copying it).
+        caught = [_stream_and_close(f.proxy.url, f.body(LONG + str(i), 50), 1,
+                                    until=lambda: pulling(f.p)) > 0 for i in range(4)]
+        assert any(caught), "never caught a lease in state pulling"
+    else:
+        assert _stream_and_close(f.proxy.url, f.body("decode a while", 200), 3) == 3
+    f.free()
+    after = released(f.p)
+    delta = {k.split('"')[1]: after[k] - before.get(k, 0) for k in after}
+    print(stage, delta)
+    # A disconnect is reported (proxy release or D abort), never left to the deadline.
+    assert delta["expired"] == 0, delta
+    f.serves()
+
+
+def test_prefill_stopped_decode_falls_back(f: Faults) -> None:
+    """SIGSTOP P after it answered: D's pull times out, it recomputes, the client gets
+    the colocated answer; after SIGCONT P's lease expires and both pools are free."""
+    body = f.body("The prefill engine is frozen", 8)
+    want = f.colocated_text(body)
+    params = f.prefill_direct(body)
+    fb0 = metric(metrics(f.d.url), "kvrelay_kv_load_fallbacks_total")
+    f.p.signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        r = f.decode_direct(body, params, timeout=LEASE_TIMEOUT * 5 + 10)
+        took = time.monotonic() - t0
+    finally:
+        f.p.signal(signal.SIGCONT)
+    assert r.status_code == 200, r.text
+    assert f.first_text + r.json()["choices"][0]["text"] == want
+    assert took < LEASE_TIMEOUT * 5 + 5
+    assert metric(metrics(f.d.url), "kvrelay_kv_load_fallbacks_total") == fb0 + 1
+    f.free()
+    f.serves()
+
+
+def released(p: Any) -> dict[str, float]:
+    return {k: v for k, v in metrics(p.url).items()
+            if k.startswith("kvrelay_leases_released_total{")}
+
+
+def _error_param(r: httpx.Response) -> Any:
+    try:
+        return r.json()["error"].get("param")
+    except (ValueError, KeyError, AttributeError):
+        return None
+
+
+FORGERIES = {
+    "wrong lease id": lambda mine, other: {**mine, "lease_id": secrets.token_hex(16)},
+    "someone else's block ids": lambda mine, other: {**mine, "block_ids": other["block_ids"]},
+    "wrong compat": lambda mine, other: {**mine, "compat": "0" * len(mine["compat"])},
+    "wrong first token": lambda mine, other: {**mine,
+                                              "first_token": (mine["first_token"] + 1) % 200},
+}
+
+
+@pytest.mark.parametrize("forgery", list(FORGERIES))
+def test_forged_params_are_rejected_without_reading(f: Faults, forgery: str) -> None:
+    """Each forgery on a fresh, genuine lease of its own (so that no earlier rejection
+    released it): D answers 4xx, error.param == "kv_transfer_params", reads no byte."""
+    body = f.body("Forged transfer parameters", 6)
+    want = f.colocated_text(body)
+    other = f.prefill_direct(f.body(LONG, 6))
+    mine = f.prefill_direct(body)
+    bytes0 = metric(metrics(f.d.url), "kvrelay_kv_transfer_bytes_total")
+    r = f.decode_direct(body, FORGERIES[forgery](mine, other))
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    assert _error_param(r) == "kv_transfer_params", r.text
+    assert metric(metrics(f.d.url), "kvrelay_kv_transfer_bytes_total") == bytes0, \
+        "D read KV for forged params"
+    # The genuine params still get the colocated answer (pulled, or recomputed when the
+    # rejection released the lease).
+    r = f.decode_direct(body, mine)
+    assert r.status_code == 200, r.text
+    assert f.first_text + r.json()["choices"][0]["text"] == want
+    f.free()
+
+
+def test_replayed_params_never_read(f: Faults) -> None:
+    """Params already used: P answers released; D must not read. It may refuse (4xx,
+    param kv_transfer_params) or recompute (200, same text): never move bytes."""
+    body = f.body("Replay me", 6)
+    want = f.colocated_text(body)
+    params = f.prefill_direct(body)
+    r = f.decode_direct(body, params)
+    assert r.status_code == 200, r.text
+    assert f.first_text + r.json()["choices"][0]["text"] == want
+    f.free()
+    m0d, m0p = metrics(f.d.url), metrics(f.p.url)
+    r = f.decode_direct(body, params)
+    if r.status_code == 200:  # what the product does today: recompute, nothing read
+        assert f.first_text + r.json()["choices"][0]["text"] == want
+        assert metrics(f.d.url).get('kvrelay_kv_load_fallbacks_total{reason="acquire_failed"}',
+                                    0) == m0d.get(
+            'kvrelay_kv_load_fallbacks_total{reason="acquire_failed"}', 0) + 1
+    else:
+        assert 400 <= r.status_code < 500 and _error_param(r) == "kv_transfer_params", r.text
+    m1d, m1p = metrics(f.d.url), metrics(f.p.url)
+    assert metric(m1d, "kvrelay_kv_transfer_bytes_total") == metric(
+        m0d, "kvrelay_kv_transfer_bytes_total"), "a replay moved KV bytes"
+    assert metric(m1p, "kvrelay_relay_stale_messages_total") > metric(
+        m0p, "kvrelay_relay_stale_messages_total"), "P did not count the replay as stale"
+    print("replay answered", r.status_code, r.text[:200])
+    f.free()
+    f.serves()
