@@ -258,8 +258,10 @@ class Receiver:
         need = len(req.block_ids)
         if reply.status != "ok":
             why = reply.error or reply.reason
-            if reply.status == "error" and "restarted" not in reply.error:
-                # No such lease (forged or replayed params): nothing to fall back from.
+            replayed = reply.status == "released" and reply.reason == "done"
+            if replayed or (reply.status == "error" and "restarted" not in reply.error):
+                # No such lease (forged params), or one already pulled (replayed
+                # params): the client's error, nothing to fall back from.
                 self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{why}", fail=True)
             else:
                 reason = "engine_restarted" if "restarted" in reply.error else "acquire_failed"
