@@ -47,7 +47,9 @@ class AttnMetadata:
     # at row 0 and is masked.
     decode_head_rows: torch.Tensor | None
     decode_ctx: int
-    decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_ctx) float32: 0 or -inf
+    # (Bd * KVH, 1, max_ctx) in the compute dtype: 0 or -inf, added to the scores of
+    # each (request, KV head) pair by the same baddbmm that computes them.
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
     all_decode: bool  # every token is a decode row, in order: no scatter of outputs
 
@@ -65,6 +67,7 @@ def build_metadata(
     num_layers: int,
     num_kv_heads: int,
     device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> AttnMetadata:
     block_rows = num_layers * 2 * block_size
     slots: list[int] = []
@@ -111,8 +114,9 @@ def build_metadata(
         meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
         meta.decode_head_rows = torch.cat([k_heads, k_heads + block_size * num_kv_heads])
         meta.decode_ctx = ctx
-        valid = (pos[None, :] < lens[:, None])[:, None, None, :]
-        meta.decode_mask = torch.zeros(valid.shape, device=device).masked_fill(~valid, -torch.inf)
+        valid = (pos[None, :] < lens[:, None])[:, None, :].repeat_interleave(num_kv_heads, 0)
+        mask = torch.zeros(valid.shape, dtype=dtype, device=device)
+        meta.decode_mask = mask.masked_fill(~valid, -torch.inf)
     return meta
 
 
@@ -164,9 +168,11 @@ def _decode(q: torch.Tensor, kv_rows: torch.Tensor, layer: int, meta: AttnMetada
     kv = kv_rows.view(-1, D).index_select(0, meta.decode_head_rows + shift)
     kv = kv.view(2, B * kvh, ctx, D)
     qg = q.reshape(B * kvh, g, D)
-    scores = torch.bmm(qg, kv[0].transpose(1, 2)).float() * D**-0.5
-    probs = (scores.view(B, kvh, g, ctx) + meta.decode_mask).softmax(dim=-1).to(q.dtype)
-    return torch.bmm(probs.view(B * kvh, g, ctx), kv[1]).view(B, H, D)
+    # One op for scores, scale and mask. The softmax stays in float32: bfloat16's own
+    # softmax kernel rounds differently and flipped a greedy token in the benchmark.
+    scores = torch.baddbmm(meta.decode_mask, qg, kv[0].transpose(1, 2), alpha=D**-0.5)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs, kv[1]).view(B, H, D)
 
 
 def _prefill(
