@@ -144,7 +144,9 @@ def paged_attention(
     (rows, KVH * D). Writes k/v into ``layer``, returns attention output (T, H * D)."""
     T, H, D = q.shape
     shift = layer * meta.layer_stride
-    kv_rows.index_copy_(0, meta.write_rows + shift, torch.cat([k, v]).reshape(2 * T, -1))
+    # The layer's rows are the layer-0 rows of a view starting `shift` rows in: no
+    # per-layer addition over the index tensors.
+    kv_rows[shift:].index_copy_(0, meta.write_rows, torch.cat([k, v]).reshape(2 * T, -1))
     if meta.all_decode:
         return _decode(q, kv_rows, layer, meta).reshape(T, H * D)
     out = q.new_empty(T, H, D)
@@ -165,7 +167,7 @@ def _decode(q: torch.Tensor, kv_rows: torch.Tensor, layer: int, meta: AttnMetada
     kvh = kv_rows.shape[1] // D
     g, ctx = H // kvh, meta.decode_ctx
     shift = layer * meta.layer_stride * kvh
-    kv = kv_rows.view(-1, D).index_select(0, meta.decode_head_rows + shift)
+    kv = kv_rows.view(-1, D)[shift:].index_select(0, meta.decode_head_rows)
     kv = kv.view(2, B * kvh, ctx, D)
     qg = q.reshape(B * kvh, g, D)
     # One op for scores, scale and mask. The softmax stays in float32: bfloat16's own
@@ -190,7 +192,7 @@ def _prefill(
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
         D = q.shape[2]
-        kv = kv_rows.index_select(0, p.kv_rows + shift).view(2, p.ctx_len, -1, D)
+        kv = kv_rows[shift:].index_select(0, p.kv_rows).view(2, p.ctx_len, -1, D)
         kh = kv[0].transpose(0, 1).unsqueeze(0)
         vh = kv[1].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=p.mask, enable_gqa=True)
