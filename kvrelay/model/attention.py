@@ -3,8 +3,9 @@
 The cache ``(num_blocks, num_layers, 2, block_size, kv_heads, head_dim)`` is
 addressed as rows of ``kv_heads * head_dim`` values: the K row of token slot
 (block, offset) in layer l is ``((block * num_layers + l) * 2) * block_size + offset``
-and its V row is ``block_size`` further. Metadata holds layer-0 K rows; a layer adds
-its constant. Writes are one ``index_copy_`` per layer, reads one ``index_select``
+and its V row is ``block_size`` further. Metadata holds layer-0 K rows; a layer
+reads and writes through a view of the cache that starts its constant number of rows
+in. Writes are one ``index_copy_`` per layer, reads one ``index_select``
 (a row memcpy): measured on the 135M model's shapes, 4x faster than advanced
 indexing of a strided per-layer view (docs/model.md).
 
@@ -14,7 +15,8 @@ context is gathered as rows of ``head_dim`` (one KV head of one slot), which lan
 K/V directly in (request, KV head, position, head_dim) order; 1.6x faster than
 scaled_dot_product_attention on strided views at these shapes. Prefill chunks run
 one attention per chunk, since their query lengths differ and padding them to a
-common length would waste compute.
+common length would waste compute; adjacent chunks that start their sequences and
+have one length (a batch of equal prompts) share one batched attention.
 """
 
 from __future__ import annotations
