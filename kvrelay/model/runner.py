@@ -82,7 +82,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         dev = self.device
         cfg = self.model.cfg
-        meta = build_metadata(chunks, self.block_size, cfg.num_layers, cfg.num_kv_heads, dev)
+        meta = build_metadata(
+            chunks, self.block_size, cfg.num_layers, cfg.num_kv_heads, dev, self.model.dtype
+        )
         return self.model.forward(
             torch.tensor(token_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

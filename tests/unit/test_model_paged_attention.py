@@ -82,3 +82,25 @@ def test_paged_equals_contiguous(seed: int) -> None:
         torch.testing.assert_close(
             s["out"], _reference(s["q"], s["k"], s["v"]), atol=1e-5, rtol=1e-5
         )
+
+
+def test_same_length_prompts_in_one_step_equal_contiguous() -> None:
+    """Adjacent fresh prompts of one length run as one batched attention; a prompt
+    of another length between them starts a new batch."""
+    torch.manual_seed(0)
+    lengths = [6, 6, 6, 3, 6, 6, 5]
+    cache = torch.zeros(NB, 2, 2, BS, KVH, D)
+    chunks, qs, ks, vs = [], [], [], []
+    next_block = 0
+    for n in lengths:
+        blocks = list(range(next_block, next_block + -(-n // BS)))
+        next_block += len(blocks)
+        chunks.append(ChunkSpec(0, n, blocks))
+        qs.append(torch.randn(n, H, D))
+        ks.append(torch.randn(n, KVH, D))
+        vs.append(torch.randn(n, KVH, D))
+    meta = build_metadata(chunks, BS, 2, KVH, torch.device("cpu"))
+    rows = cache.view(-1, KVH * D)
+    out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), rows, 1, meta)
+    expected = torch.cat([_reference(q, k, v) for q, k, v in zip(qs, ks, vs, strict=True)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
