@@ -78,6 +78,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule step N+1 before step N's output is applied")
     p.add_argument("--seed", type=int, default=0, help="global random seed")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice, one per core); engines "
+                   "sharing a host should split the cores between them")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -117,6 +120,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     role = getattr(args, "role", "both")
     shm = None
     if role == "prefill" and args.kv_transport in ("auto", "shm"):
