@@ -28,6 +28,16 @@ class RemoteKv:
                    [int(b) for b in d["block_ids"]], int(d["num_tokens"]),
                    int(d["first_token"]), str(d["compat"]))
 
+    @classmethod
+    def from_client(cls, d: dict[str, Any]) -> RemoteKv:
+        """Params from an HTTP request: the relay must be a host:port we can dial.
+        Raises ValueError, KeyError or TypeError naming what is wrong."""
+        kv = cls.from_dict(d)
+        host, sep, port = kv.relay.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"relay must be host:port, got {kv.relay!r}")
+        return kv
+
 
 class RelayLink(Protocol):
     def send(self, relay: str, msg: P.Request) -> None:

@@ -142,7 +142,9 @@ class _Handlers:
         return JSONResponse({"version": __version__})
 
     async def metrics(self) -> Response:
-        return Response(self.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        # Relay samples are read under the engine lock: off the event loop.
+        body = await asyncio.to_thread(self.state.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         self._check_auth(request)
@@ -199,7 +201,9 @@ class _Handlers:
         except (ValueError, KeyError, TypeError) as exc:
             raise bad_request("kv_transfer_params", f"expected {{'kv_transfer_params': "
                               f"{{'engine_id', 'lease_id'}}}}: {exc}") from exc
-        return JSONResponse(self.state.release_lease(engine_id, lease_id))
+        # The lease table is behind the engine lock, held for a whole step: not here.
+        answer = await asyncio.to_thread(self.state.release_lease, engine_id, lease_id)
+        return JSONResponse(answer)
 
     # -- helpers ---------------------------------------------------------------------
     def _kv_mode(self, body: Any, num_prompts: int) -> tuple[bool, RemoteKv | None]:
@@ -220,7 +224,7 @@ class _Handlers:
             raise bad_request("kv_transfer_params", "a KV lease can only be pulled by an "
                               f"engine started with --role decode; this one is --role {role}")
         try:
-            return False, RemoteKv.from_dict(params)
+            return False, RemoteKv.from_client(params)
         except (KeyError, TypeError, ValueError) as exc:
             raise bad_request("kv_transfer_params", "kv_transfer_params lacks or mangles a "
                               f"field of the lease: {exc!r}") from exc

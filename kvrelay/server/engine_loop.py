@@ -18,6 +18,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,8 +197,7 @@ class EngineLoop:
                 else:
                     self._drain_commands(block=not engine.has_work())
                 if self._stopping:
-                    with hooks.lock:
-                        self._shutdown()
+                    self._shutdown()
                     return
                 with hooks.lock:
                     hooks.before_step()
@@ -208,10 +208,12 @@ class EngineLoop:
                     outputs = engine.step()
                 self._deliver(outputs)
                 self.stats.steps += 1
-                if engine.stats.steps == steps_before and not outputs and not hooks.busy():
-                    # Nothing schedulable (cannot happen with a consistent core):
-                    # wait for a command instead of spinning.
-                    self._drain_commands(block=True)
+                if engine.stats.steps == steps_before and not outputs:
+                    # Nothing schedulable: only requests waiting for remote KV (look
+                    # at the relay again soon), or none (cannot happen with a
+                    # consistent core). Wait for a command instead of spinning.
+                    timeout = hooks.poll_s if hooks.busy() else None
+                    self._drain_commands(block=True, timeout=timeout)
         except Exception as exc:  # a runner or core failure: fail every request loudly
             log.exception("engine loop failed")
             self.stats.dead_reason = f"engine failure: {type(exc).__name__}: {exc}"
@@ -275,17 +277,26 @@ class EngineLoop:
             self._call_async(_put_all, routed)
 
     def _abort_all(self) -> None:
-        # Shutdown is not a hot path: a scan of what is left is fine here.
+        # Shutdown is not a hot path: a scan of what is left is fine here. Through the
+        # hooks: a request loading remote KV must drain, and its lease be reported.
         engine = self.engine
         for request_id in list(engine.requests):
-            engine.abort_request(request_id, FinishReason.ABORT)
+            self.hooks.abort(engine, request_id, FinishReason.ABORT)
         self._deliver(engine.take_outputs())
 
-    def _shutdown(self) -> None:
-        engine = self.engine
-        self._abort_all()
-        while engine.has_work():  # in-flight steps complete, then blocks are released
-            self._deliver(engine.step())
+    def _shutdown(self, grace_s: float = 10.0) -> None:
+        engine, hooks = self.engine, self.hooks
+        with hooks.lock:
+            self._abort_all()
+        deadline = time.monotonic() + grace_s
+        # In-flight steps complete and transfers drain, then blocks are released once.
+        while (engine.has_work() or hooks.busy()) and time.monotonic() < deadline:
+            with hooks.lock:
+                hooks.before_step()
+                outputs = engine.step() if engine.has_work() else engine.take_outputs()
+            self._deliver(outputs)
+            if not outputs:
+                time.sleep(hooks.poll_s)
         self._reject_pending_adds()
 
     def _fail_all(self, message: str) -> None:

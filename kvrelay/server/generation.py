@@ -172,9 +172,11 @@ class Generation:
             text = choice.detok.add(out.new_token_ids)
         delta = Delta(choice.spec.index, text, out.new_token_ids, out.new_logprobs)
         if choice.detok.stopped:
-            # A stop string ended the text: the engine request must end too, now.
+            # A stop string ended the text: the engine request must end too, now. On
+            # the prefill role the lease still goes back to the caller, who releases it.
             self.loop.abort(choice.request_id, FinishReason.STOP)
             delta.finish_reason = "stop"
+            delta.kv_transfer_params = out.kv_transfer_params
         elif out.finish_reason is FinishReason.REMOTE_DECODE:
             # Text held back (a split character, a possible stop string) is the
             # decode engine's to emit, once it knows the tokens that follow.

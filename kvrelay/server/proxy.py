@@ -156,7 +156,7 @@ class Proxy:
                 try:
                     r = await self._http().get(f"{up.url}/health", timeout=2.0)
                     up.healthy = r.status_code == 200
-                except httpx.HTTPError:
+                except Exception:  # any failure: unhealthy, and the loop goes on
                     up.healthy = False
                 self.metrics.healthy.labels(up.role, up.url).set(1 if up.healthy else 0)
             await asyncio.sleep(self.health_interval)
@@ -314,6 +314,8 @@ class Proxy:
                         self.metrics.client_disconnects.inc()
                         return Response(status_code=499)
                     return error_body(502, f"the decode engine failed: {exc}", type_="server_error")
+            if r.status_code != 200 and release is not None:
+                await release()  # refused before it took the lease: give it back
             return _json_or_raw(r)
         seed_chunks = _seed_chunks(first, body) if first is not None else []
 
@@ -344,7 +346,15 @@ class Proxy:
                         self._background(release())
                 try:
                     if r.status_code != 200:
-                        yield _sse(json.loads(await r.aread()))
+                        if release is not None:
+                            self._background(release())
+                        raw = await r.aread()
+                        try:
+                            yield _sse(json.loads(raw))
+                        except ValueError:
+                            yield _sse({"error": {"message": raw.decode(errors="replace"),
+                                                  "type": "server_error", "param": None,
+                                                  "code": None}})
                         return
                     async for line in r.aiter_lines():
                         if line:

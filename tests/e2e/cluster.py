@@ -29,9 +29,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def env() -> dict[str, str]:
+def env(extra: dict[str, str] | None = None) -> dict[str, str]:
     path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}
+    return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""),
+            **(extra or {})}
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Proc:
     log: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -50,8 +52,8 @@ class Proc:
         cmd = [sys.executable, "-m", "kvrelay", *self.args, "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "info"]
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, env=env(), stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(cmd, env=env(self.extra_env), stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
     def wait_healthy(self, timeout: float = 60.0) -> Proc:
@@ -96,13 +98,15 @@ class Proc:
 class Cluster:
     """Engines and proxies; every process started through it is killed in close()."""
 
-    def __init__(self, model: Path, logdir: Path) -> None:
+    def __init__(self, model: Path, logdir: Path, extra_env: dict[str, str] | None = None) -> None:
         self.model = model
         self.logdir = logdir
+        self.extra_env = extra_env or {}
         self.procs: list[Proc] = []
 
     def _proc(self, name: str, args: list[str]) -> Proc:
-        p = Proc(name, args, self.logdir / f"{name}-{len(self.procs)}.log")
+        p = Proc(name, args, self.logdir / f"{name}-{len(self.procs)}.log",
+                 extra_env=self.extra_env)
         self.procs.append(p)
         return p
 
@@ -127,7 +131,7 @@ class Cluster:
     def restart(self, old: Proc) -> Proc:
         """A fresh process with the same arguments and port (the proxy keeps its URL)."""
         old.kill()
-        new = Proc(old.name, old.args, old.log, port=old.port)
+        new = Proc(old.name, old.args, old.log, port=old.port, extra_env=old.extra_env)
         self.procs.append(new)
         return new.start().wait_healthy()
 

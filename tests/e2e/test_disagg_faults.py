@@ -101,7 +101,10 @@ class Faults:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faults]:
     model = write_fat_model(tmp_path_factory.mktemp("fat") / "fat")
-    c = Cluster(model, tmp_path_factory.mktemp("disagg-fault-logs"))
+    # Every pull waits 0.3 s before it writes (fault injection), so the tests can act
+    # while a lease is PULLING: kill D, or close the client, mid-transfer.
+    c = Cluster(model, tmp_path_factory.mktemp("disagg-fault-logs"),
+                extra_env={"KVRELAY_FAULT_TRANSFER_DELAY_S": "0.3"})
     try:
         faults = Faults(c, model.name)
         yield faults

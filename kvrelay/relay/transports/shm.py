@@ -28,6 +28,7 @@ from kvrelay.relay.transports.base import (
     TransferState,
     TransferStatus,
     byte_view,
+    injected_delay,
     runs,
 )
 
@@ -109,6 +110,7 @@ class ShmTransport:
         self.shm_cache: ShmKvCache | None = None
         self._attached: dict[str, tuple[shared_memory.SharedMemory, torch.Tensor]] = {}
         self._lock = threading.Lock()
+        self.delay = injected_delay()
 
     def register(self, kv_cache: Any) -> dict[str, Any]:
         """P side: ``kv_cache`` must be the tensor of a ``ShmKvCache``."""
@@ -155,6 +157,8 @@ class ShmTransport:
             assert self.kv_cache is not None, "the shm transport has no local KV cache"
             src = self._remote(descriptor)
             dst = self.kv_cache
+            if self.delay:
+                h.cancelled.wait(self.delay)
             if h.cancelled.is_set():
                 raise ConnectionAbortedError("transfer cancelled")
             copy_blocks(dst, src, remote, local)

@@ -21,7 +21,14 @@ from typing import Any
 import numpy as np
 
 from kvrelay.relay import protocol as P
-from kvrelay.relay.transports.base import PeerInfo, TransferState, TransferStatus, byte_view, runs
+from kvrelay.relay.transports.base import (
+    PeerInfo,
+    TransferState,
+    TransferStatus,
+    byte_view,
+    injected_delay,
+    runs,
+)
 
 IOV_BATCH = 64  # buffers per sendmsg/recvmsg_into (IOV_MAX is 1024)
 
@@ -92,6 +99,7 @@ class TcpTransport:
         self._idle: dict[str, list[socket.socket]] = {}
         self._lock = threading.Lock()
         self._seq = 0
+        self.delay = injected_delay()
 
     def register(self, kv_cache: Any) -> dict[str, Any]:
         self.kv_bytes = byte_view(kv_cache)
@@ -134,6 +142,8 @@ class TcpTransport:
         sock: socket.socket | None = None
         try:
             assert self.kv_bytes is not None and self.connect is not None
+            if self.delay:
+                h.cancelled.wait(self.delay)
             sock = self._take(peer.relay)
             h.sock = sock
             if h.cancelled.is_set():
