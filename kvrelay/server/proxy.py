@@ -43,6 +43,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from kvrelay.server.protocol import ApiError
+
 log = logging.getLogger(__name__)
 
 RELEASE_PATH = "/v1/kv/release"  # on the prefill engine
@@ -81,8 +83,9 @@ class Upstreams:
 def error_body(
     status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"
 ) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status)
+    """The same OpenAI error body as the engines' (kvrelay.server.protocol.ApiError)."""
+    return JSONResponse(ApiError(status, message, param=param, type=type_).body(),
+                        status_code=status)
 
 
 class ProxyMetrics:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.metrics_util import metrics
+
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_ARGS = ("--num-blocks", "256", "--block-size", "4")
 
@@ -141,15 +143,6 @@ class Cluster:
 
     def logs(self) -> str:
         return "\n".join(f"==== {p.name} ====\n{p.tail()}" for p in self.procs)
-
-
-def metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def metric(m: dict[str, float], prefix: str) -> float:

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import openai
 import pytest
 
 from kvrelay.server.demo import ServerProcess
+from tests.metrics_util import metrics, wait_blocks_back
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "e2e-secret"
@@ -90,25 +90,6 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
 
 
-def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-def wait_blocks_back(url: str, timeout: float = 10.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(url)
-        if m["kvrelay_kv_blocks_free"] == m["kvrelay_kv_blocks_total"]:
-            return m
-        assert time.monotonic() < deadline, f"KV blocks not returned: {m}"
-        time.sleep(0.05)
-
-
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
@@ -154,7 +135,7 @@ def test_sixteen_concurrent_requests(client: openai.OpenAI, server: ServerProces
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, range(16)))
     assert results == [("length", 8)] * 16
-    wait_blocks_back(server.base_url)
+    wait_blocks_back(server.base_url, 10.0)
 
 
 def test_stop_string(client: openai.OpenAI, server: ServerProcess) -> None:
@@ -172,7 +153,7 @@ def test_stop_string(client: openai.OpenAI, server: ServerProcess) -> None:
         model="tiny", prompt="The quick brown", max_tokens=24, stop=stop, stream=True, **GREEDY
     ))
     assert streamed == want
-    wait_blocks_back(server.base_url)
+    wait_blocks_back(server.base_url, 10.0)
 
 
 def test_abort_mid_stream_returns_blocks(server: ServerProcess) -> None:
@@ -186,7 +167,7 @@ def test_abort_mid_stream_returns_blocks(server: ServerProcess) -> None:
         assert [next(data) for _ in range(3)]
         m = metrics(url)
         assert m["kvrelay_kv_blocks_free"] < m["kvrelay_kv_blocks_total"]
-    m = wait_blocks_back(url)
+    m = wait_blocks_back(url, 10.0)
     assert m['kvrelay_requests_finished_total{reason="abort"}'] == before + 1
     assert m["kvrelay_requests_running"] == 0 and m["kvrelay_requests_waiting"] == 0
 
@@ -214,7 +195,7 @@ def test_async_scheduling_gives_the_same_tokens(
                                        **GREEDY)
         assert got.choices[0].text == want.choices[0].text
         assert got.usage.completion_tokens == 16
-        wait_blocks_back(proc.base_url)
+        wait_blocks_back(proc.base_url, 10.0)
 
 
 def test_serves_a_gguf_file(tmp_path: Path) -> None:
@@ -277,7 +258,7 @@ def test_bad_input(
 
 def test_still_healthy_after_bad_input(server: ServerProcess) -> None:
     assert httpx.get(server.base_url + "/health").status_code == 200
-    wait_blocks_back(server.base_url)
+    wait_blocks_back(server.base_url, 10.0)
 
 
 def test_sigterm_exits_zero(server: ServerProcess) -> None:

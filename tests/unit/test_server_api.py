@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
+from tests.metrics_util import metrics, wait_blocks_back
 from tests.unit.test_server_fakes import (
     ByteTokenizer,
     expected_letters,
@@ -34,25 +34,6 @@ def url() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-
-
-def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-def wait_blocks_back(url: str, timeout: float = 5.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(url)
-        if m["kvrelay_kv_blocks_free"] == m["kvrelay_kv_blocks_total"]:
-            return m
-        assert time.monotonic() < deadline, f"blocks not returned: {m['kvrelay_kv_blocks_free']}"
-        time.sleep(0.02)
 
 
 def chat_prompt_len(content: str) -> int:
@@ -130,7 +111,7 @@ def test_stop_string_ends_output_and_frees_blocks(client: openai.OpenAI, url: st
         extra_body={"include_stop_str_in_output": True},
     )
     assert r.choices[0].text == full[: cut + 2]
-    wait_blocks_back(url)
+    wait_blocks_back(url, 5.0)
 
 
 def test_logprobs(client: openai.OpenAI) -> None:
@@ -156,7 +137,7 @@ def test_sixteen_concurrent_requests(client: openai.OpenAI, url: str) -> None:
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         texts = list(pool.map(one, range(16)))
     assert texts == [expected_letters(i, i + 2, 12) for i in range(16)]
-    wait_blocks_back(url)
+    wait_blocks_back(url, 5.0)
 
 
 # -- abort on disconnect -------------------------------------------------------------------
@@ -168,7 +149,7 @@ def test_streaming_disconnect_aborts_and_frees_blocks(url: str) -> None:
         got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data")]
         assert len(got) >= 3
         assert metrics(url)["kvrelay_kv_blocks_free"] < metrics(url)["kvrelay_kv_blocks_total"]
-    m = wait_blocks_back(url)
+    m = wait_blocks_back(url, 5.0)
     assert m['kvrelay_requests_finished_total{reason="abort"}'] == before + 1
     assert m["kvrelay_requests_running"] == 0
 
@@ -178,7 +159,7 @@ def test_non_streaming_disconnect_aborts(url: str) -> None:
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 200}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=body, timeout=0.15)
-    m = wait_blocks_back(url)
+    m = wait_blocks_back(url, 5.0)
     assert m['kvrelay_requests_finished_total{reason="abort"}'] == before + 1
 
 
@@ -267,7 +248,7 @@ def test_server_survives_bad_input(url: str) -> None:
     assert r.status_code == 404 and r.json()["error"]["message"]
     r = httpx.get(url + CMPL)
     assert r.status_code == 405 and "error" in r.json()
-    wait_blocks_back(url)
+    wait_blocks_back(url, 5.0)
 
 
 def test_plain_endpoints(url: str) -> None:

@@ -1,0 +1,28 @@
+"""Reading a kvrelay server's /metrics in tests."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of ``url``/metrics by name (labels included)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def wait_blocks_back(url: str, timeout: float) -> dict[str, float]:
+    """Wait until every KV block is free again; the metrics at that moment."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if m["kvrelay_kv_blocks_free"] == m["kvrelay_kv_blocks_total"]:
+            return m
+        assert time.monotonic() < deadline, f"KV blocks not returned: {m}"
+        time.sleep(0.02)
