@@ -135,6 +135,7 @@ def tcp_reader(compat: str, src: Any, dst: Any, remote: list[int], local: list[i
                stack: Any) -> Callable[[], None]:
     """A real relay server holding a real lease; the tcp transport reads it."""
     from kvrelay.core.block_pool import BlockPool, request_owner
+    from kvrelay.core.kv_port import PoolLeaseBlocks
     from kvrelay.relay.client import RelayClient
     from kvrelay.relay.lease import LeaseTable
     from kvrelay.relay.server import RelayServer, RelayServerConfig
@@ -144,10 +145,10 @@ def tcp_reader(compat: str, src: Any, dst: Any, remote: list[int], local: list[i
     pool = BlockPool(src.shape[0])
     pool.allocate(src.shape[0], "req:filler")
     pool.transfer(remote, "req:filler", request_owner("bench"))
-    table = LeaseTable(pool, engine_id="bench-p", acquire_timeout=600.0, hard_cap=600.0)
-    lease = table.create("bench", remote, 0.0, num_tokens=0, first_token=0)
-    table.acquire("bench-p", lease.lease_id, "bench-d", 0.0)
-    server = RelayServer(table, threading.Lock(),
+    table = LeaseTable(PoolLeaseBlocks(pool), engine_id="bench-p", acquire_timeout=600.0,
+                       hard_cap=600.0)
+    lock = threading.Lock()
+    server = RelayServer(table, lock,
                          RelayServerConfig(compat=compat, transports={"tcp": {}}),
                          kv_bytes=byte_view(src), clock=lambda: 0.0).start()
     stack.callback(server.close)
@@ -156,12 +157,23 @@ def tcp_reader(compat: str, src: Any, dst: Any, remote: list[int], local: list[i
     tr = TcpTransport(dst, connect=client.open_data)
     stack.callback(tr.close)
     peer = client.peer(server.address)
+    rounds = iter(range(1 << 30))
 
     def once() -> None:
-        h = tr.read(peer, lease.lease_id, "bench-d", remote, local)
+        # A lease serves each block once: every round pulls a fresh lease of the same
+        # blocks (the pool's free stack hands the just-freed blocks back in order).
+        attempt = f"a{next(rounds)}"
+        with lock:
+            lease = table.create("bench", remote, 0.0, num_tokens=0, first_token=0)
+            table.acquire("bench-p", lease.lease_id, "bench-d", attempt, 0.0)
+        h = tr.read(peer, lease.lease_id, "bench-d", remote, local, attempt=attempt)
         assert h.thread is not None
         h.thread.join()
         assert tr.poll(h).state is TransferState.DONE, tr.poll(h).error
+        with lock:
+            table.abort("bench-p", lease.lease_id, 0.0)
+            again = pool.allocate(len(remote), request_owner("bench"))
+        assert again == list(remote), "the free stack did not return the lease's blocks"
 
     return once
 

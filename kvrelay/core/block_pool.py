@@ -1,7 +1,8 @@
 """The KV block pool: the only code in kvrelay that releases a block.
 
 Every block has exactly one owner at any time: free (``None``), a request
-(``"req:<id>"``) or a lease (``"lease:<id>"``). Each block also carries a
+(``"req:<id>"``), a lease (``"lease:<id>"``) or a quarantine (``"quarantine:<id>"``:
+blocks a transfer that overran its drain deadline may still write into). Each block also carries a
 generation number, incremented on every free, so a reader that recorded the
 generation before copying can tell afterwards whether the block was freed (and
 perhaps reused) underneath it: the fence of DESIGN section 3.
@@ -28,6 +29,11 @@ def request_owner(request_id: str) -> Owner:
 
 def lease_owner(lease_id: str) -> Owner:
     return f"lease:{lease_id}"
+
+
+def quarantine_owner(request_id: str) -> Owner:
+    """Blocks a transfer may still write into after its request ended (see kv_port)."""
+    return f"quarantine:{request_id}"
 
 
 class BlockPoolError(RuntimeError):

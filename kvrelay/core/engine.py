@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.config import SchedulerConfig
-from kvrelay.core.block_pool import BlockPool
+from kvrelay.core.block_pool import BlockPool, quarantine_owner
 from kvrelay.core.lifecycle import TERMINAL_DECIDED, Event, FinishReason, RequestState
 from kvrelay.core.request import Request
 from kvrelay.core.runner import Batch, Runner, SampledToken, TokenLogprobs
@@ -163,6 +163,17 @@ class Engine:
         req = self.requests[request_id]
         req.transition(Event.TRANSFER_ENDED)
         self._release_if_fenced(req)
+
+    def kv_quarantine(self, request_id: str) -> list[int]:
+        """A transfer did not stop within its drain bound: the request's blocks move to
+        a quarantine owner, where nothing reuses them, until ``kv_unquarantine``."""
+        req = self.requests[request_id]
+        ids, req.block_ids = req.block_ids, []
+        self.pool.transfer(ids, req.owner, quarantine_owner(request_id))
+        return ids
+
+    def kv_unquarantine(self, request_id: str, block_ids: Sequence[int]) -> None:
+        self.pool.free(block_ids, quarantine_owner(request_id))
 
     # -- stepping ----------------------------------------------------------------
     def has_work(self) -> bool:

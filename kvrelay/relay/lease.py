@@ -1,27 +1,36 @@
 """The prefill side's lease table: KV blocks held for a decode engine, released once.
 
 When a prefill-role request finishes with reason ``remote_decode`` (after its
-in-flight fence), its blocks move from the request to a lease in one pool
-transfer. The lease then lives through one table of transitions:
+in-flight fence), its blocks move from the request to a lease in one step of the
+port (``LeaseBlocks.hold``). The lease then lives through one table of transitions:
 
-    HELD    --ACQUIRE(holder)------> PULLING   (acquire deadline restarts)
-    PULLING --ACQUIRE(same holder)-> PULLING   (a duplicate: answered, no change)
-    PULLING --HEARTBEAT(holder)----> PULLING   (deadline extended, never past the cap)
+    HELD    --ACQUIRE(attempt)-----> PULLING   (acquire deadline restarts)
+    PULLING --ACQUIRE(same attempt)> PULLING   (a duplicate: answered, no change)
+    PULLING --HEARTBEAT(attempt)---> PULLING   (deadline extended, never past the cap)
     HELD|PULLING --RELEASE(ok)-----> RELEASED(done)
     HELD|PULLING --RELEASE(failed)-> RELEASED(failed)
     HELD|PULLING --ABORT-----------> RELEASED(aborted)
     HELD|PULLING --deadline--------> RELEASED(expired)
 
+A lease is a capability of one request attempt (holder = the decode engine's id,
+attempt = a fresh nonce per request on it). The first ACQUIRE binds it; every other
+attempt, from the same engine or another, is refused (``lease_busy``), and only the
+binding attempt may read, heartbeat, release or abort it. Once RELEASED, the
+record (a tombstone) remembers which attempt held it: a retransmitted RELEASE(ok)
+from the attempt that committed is answered ``ok``/``done`` again, and every other
+message is answered ``released`` with the reason, under which nothing commits.
+
 Entering RELEASED frees the lease's blocks, and it is the only place this module
-frees anything. Every later message about the lease is answered with the release
-reason and counted in ``stale_messages``, nothing more.
+frees anything. Every later message about the lease is counted in
+``stale_messages``, nothing more.
 
 The fence (DESIGN section 3): while a lease is HELD or PULLING the pool says the
 lease owns its blocks, so nobody can free or reuse them. A decode engine that
 copied the blocks commits by RELEASE(ok): the table answers ``done`` only if the
-lease was still PULLING by that holder and every generation is the one recorded,
-so the copy happened while the blocks could not change. Any other answer tells
-the reader its copy may be torn.
+lease is still live, bound to that attempt, and the pool's current generation of
+every block equals the one recorded when the lease was made, so the copy happened
+while the blocks could not change. Any other answer tells the reader its copy may
+be torn.
 
 Pure: the clock comes in as ``now`` arguments, lease ids from ``new_lease_id``.
 Deadlines sit in a heap with lazy deletion (an entry whose deadline no longer
@@ -37,7 +46,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvrelay.core.block_pool import BlockPool, lease_owner, request_owner
+from kvrelay.relay.port import LeaseBlocks
+from kvrelay.relay.protocol import ErrorCode
 
 
 class LeaseState(enum.Enum):
@@ -108,10 +118,21 @@ class Lease:
     state: LeaseState = LeaseState.HELD
     reason: ReleaseReason | None = None
     holder: str | None = None
+    attempt: str | None = None
+    unread: set[int] = field(default_factory=set)  # blocks the attempt may still READ
 
-    @property
-    def owner(self) -> str:
-        return lease_owner(self.lease_id)
+    def held_by(self, holder: str, attempt: str) -> bool:
+        return self.holder == holder and self.attempt == attempt
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """What is remembered of a released lease, to answer late messages."""
+
+    released_at: float
+    reason: ReleaseReason
+    holder: str | None
+    attempt: str | None
 
 
 @dataclass(frozen=True)
@@ -123,6 +144,7 @@ class Answer:
     reason: ReleaseReason | None = None
     error: str = ""
     lease: Lease | None = None
+    code: ErrorCode = ErrorCode.NONE
 
     @property
     def ok(self) -> bool:
@@ -134,14 +156,17 @@ class LeaseStats:
     created: int = 0
     released: dict[str, int] = field(default_factory=dict)  # by ReleaseReason value
     stale_messages: int = 0  # messages about released, unknown or foreign leases
-    fence_failures: int = 0  # RELEASE(ok) refused: the copy may be torn
+    # RELEASE(ok) of the attempt that held the lease, refused because the lease was
+    # released under it or its blocks changed: a copy that may be torn. Counted once
+    # per lease; retransmissions and other attempts' messages are not counted.
+    fence_failures: int = 0
     active: dict[str, int] = field(default_factory=lambda: {"held": 0, "pulling": 0})
 
 
 class LeaseTable:
     def __init__(
         self,
-        pool: BlockPool,
+        blocks: LeaseBlocks,
         *,
         engine_id: str,
         acquire_timeout: float = 30.0,
@@ -153,7 +178,7 @@ class LeaseTable:
             raise ValueError(
                 f"need 0 < acquire_timeout ({acquire_timeout}) <= hard_cap ({hard_cap})"
             )
-        self.pool = pool
+        self.blocks = blocks
         self.engine_id = engine_id
         self.acquire_timeout = acquire_timeout
         self.hard_cap = hard_cap
@@ -161,7 +186,8 @@ class LeaseTable:
         self._new_id = new_lease_id
         self.leases: dict[str, Lease] = {}  # HELD or PULLING
         # Released leases, oldest first, kept a while to answer late messages.
-        self._tombstones: OrderedDict[str, tuple[float, ReleaseReason]] = OrderedDict()
+        self._tombstones: OrderedDict[str, Tombstone] = OrderedDict()
+        self._fence_counted: set[str] = set()  # tombstones whose fence failure was counted
         self._deadlines: list[tuple[float, str]] = []
         self.stats = LeaseStats()
 
@@ -175,7 +201,7 @@ class LeaseTable:
         num_tokens: int,
         first_token: int,
     ) -> Lease:
-        """Take a finished request's blocks: one pool transfer, then the timer is armed.
+        """Take a finished request's blocks: one hand-over, then the timer is armed.
 
         Both happen in this one call, so no message can find the lease without a
         deadline (race 1: a RELEASE racing the arming of the timer).
@@ -184,12 +210,12 @@ class LeaseTable:
         if lease_id in self.leases or lease_id in self._tombstones:
             raise RuntimeError(f"lease id {lease_id} generated twice")
         ids = list(block_ids)
-        self.pool.transfer(ids, request_owner(request_id), lease_owner(lease_id))
+        self.blocks.hold(request_id, ids, lease_id)
         lease = Lease(
             lease_id=lease_id,
             request_id=request_id,
             block_ids=ids,
-            generations=self.pool.generations(ids),
+            generations=self.blocks.generations(ids),
             num_tokens=num_tokens,
             first_token=first_token,
             created=now,
@@ -203,70 +229,96 @@ class LeaseTable:
         return lease
 
     # -- messages from decode engines ----------------------------------------------
-    def acquire(self, engine_id: str, lease_id: str, holder: str, now: float) -> Answer:
-        lease, answer = self._find(engine_id, lease_id)
+    def acquire(
+        self, engine_id: str, lease_id: str, holder: str, attempt: str, now: float
+    ) -> Answer:
+        lease, answer = self._find(engine_id, lease_id, holder, attempt)
         if lease is None:
             return answer
         if lease.state is LeaseState.PULLING:
-            if lease.holder == holder:  # a duplicated or retried ACQUIRE
+            if lease.held_by(holder, attempt):  # a duplicated or retried ACQUIRE
                 return Answer(Status.OK, lease.state, lease=lease)
-            return self._stale(f"lease {lease_id} is being pulled by another holder")
+            return self._stale(f"lease {lease_id} is being pulled by another request",
+                               ErrorCode.LEASE_BUSY)
         self._apply(lease, LeaseEvent.ACQUIRE, now)
-        lease.holder = holder
+        lease.holder, lease.attempt = holder, attempt
+        lease.unread = set(lease.block_ids)
         self._rearm(lease, now)
         return Answer(Status.OK, lease.state, lease=lease)
 
-    def heartbeat(self, engine_id: str, lease_id: str, holder: str, now: float) -> Answer:
-        lease, answer = self._find(engine_id, lease_id)
+    def heartbeat(
+        self, engine_id: str, lease_id: str, holder: str, attempt: str, now: float
+    ) -> Answer:
+        lease, answer = self._find(engine_id, lease_id, holder, attempt)
         if lease is None:
             return answer
-        if lease.state is not LeaseState.PULLING or lease.holder != holder:
-            return self._stale(f"lease {lease_id} is not being pulled by {holder}")
+        if lease.state is not LeaseState.PULLING or not lease.held_by(holder, attempt):
+            return self._stale(f"lease {lease_id} is not being pulled by this request",
+                               ErrorCode.NOT_HOLDER)
         self._apply(lease, LeaseEvent.HEARTBEAT, now)
         self._rearm(lease, now)
         return Answer(Status.OK, lease.state, lease=lease)
 
     def release(
-        self,
-        engine_id: str,
-        lease_id: str,
-        holder: str,
-        ok: bool,
-        now: float,
-        generations: Sequence[int] | None = None,
+        self, engine_id: str, lease_id: str, holder: str, attempt: str, ok: bool, now: float
     ) -> Answer:
         """RELEASE(ok) is the commit of a copy; its answer is the fence's verdict."""
-        lease, answer = self._find(engine_id, lease_id)
+        lease, answer = self._find(engine_id, lease_id, holder, attempt, commit=ok)
         if lease is None:
-            if ok:
-                self.stats.fence_failures += 1
             return answer
-        if lease.state is LeaseState.PULLING and lease.holder != holder:
-            return self._stale(f"lease {lease_id} is being pulled by another holder")
-        if ok and generations is not None and list(generations) != lease.generations:
+        if lease.state is LeaseState.PULLING and not lease.held_by(holder, attempt):
+            return self._stale(f"lease {lease_id} is being pulled by another request",
+                               ErrorCode.NOT_HOLDER)
+        lease.holder, lease.attempt = holder, attempt  # HELD: the releasing attempt
+        if ok and self.blocks.generations(lease.block_ids) != lease.generations:
             # Cannot happen while the lease owns the blocks; refuse loudly if it does.
             self.stats.fence_failures += 1
+            self._fence_counted.add(lease_id)
             self._release(lease, LeaseEvent.RELEASE_FAILED, now)
             return Answer(Status.ERROR, LeaseState.RELEASED, ReleaseReason.FAILED,
-                          "block generations changed during the copy")
+                          "block generations changed during the copy", code=ErrorCode.FENCE)
         event = LeaseEvent.RELEASE_OK if ok else LeaseEvent.RELEASE_FAILED
         self._release(lease, event, now)
         return Answer(Status.OK, lease.state, lease.reason, lease=lease)
 
-    def abort(self, engine_id: str, lease_id: str, now: float) -> Answer:
-        lease, answer = self._find(engine_id, lease_id)
+    def abort(
+        self,
+        engine_id: str,
+        lease_id: str,
+        now: float,
+        holder: str | None = None,
+        attempt: str | None = None,
+    ) -> Answer:
+        """ABORT from a decode attempt (``holder``/``attempt``: refused while another
+        attempt pulls), or from the proxy (None: valid in any live state; a pulling
+        attempt's commit then fails)."""
+        lease, answer = self._find(engine_id, lease_id, holder or "", attempt or "")
         if lease is None:
             return answer
+        if (holder is not None and lease.state is LeaseState.PULLING
+                and not lease.held_by(holder, attempt or "")):
+            return self._stale(f"lease {lease_id} is being pulled by another request",
+                               ErrorCode.NOT_HOLDER)
         self._release(lease, LeaseEvent.ABORT, now)
         return Answer(Status.OK, lease.state, lease.reason, lease=lease)
 
-    def readable(self, engine_id: str, lease_id: str, holder: str) -> Answer:
-        """May ``holder`` read the lease's blocks now (the tcp transport's READ)?"""
-        lease, answer = self._find(engine_id, lease_id)
+    def read_grant(
+        self, engine_id: str, lease_id: str, holder: str, attempt: str,
+        block_ids: Sequence[int],
+    ) -> Answer:
+        """May this attempt READ ``block_ids`` now (the tcp transport)? Each block of a
+        lease is served at most once: the attempt's byte budget is the lease's size."""
+        lease, answer = self._find(engine_id, lease_id, holder, attempt)
         if lease is None:
             return answer
-        if lease.state is not LeaseState.PULLING or lease.holder != holder:
-            return self._stale(f"lease {lease_id} is not acquired by {holder}")
+        if lease.state is not LeaseState.PULLING or not lease.held_by(holder, attempt):
+            return self._stale(f"lease {lease_id} is not acquired by this request",
+                               ErrorCode.NOT_HOLDER)
+        want = set(block_ids)
+        if len(want) != len(block_ids) or not want <= lease.unread:
+            return self._stale(f"read of lease {lease_id} names blocks outside the lease or "
+                               "already read", ErrorCode.READ_DENIED)
+        lease.unread -= want
         return Answer(Status.OK, lease.state, lease=lease)
 
     # -- time ----------------------------------------------------------------------
@@ -303,11 +355,8 @@ class LeaseTable:
                 raise AssertionError(f"released lease {lease.lease_id} is still live")
             held += lease.state is LeaseState.HELD
             pulling += lease.state is LeaseState.PULLING
-            if self.pool.owned_count(lease.owner) != len(lease.block_ids):
+            if not self.blocks.held(lease.lease_id, lease.block_ids):
                 raise AssertionError(f"lease {lease.lease_id} does not own its blocks")
-            for b in lease.block_ids:
-                if self.pool.owner_of(b) != lease.owner:
-                    raise AssertionError(f"block {b} of {lease.lease_id} is not the lease's")
             if lease.deadline > lease.hard_deadline:
                 raise AssertionError(f"lease {lease.lease_id} deadline beyond its hard cap")
         if self.stats.active != {"held": held, "pulling": pulling}:
@@ -317,25 +366,37 @@ class LeaseTable:
         return dict(self.stats.active)
 
     # -- internals -----------------------------------------------------------------
-    def _find(self, engine_id: str, lease_id: str) -> tuple[Lease | None, Answer]:
+    def _find(
+        self, engine_id: str, lease_id: str, holder: str, attempt: str, *, commit: bool = False
+    ) -> tuple[Lease | None, Answer]:
+        """The live lease, or the answer for a message about no live lease."""
         if engine_id != self.engine_id:
             return None, self._stale(
                 f"lease {lease_id} belongs to engine {engine_id}, this is engine "
-                f"{self.engine_id} (the prefill engine restarted)"
+                f"{self.engine_id} (the prefill engine restarted)", ErrorCode.WRONG_ENGINE,
             )
         lease = self.leases.get(lease_id)
         if lease is not None:
             return lease, Answer(Status.OK)
         tomb = self._tombstones.get(lease_id)
         self.stats.stale_messages += 1
-        if tomb is not None:
-            return None, Answer(Status.RELEASED, LeaseState.RELEASED, tomb[1],
-                                f"lease {lease_id} was already released ({tomb[1].value})")
-        return None, Answer(Status.ERROR, error=f"unknown lease {lease_id}")
+        if tomb is None:
+            return None, Answer(Status.ERROR, error=f"unknown lease {lease_id}",
+                                code=ErrorCode.UNKNOWN_LEASE)
+        ours = tomb.holder == holder and tomb.attempt == attempt
+        if ours and commit and tomb.reason is ReleaseReason.DONE:
+            # A retransmitted commit of the attempt that committed: the same verdict.
+            return None, Answer(Status.OK, LeaseState.RELEASED, ReleaseReason.DONE)
+        if ours and commit and lease_id not in self._fence_counted:
+            # The lease was released under this attempt's copy (expiry, abort).
+            self.stats.fence_failures += 1
+            self._fence_counted.add(lease_id)
+        return None, Answer(Status.RELEASED, LeaseState.RELEASED, tomb.reason,
+                            f"lease {lease_id} was already released ({tomb.reason.value})")
 
-    def _stale(self, error: str) -> Answer:
+    def _stale(self, error: str, code: ErrorCode) -> Answer:
         self.stats.stale_messages += 1
-        return Answer(Status.ERROR, error=error)
+        return Answer(Status.ERROR, error=error, code=code)
 
     def _apply(self, lease: Lease, event: LeaseEvent, now: float) -> None:
         try:
@@ -355,9 +416,10 @@ class LeaseTable:
         self._apply(lease, event, now)
         assert lease.reason is not None
         # The one release: the state change and the free sit together.
-        self.pool.free(lease.block_ids, lease.owner)
+        self.blocks.release(lease.lease_id, lease.block_ids)
         del self.leases[lease.lease_id]
-        self._tombstones[lease.lease_id] = (now, lease.reason)
+        self._tombstones[lease.lease_id] = Tombstone(now, lease.reason, lease.holder,
+                                                     lease.attempt)
         reason = lease.reason.value
         self.stats.released[reason] = self.stats.released.get(reason, 0) + 1
 
@@ -377,7 +439,8 @@ class LeaseTable:
     def _prune_tombstones(self, now: float) -> None:
         tombs = self._tombstones
         while tombs:
-            _, (released_at, _) = next(iter(tombs.items()))
-            if now - released_at < self.tombstone_ttl:
+            lease_id, tomb = next(iter(tombs.items()))
+            if now - tomb.released_at < self.tombstone_ttl:
                 return
             tombs.popitem(last=False)
+            self._fence_counted.discard(lease_id)

@@ -1,55 +1,119 @@
-"""The relay's metrics, as plain samples the server exports with prometheus-client.
+"""The relay's metrics: typed families the server exports with prometheus-client.
 
 Each function reads the counters the relay objects keep (no locks of their own:
-call with the engine lock held on the prefill side) and returns
-``{metric name: {label tuple: value}}``; counters are totals since start.
+call with the engine lock held on the prefill side) and returns ``Family`` records;
+counters are totals since start.
 
-    kvrelay_leases                          gauge, {state}: live leases (held, pulling)
-    kvrelay_leases_released_total           counter, {reason}: done, failed, aborted, expired
-    kvrelay_relay_stale_messages_total      counter: messages about released, unknown or
-                                            foreign leases (answered, otherwise ignored)
-    kvrelay_kv_fence_failures_total         counter: copies refused at commit (P side) /
-                                            discarded by the receiver (D side)
-    kvrelay_kv_transfer_bytes_total         counter: KV bytes served (P, tcp) or received (D)
-    kvrelay_kv_transfer_seconds             summary: sum and count of completed transfers (D)
-    kvrelay_kv_load_fallbacks_total         counter, {reason}: loads that ended without
-                                            remote KV (recompute or fail per policy)
+    kvrelay_leases{state}                  gauge: live leases (held, pulling)
+    kvrelay_leases_released_total{reason}  counter: done, failed, aborted, expired
+    kvrelay_relay_stale_messages_total     counter: P: messages about released, unknown
+                                           or foreign leases; D: replies to an earlier
+                                           phase (answered or dropped, nothing else)
+    kvrelay_kv_fence_failures_total        counter: P: commits of the attempt that held
+                                           the lease, refused (lease released under the
+                                           copy, or a block's generation changed); D:
+                                           copies discarded for want of a done verdict
+    kvrelay_kv_transfer_bytes_total        counter: KV bytes served (P, tcp) / received (D)
+    kvrelay_kv_transfer_seconds            histogram: duration of completed pulls (D)
+    kvrelay_kv_load_fallbacks_total{reason} counter: loads that ended without remote KV
+    kvrelay_kv_quarantined_blocks          gauge: blocks held for transfers that did not
+                                           stop within the drain bound (D)
+    kvrelay_relay_connections_total        counter: relay connections accepted (P)
+    kvrelay_relay_protocol_errors_total    counter: malformed or out-of-order frames (P)
+    kvrelay_relay_auth_failures_total      counter: HELLOs refused for the secret (P)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from kvrelay.relay.lease import LeaseTable
-from kvrelay.relay.receiver import Receiver
+from kvrelay.relay.receiver import TRANSFER_SECONDS_BUCKETS, Receiver
 from kvrelay.relay.server import RelayServer
 
-Samples = dict[str, dict[tuple[str, ...], float]]
+Samples = dict[tuple[str, ...], float]
 
 
-def prefill_metrics(table: LeaseTable, server: RelayServer | None = None) -> Samples:
+@dataclass
+class Family:
+    name: str  # without _total for counters, as prometheus-client wants it
+    kind: str  # counter | gauge | histogram
+    help: str
+    labels: tuple[str, ...] = ()
+    samples: Samples = field(default_factory=dict)
+    # histogram only: cumulative counts per upper bound, and the sum
+    buckets: list[tuple[float, float]] = field(default_factory=list)
+    total: float = 0.0
+
+
+def _counter(name: str, help: str, value: float) -> Family:
+    return Family(name, "counter", help, samples={(): float(value)})
+
+
+def prefill_metrics(table: LeaseTable, server: RelayServer | None = None) -> list[Family]:
     st = table.stats
-    out: Samples = {
-        "kvrelay_leases": {(state,): float(n) for state, n in st.active.items()},
-        "kvrelay_leases_released_total": {
-            (reason,): float(st.released.get(reason, 0))
-            for reason in ("done", "failed", "aborted", "expired")
-        },
-        "kvrelay_relay_stale_messages_total": {(): float(st.stale_messages)},
-        "kvrelay_kv_fence_failures_total": {(): float(st.fence_failures)},
-    }
+    out = [
+        Family("kvrelay_leases", "gauge", "Live KV leases on this prefill engine, by state",
+               ("state",), {(s,): float(n) for s, n in st.active.items()}),
+        Family("kvrelay_leases_released", "counter",
+               "KV leases released, by reason (done, failed, aborted, expired)", ("reason",),
+               {(r,): float(st.released.get(r, 0))
+                for r in ("done", "failed", "aborted", "expired")}),
+        _counter("kvrelay_relay_stale_messages",
+                 "Relay messages about released, unknown or foreign leases", st.stale_messages),
+        _counter("kvrelay_kv_fence_failures",
+                 "Commits of the pulling attempt refused: the lease was released under the "
+                 "copy or a block changed", st.fence_failures),
+    ]
     if server is not None:
-        out["kvrelay_kv_transfer_bytes_total"] = {(): float(server.stats.bytes_sent)}
+        s = server.stats
+        out += [
+            _counter("kvrelay_kv_transfer_bytes", "KV bytes served to decode engines over tcp",
+                     s.bytes_sent),
+            _counter("kvrelay_relay_connections", "Relay connections accepted", s.connections),
+            _counter("kvrelay_relay_protocol_errors",
+                     "Relay frames refused as malformed, oversized or out of order",
+                     s.protocol_errors),
+            _counter("kvrelay_relay_auth_failures",
+                     "Relay HELLOs refused for a wrong or missing secret", s.auth_failures),
+        ]
     return out
 
 
-def decode_metrics(receiver: Receiver) -> Samples:
+def decode_metrics(receiver: Receiver) -> list[Family]:
     st = receiver.stats
-    return {
-        "kvrelay_kv_transfer_bytes_total": {(): float(st.transfer_bytes)},
-        "kvrelay_kv_transfer_seconds_sum": {(): st.transfer_seconds_sum},
-        "kvrelay_kv_transfer_seconds_count": {(): float(st.transfer_seconds_count)},
-        "kvrelay_kv_fence_failures_total": {(): float(st.fence_failures)},
-        "kvrelay_kv_load_fallbacks_total": {
-            (reason,): float(n) for reason, n in sorted(st.fallbacks.items())
-        },
-        "kvrelay_relay_stale_messages_total": {(): float(st.stale_replies)},
-    }
+    cumulative, buckets = 0, []
+    for bound, n in zip(TRANSFER_SECONDS_BUCKETS, st.transfer_seconds_buckets, strict=True):
+        cumulative += n
+        buckets.append((bound, float(cumulative)))
+    return [
+        _counter("kvrelay_kv_transfer_bytes", "KV bytes received from prefill engines",
+                 st.transfer_bytes),
+        Family("kvrelay_kv_transfer_seconds", "histogram",
+               "Duration of completed KV pulls, from the transfer's start to its last byte",
+               buckets=buckets, total=st.transfer_seconds_sum),
+        _counter("kvrelay_kv_fence_failures",
+                 "KV copies discarded: no done verdict from the prefill engine",
+                 st.fence_failures),
+        Family("kvrelay_kv_load_fallbacks", "counter",
+               "KV loads that ended without remote KV (recompute or fail per policy), by "
+               "reason", ("reason",), {(r,): float(n) for r, n in sorted(st.fallbacks.items())}),
+        _counter("kvrelay_relay_stale_messages",
+                 "Relay replies to a message of an earlier phase (ignored)", st.stale_replies),
+        Family("kvrelay_kv_quarantined_blocks", "gauge",
+               "KV blocks held for transfers that did not stop within the drain bound",
+               samples={(): float(st.quarantined_blocks)}),
+    ]
+
+
+def as_dict(families: list[Family]) -> dict[str, Samples]:
+    """name -> samples (counters named with _total), for tests and the demo."""
+    out: dict[str, Samples] = {}
+    for f in families:
+        name = f"{f.name}_total" if f.kind == "counter" else f.name
+        if f.kind == "histogram":
+            out[f"{name}_count"] = {(): f.buckets[-1][1] if f.buckets else 0.0}
+            out[f"{name}_sum"] = {(): f.total}
+        else:
+            out[name] = f.samples
+    return out

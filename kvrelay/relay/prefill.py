@@ -58,16 +58,17 @@ class PrefillRelay:
         """Exactly one reply per lease message (Read is the transport's, see server)."""
         t = self.table
         if isinstance(msg, P.Acquire):
-            ans = t.acquire(msg.engine_id, msg.lease_id, msg.holder, now)
+            ans = t.acquire(msg.engine_id, msg.lease_id, msg.holder, msg.attempt, now)
         elif isinstance(msg, P.Heartbeat):
-            ans = t.heartbeat(msg.engine_id, msg.lease_id, msg.holder, now)
+            ans = t.heartbeat(msg.engine_id, msg.lease_id, msg.holder, msg.attempt, now)
         elif isinstance(msg, P.Release):
-            ans = t.release(msg.engine_id, msg.lease_id, msg.holder, msg.ok, now,
-                            msg.generations)
+            ans = t.release(msg.engine_id, msg.lease_id, msg.holder, msg.attempt, msg.ok, now)
         elif isinstance(msg, P.Abort):
-            ans = t.abort(msg.engine_id, msg.lease_id, now)
+            # No holder: the proxy's release (in-process only; the relay server
+            # requires every message's holder to be its connection's HELLO client id).
+            ans = t.abort(msg.engine_id, msg.lease_id, now, msg.holder or None, msg.attempt)
         else:
-            return P.Reply(getattr(msg, "seq", 0), "error",
+            return P.Reply(getattr(msg, "seq", 0), "error", code=P.ErrorCode.BAD_FRAME.value,
                            error=f"unexpected {type(msg).__name__.lower()} message")
         return answer_reply(msg.seq, ans)
 
@@ -79,6 +80,7 @@ def answer_reply(seq: int, ans: Answer) -> P.Reply:
         state=ans.state.value if ans.state else "",
         reason=ans.reason.value if ans.reason else "",
         error=ans.error,
+        code=ans.code.value,
     )
     if ans.ok and ans.lease is not None:
         lease = ans.lease

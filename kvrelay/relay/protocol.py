@@ -28,9 +28,9 @@ code, never on the text of ``error``, which is for people.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
-import enum
 import struct
 from typing import Any
 

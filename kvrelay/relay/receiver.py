@@ -1,45 +1,57 @@
 """The decode side: pull a request's KV from a prefill engine's lease, validate, commit.
 
-One ``Load`` per remote request, in explicit phases:
+One ``Load`` per remote request attempt, in explicit phases (``PHASE_TRANSITIONS``):
 
     ADMITTING   queued in the engine; no blocks yet
     ACQUIRING   WAITING_FOR_KV: blocks allocated, ACQUIRE sent
     COPYING     LOADING: the transport writes into our blocks; heartbeats renew the lease
     DRAINING    aborted or failed while copying: the transport may still write, so
-                the blocks stay until poll() says it stopped
+                the blocks stay until poll() says it stopped, or until ``drain_timeout``
+                passes: then they move to a quarantine owner (never reused while a
+                copy may write; they return when the transport finally reports)
     COMMITTING  copy finished, RELEASE(ok) sent: P's answer is the fence verdict
-                (done = the lease was PULLING by us with unchanged generations)
+                (done = the lease was still ours, pulled by this attempt, with the
+                pool's generations unchanged)
     REPORTING   the outcome is decided here; telling P (RELEASE failed / ABORT)
     DONE
 
-The fence: no decode before P answers RELEASE(ok) with ``done``. Any other answer,
-or none within ``peer_timeout``, discards the copy and falls back per policy:
-``recompute`` (prefill locally; the default) or ``fail`` (finish with a clear error).
+Each attempt carries a fresh nonce (``attempt``): a lease is a capability of one
+attempt, so the same params sent twice (a retry, a replay) can never make a second
+request decode on KV it did not validate itself. The fence: no decode before P
+answers this attempt's RELEASE(ok) with ``ok``/``done``. Any other answer, or none
+within ``peer_timeout``, discards the copy and falls back per policy: ``recompute``
+(prefill locally; the default) or ``fail`` (finish with a clear error). Params that
+are the client's error (no such lease, a lease another attempt holds or consumed,
+params that disagree with the lease) fail whatever the policy (HTTP 400).
 
 P is told the outcome of a lease exactly once (``Load.told``): RELEASE(ok|failed) or
 ABORT, also when the request is rejected before admission. Lost messages are
 retransmitted with the same sequence number (P answers duplicates idempotently)
-until ``peer_timeout``; after that P's own deadline releases the lease.
+until ``peer_timeout``; after that P's own deadline releases the lease. While
+copying, heartbeats that get no answer for ``peer_timeout`` stop the copy (a frozen
+P), so every wait here has a bound.
 
 Pure: time comes in as ``now``; messages go out through ``link`` and replies come
-back through ``on_reply``; the transport is an argument. Timers sit in a heap with
-lazy invalidation (``Load.epoch``); only loads with a transfer running are polled.
+back through ``on_reply``; the transport is an argument; the engine is reached only
+through the ``KvLoads`` port. Timers sit in a heap with lazy invalidation
+(``Load.epoch``); only loads with a transfer running are polled.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import heapq
 import itertools
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.core.engine import Engine
 from kvrelay.core.lifecycle import RequestState
-from kvrelay.core.request import Request
 from kvrelay.core.scheduler import RequestRejected
 from kvrelay.relay import protocol as P
+from kvrelay.relay.port import KvLoads
 from kvrelay.relay.remote import RelayLink, RemoteKv
 from kvrelay.relay.transports.base import TransferState, Transport
 from kvrelay.sampling_params import SamplingParams
@@ -52,6 +64,17 @@ __all__ = [
 # kv_transfer_params): the request fails whatever the policy, and the server
 # answers 400 naming kv_transfer_params.
 INVALID_PARAMS = "invalid kv_transfer_params: "
+
+E = P.ErrorCode
+# Refusals of ACQUIRE that are the client's error, and their fallback reason.
+_CLIENT_ERRORS = {E.UNKNOWN_LEASE, E.LEASE_BUSY, E.NOT_HOLDER}
+# Refusals that say nothing about the params: fall back per policy, with this reason.
+_PEER_REASONS = {
+    E.WRONG_ENGINE: "engine_restarted",
+    E.AUTH_FAILED: "auth_failed",
+    E.REFUSED: "refused",
+    E.UNREACHABLE: "unreachable",
+}
 
 
 class Policy(enum.Enum):
@@ -69,6 +92,39 @@ class Phase(enum.Enum):
     DONE = "done"
 
 
+Ph, S = Phase, RequestState
+PHASE_TRANSITIONS: frozenset[tuple[Phase, Phase]] = frozenset({
+    (Ph.ADMITTING, Ph.ACQUIRING),
+    (Ph.ADMITTING, Ph.REPORTING),  # rejected, aborted, finished by its first token, cached
+    (Ph.ACQUIRING, Ph.COPYING),
+    (Ph.ACQUIRING, Ph.REPORTING),  # aborted, or params that disagree with the lease
+    (Ph.ACQUIRING, Ph.DONE),  # the lease is gone or not ours: nothing to tell P
+    (Ph.COPYING, Ph.DRAINING),  # aborted, or stopped (lease lost, timeout, frozen P)
+    (Ph.COPYING, Ph.COMMITTING),
+    (Ph.COPYING, Ph.REPORTING),  # the transfer failed on its own: it writes no more
+    (Ph.DRAINING, Ph.REPORTING),  # the transfer stopped, or its blocks were quarantined
+    (Ph.COMMITTING, Ph.DONE),
+    (Ph.REPORTING, Ph.DONE),
+})
+
+# The request states each phase allows (None: the request is gone from the engine).
+PHASE_REQUEST_STATES: dict[Phase, frozenset[RequestState | None]] = {
+    Ph.ADMITTING: frozenset({S.WAITING, S.WAITING_FOR_KV}),
+    Ph.ACQUIRING: frozenset({S.WAITING_FOR_KV}),
+    Ph.COPYING: frozenset({S.LOADING}),
+    Ph.DRAINING: frozenset({S.LOADING, S.DRAINING}),
+    # Aborted meanwhile: the copy had ended, the request may already be released.
+    Ph.COMMITTING: frozenset({S.LOADING, S.FINISHING, None}),
+    Ph.REPORTING: frozenset(RequestState) | {None},
+    Ph.DONE: frozenset(RequestState) | {None},
+}
+del Ph, S
+
+
+class IllegalPhase(RuntimeError):
+    pass
+
+
 @dataclass(frozen=True)
 class ReceiverConfig:
     policy: Policy = Policy.RECOMPUTE
@@ -76,17 +132,25 @@ class ReceiverConfig:
     peer_timeout: float = 30.0  # stop waiting for P's answer (its acquire deadline)
     copy_timeout: float = 60.0
     heartbeat_interval: float = 5.0
+    drain_timeout: float = 10.0  # a cancelled transfer must stop writing within this
+
+
+TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                            2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
 @dataclass
 class ReceiverStats:
     transfer_bytes: int = 0
+    # Completed pulls by duration: a count per TRANSFER_SECONDS_BUCKETS bound.
+    transfer_seconds_buckets: list[int] = field(
+        default_factory=lambda: [0] * len(TRANSFER_SECONDS_BUCKETS))
     transfer_seconds_sum: float = 0.0
-    transfer_seconds_count: int = 0
     fence_failures: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)  # by reason
     stale_replies: int = 0
     loaded: int = 0
+    quarantined_blocks: int = 0  # blocks held for transfers that overran drain_timeout
 
 
 @dataclass(eq=False)
@@ -95,10 +159,12 @@ class Load:
     kv: RemoteKv
     phase: Phase
     started: float
+    attempt: str = ""
     msg: P.Request | None = None  # the outstanding request, resent until answered
     give_up_at: float = 0.0
+    heard_at: float = 0.0  # last reply from P about this load (heartbeats included)
     handle: Any = None
-    generations: list[int] = field(default_factory=list)
+    local_blocks: list[int] = field(default_factory=list)
     told: bool = False  # P has been sent this lease's outcome
     aborted: bool = False  # the client aborted while a transfer could still write
     fail_reason: str = ""  # why a draining transfer was stopped (empty: abort)
@@ -109,25 +175,29 @@ class Load:
 class Receiver:
     def __init__(
         self,
-        engine: Engine,
+        loads: KvLoads,
         link: RelayLink,
         transport: Transport,
         *,
         holder: str,
         compat: str,
         config: ReceiverConfig | None = None,
-        prefix_cached_blocks: Callable[[Request], int] = lambda req: 0,
+        prefix_cached_blocks: Callable[[str], int] = lambda request_id: 0,
+        new_attempt: Callable[[], str] = lambda: secrets.token_hex(8),
     ) -> None:
-        self.engine = engine
+        self.engine = loads
         self.link = link
         self.transport = transport
         self.holder = holder
         self.compat = compat
         self.config = config or ReceiverConfig()
         self.prefix_cached_blocks = prefix_cached_blocks
+        self.new_attempt = new_attempt
         self.stats = ReceiverStats()
         self.loads: dict[str, Load] = {}
         self._transfers: dict[str, Load] = {}  # COPYING or DRAINING: polled each tick
+        # Transfers that overran drain_timeout: (load, its quarantined blocks).
+        self._quarantine: dict[int, tuple[Load, list[int]]] = {}
         self._by_seq: dict[int, tuple[Load, str, int]] = {}
         self._timers: list[tuple[float, int, Load, int]] = []
         self._seq = itertools.count(1)
@@ -143,10 +213,11 @@ class Receiver:
         now: float,
         *,
         eos_token_ids: Sequence[int] = (),
-    ) -> Request:
+    ) -> None:
         """Admit a request whose prompt KV waits in a lease. On rejection P is told
         (ABORT) at once and ``RequestRejected`` propagates to the caller."""
-        load = Load(request_id, kv, Phase.ADMITTING, now)
+        load = Load(request_id, kv, Phase.ADMITTING, now, attempt=self.new_attempt(),
+                    heard_at=now)
         try:
             if kv.compat != self.compat:
                 raise RequestRejected(
@@ -160,50 +231,53 @@ class Receiver:
                     f"the lease holds the KV of {kv.num_tokens} tokens, the prompt has "
                     f"{len(prompt_token_ids)}",
                 )
-            req = self.engine.add_request(
+            finished = self.engine.admit(
                 request_id, prompt_token_ids, params, eos_token_ids=eos_token_ids,
                 remote_kv=kv, first_token=kv.first_token,
             )
         except (RequestRejected, ValueError):
-            self._tell(load, P.Abort(0, kv.engine_id, kv.lease_id), now, Phase.REPORTING)
+            self._tell(load, self._abort_msg(load), now, Phase.REPORTING)
             if load.phase is not Phase.DONE:
-                self.loads.setdefault(f"rejected:{kv.lease_id}", load)
+                self.loads.setdefault(f"rejected:{load.attempt}", load)
             raise
         self.loads[request_id] = load
-        if req.state is RequestState.FINISHED:
+        if finished:
             # The first token already completed the request: nothing to pull.
             self._tell(load, self._release_msg(load, True), now, Phase.REPORTING)
-        return req
 
     def abort(self, request_id: str, now: float) -> bool:
         """A client abort (or cancel). Safe in any phase, and more than once."""
-        aborted = self.engine.abort_request(request_id)
+        aborted = self.engine.abort(request_id)
         load = self.loads.get(request_id)
         if load is None or not aborted:
             return aborted
         phase = load.phase
         if phase in (Phase.ADMITTING, Phase.ACQUIRING):
             # No transfer writes yet: the engine freed the blocks; tell P.
-            self._tell(load, P.Abort(0, load.kv.engine_id, load.kv.lease_id), now,
-                       Phase.REPORTING)
+            self._tell(load, self._abort_msg(load), now, Phase.REPORTING)
         elif phase is Phase.COPYING:
             load.aborted = True
             self.transport.cancel(load.handle)
-            self._set_phase(load, Phase.DRAINING)
+            self._drain(load, now)
         elif phase is Phase.DRAINING:
             load.aborted = True
         elif phase is Phase.COMMITTING:
             # The copy has ended; the answer to RELEASE no longer matters to us.
             load.aborted = True
-            self.engine.kv_transfer_ended(request_id)
+            self.engine.transfer_ended(request_id)
         return aborted
 
     # -- events --------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        for req in self.engine.take_kv_waiting():
-            self._start(self.loads[req.request_id], req, now)
+        for request_id, block_ids in self.engine.take_waiting():
+            self._start(self.loads[request_id], block_ids, now)
         for load in list(self._transfers.values()):
             self._poll(load, now)
+        for key, (load, blocks) in list(self._quarantine.items()):
+            if self.transport.poll(load.handle).state is not TransferState.PENDING:
+                del self._quarantine[key]
+                self.stats.quarantined_blocks -= len(blocks)
+                self.engine.unquarantine(load.request_id, blocks)
         timers = self._timers
         while timers and timers[0][0] <= now:
             _, _, load, epoch = heapq.heappop(timers)
@@ -214,7 +288,7 @@ class Receiver:
         return self._timers[0][0] if self._timers else None
 
     def has_work(self) -> bool:
-        return bool(self.loads)
+        return bool(self.loads) or bool(self._quarantine)
 
     def on_reply(self, reply: P.Reply, now: float) -> None:
         entry = self._by_seq.pop(reply.seq, None)
@@ -222,6 +296,7 @@ class Receiver:
             self.stats.stale_replies += 1
             return
         load, kind, epoch = entry
+        load.heard_at = now
         if kind == "main" and epoch != load.epoch:
             self.stats.stale_replies += 1  # answers a message of an earlier phase
             return
@@ -238,34 +313,36 @@ class Receiver:
         else:
             self.stats.stale_replies += 1
 
+    def check_integrity(self, state_of: Callable[[str], RequestState | None]) -> None:
+        """Every load's phase agrees with its request's state (``state_of``: None when
+        the engine has released the request). O(loads): a check, not a hot path."""
+        for key, load in self.loads.items():
+            state = state_of(load.request_id) if not key.startswith("rejected:") else None
+            if state not in PHASE_REQUEST_STATES[load.phase]:
+                raise AssertionError(
+                    f"load {load.request_id}: phase {load.phase.value} with request "
+                    f"state {state.value if state else None}"
+                )
+
     # -- phases --------------------------------------------------------------------
-    def _start(self, load: Load, req: Request, now: float) -> None:
+    def _start(self, load: Load, block_ids: list[int], now: float) -> None:
         kv = load.kv
-        need = len(req.block_ids)
-        if self.prefix_cached_blocks(req) >= need:
+        load.local_blocks = block_ids
+        if self.prefix_cached_blocks(load.request_id) >= len(block_ids):
             # Race 8: nothing to pull; P is still told, so it frees at once.
-            self.engine.kv_load_start(req.request_id)
-            self.engine.kv_load_done(req.request_id)
-            self._tell(load, P.Release(0, kv.engine_id, kv.lease_id, self.holder, True), now,
-                       Phase.REPORTING)
+            self.engine.load_started(load.request_id)
+            self.engine.load_done(load.request_id)
+            self._tell(load, self._release_msg(load, True), now, Phase.REPORTING)
             return
         self._set_phase(load, Phase.ACQUIRING)
-        self._send(load, P.Acquire(0, kv.engine_id, kv.lease_id, self.holder), now)
+        self._send(load, P.Acquire(0, kv.engine_id, kv.lease_id, self.holder, load.attempt),
+                   now)
 
     def _on_acquired(self, load: Load, reply: P.Reply, now: float) -> None:
         rid, kv = load.request_id, load.kv
-        req = self.engine.requests[rid]
-        need = len(req.block_ids)
+        need = len(load.local_blocks)
         if reply.status != "ok":
-            why = reply.error or reply.reason
-            replayed = reply.status == "released" and reply.reason == "done"
-            if replayed or (reply.status == "error" and "restarted" not in reply.error):
-                # No such lease (forged params), or one already pulled (replayed
-                # params): the client's error, nothing to fall back from.
-                self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{why}", fail=True)
-            else:
-                reason = "engine_restarted" if "restarted" in reply.error else "acquire_failed"
-                self._fallback(load, reason, f"the KV lease could not be acquired: {why}")
+            self._on_refused(load, reply)
             self._finish_load(load)  # the lease is gone (or not ours): nothing to tell
             return
         mismatch = self._mismatch(kv, reply, need)
@@ -273,16 +350,28 @@ class Receiver:
             self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{mismatch}", fail=True)
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
             return
-        load.generations = list(reply.generations[:need])
-        self.engine.kv_load_start(rid)
+        self.engine.load_started(rid)
         peer = self.link.peer(kv.relay)
         load.handle = self.transport.read(peer, kv.lease_id, self.holder,
-                                          reply.block_ids[:need], req.block_ids)
+                                          reply.block_ids[:need], load.local_blocks,
+                                          attempt=load.attempt)
         self._set_phase(load, Phase.COPYING)
         load.give_up_at = now + self.config.copy_timeout
         self._timer(load, min(now + self.config.heartbeat_interval, load.give_up_at))
         self._transfers[rid] = load
         self._poll(load, now)
+
+    def _on_refused(self, load: Load, reply: P.Reply) -> None:
+        why = reply.error or reply.reason
+        code = _code(reply.code)
+        if reply.status == "released" and reply.reason == "done":
+            self._fallback(load, "invalid_params",
+                           f"{INVALID_PARAMS}lease already consumed ({why})", fail=True)
+        elif code in _CLIENT_ERRORS:
+            self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{why}", fail=True)
+        else:  # released before any commit (expired, aborted, failed), or a peer refusal
+            reason = _PEER_REASONS.get(code, "acquire_failed") if code else "acquire_failed"
+            self._fallback(load, reason, f"the KV lease could not be acquired: {why}")
 
     def _poll(self, load: Load, now: float) -> None:
         status = self.transport.poll(load.handle)
@@ -292,16 +381,17 @@ class Receiver:
         rid = load.request_id
         if load.phase is Phase.COPYING and status.state is TransferState.DONE:
             self.stats.transfer_bytes += status.nbytes
-            self.stats.transfer_seconds_sum += status.seconds
-            self.stats.transfer_seconds_count += 1
+            st = self.stats
+            st.transfer_seconds_sum += status.seconds
+            st.transfer_seconds_buckets[bisect.bisect_left(TRANSFER_SECONDS_BUCKETS,
+                                                           status.seconds)] += 1
             self._tell(load, self._release_msg(load, True), now, Phase.COMMITTING)
         elif load.phase is Phase.COPYING:
             self._fallback(load, "transfer_failed", status.error)
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
         elif load.aborted:  # DRAINING after an abort: the blocks may go now
-            self.engine.kv_transfer_ended(rid)
-            self._tell(load, P.Abort(0, load.kv.engine_id, load.kv.lease_id), now,
-                       Phase.REPORTING)
+            self.engine.transfer_ended(rid)
+            self._tell(load, self._abort_msg(load), now, Phase.REPORTING)
         else:  # DRAINING after a failure
             self._fallback(load, load.fail_reason, f"KV transfer stopped: {load.fail_reason}")
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
@@ -310,8 +400,9 @@ class Receiver:
         if load.aborted:
             self._finish_load(load)
             return
-        if reply.reason == "done" and reply.status in ("ok", "released"):
-            self.engine.kv_load_done(load.request_id)
+        # Only P's "ok, done" to this attempt's own RELEASE(ok) commits the copy.
+        if reply.status == "ok" and reply.reason == "done":
+            self.engine.load_done(load.request_id)
             self.stats.loaded += 1
         else:
             self.stats.fence_failures += 1
@@ -324,11 +415,18 @@ class Receiver:
         if load.phase is Phase.COPYING:
             if now >= load.give_up_at:
                 self._stop_copy(load, "transfer_timeout", now)
-                return
-            kv = load.kv
-            self._send(load, P.Heartbeat(0, kv.engine_id, kv.lease_id, self.holder), now,
-                       kind="heartbeat")
-            self._timer(load, min(now + cfg.heartbeat_interval, load.give_up_at))
+            elif now >= load.heard_at + cfg.peer_timeout:
+                # Heartbeats unanswered: P is frozen or cut off; its lease will expire.
+                self._stop_copy(load, "unreachable", now)
+            else:
+                kv = load.kv
+                self._send(load, P.Heartbeat(0, kv.engine_id, kv.lease_id, self.holder,
+                                             load.attempt), now, kind="heartbeat")
+                nxt = min(now + cfg.heartbeat_interval, load.give_up_at,
+                          load.heard_at + cfg.peer_timeout)
+                self._timer(load, nxt)
+        elif load.phase is Phase.DRAINING:
+            self._quarantine_blocks(load, now)
         elif now >= load.give_up_at:
             self._give_up(load)
         elif load.msg is not None:
@@ -343,7 +441,9 @@ class Receiver:
                            f"answer within {self.config.peer_timeout:g} s")
             if not load.told:  # best effort; P's deadline frees the lease regardless
                 load.told = True
-                self.link.send(kv.relay, P.Abort(next(self._seq), kv.engine_id, kv.lease_id))
+                msg = self._abort_msg(load)
+                msg.seq = next(self._seq)
+                self.link.send(kv.relay, msg)
         elif load.phase is Phase.COMMITTING and not load.aborted:
             self.stats.fence_failures += 1
             self._fallback(load, "unreachable", "the prefill engine did not confirm the KV copy")
@@ -353,8 +453,27 @@ class Receiver:
     def _stop_copy(self, load: Load, reason: str, now: float) -> None:
         load.fail_reason = reason
         self.transport.cancel(load.handle)
-        self._set_phase(load, Phase.DRAINING)
+        self._drain(load, now)
         self._poll(load, now)
+
+    def _drain(self, load: Load, now: float) -> None:
+        self._set_phase(load, Phase.DRAINING)
+        self._timer(load, now + self.config.drain_timeout)
+
+    def _quarantine_blocks(self, load: Load, now: float) -> None:
+        """The cancelled transfer has not stopped within drain_timeout: its blocks move
+        to a quarantine owner, and the load ends as if the transfer had stopped."""
+        del self._transfers[load.request_id]
+        blocks = self.engine.quarantine(load.request_id)
+        self._quarantine[id(load)] = (load, blocks)
+        self.stats.quarantined_blocks += len(blocks)
+        if load.aborted:
+            self.engine.transfer_ended(load.request_id)
+            self._tell(load, self._abort_msg(load), now, Phase.REPORTING)
+        else:
+            why = f"{load.fail_reason}; the transfer did not stop, its blocks are quarantined"
+            self._fallback(load, load.fail_reason, f"KV transfer stopped: {why}")
+            self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
 
     @staticmethod
     def _mismatch(kv: RemoteKv, reply: P.Reply, need: int) -> str:
@@ -370,12 +489,15 @@ class Receiver:
     def _fallback(self, load: Load, reason: str, error: str, *, fail: bool = False) -> None:
         self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
         recompute = self.config.policy is Policy.RECOMPUTE and not fail
-        self.engine.kv_load_failed(load.request_id, error, recompute=recompute)
+        self.engine.load_failed(load.request_id, error, recompute=recompute)
 
     def _release_msg(self, load: Load, ok: bool) -> P.Release:
         kv = load.kv
-        gens = load.generations if ok and load.generations else None  # None: no copy
-        return P.Release(0, kv.engine_id, kv.lease_id, self.holder, ok, gens)
+        return P.Release(0, kv.engine_id, kv.lease_id, self.holder, load.attempt, ok)
+
+    def _abort_msg(self, load: Load) -> P.Abort:
+        kv = load.kv
+        return P.Abort(0, kv.engine_id, kv.lease_id, self.holder, load.attempt)
 
     def _tell(self, load: Load, msg: P.Release | P.Abort, now: float, phase: Phase) -> None:
         """Send the lease's one outcome."""
@@ -397,6 +519,9 @@ class Receiver:
         self.link.send(load.kv.relay, msg)
 
     def _set_phase(self, load: Load, phase: Phase) -> None:
+        if (load.phase, phase) not in PHASE_TRANSITIONS:
+            raise IllegalPhase(f"load {load.request_id}: {load.phase.value} -> {phase.value} "
+                               "is not a legal phase change")
         load.phase = phase
         load.epoch += 1
         load.msg = None
@@ -412,4 +537,11 @@ class Receiver:
         if self.loads.get(load.request_id) is load:
             del self.loads[load.request_id]
         else:
-            self.loads.pop(f"rejected:{load.kv.lease_id}", None)
+            self.loads.pop(f"rejected:{load.attempt}", None)
+
+
+def _code(value: str) -> P.ErrorCode | None:
+    try:
+        return P.ErrorCode(value)
+    except ValueError:
+        return None

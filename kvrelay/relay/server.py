@@ -206,13 +206,13 @@ class RelayServer:
         conn.sendall(P.encode(reply))
 
     def _serve_read(self, conn: socket.socket, msg: P.Read) -> None:
-        with self.lock:
-            ans = self.table.readable(msg.engine_id, msg.lease_id, msg.holder)
-            allowed = set(ans.lease.block_ids) if ans.lease is not None else set()
         if self.kv_bytes is None:
-            ans = Answer(Status.ERROR, error="this relay does not serve tcp reads")
-        elif ans.ok and not set(msg.block_ids) <= allowed:
-            ans = Answer(Status.ERROR, error="read names blocks outside the lease")
+            ans = Answer(Status.ERROR, error="this relay does not serve tcp reads",
+                         code=P.ErrorCode.READ_DENIED)
+        else:
+            with self.lock:
+                ans = self.table.read_grant(msg.engine_id, msg.lease_id, msg.holder,
+                                            msg.attempt, msg.block_ids)
         if not ans.ok:
             conn.sendall(P.encode(answer_reply(msg.seq, ans)))
             return

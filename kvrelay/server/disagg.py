@@ -29,11 +29,12 @@ from typing import Any
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine, RequestOutput
+from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
 from kvrelay.core.lifecycle import FinishReason
 from kvrelay.model.interface import LoadedModel
 from kvrelay.relay.client import RelayClient
 from kvrelay.relay.lease import LeaseTable
-from kvrelay.relay.metrics import Samples, decode_metrics, prefill_metrics
+from kvrelay.relay.metrics import Family, decode_metrics, prefill_metrics
 from kvrelay.relay.receiver import Policy, Receiver, ReceiverConfig
 from kvrelay.relay.server import RelayServer, RelayServerConfig
 from kvrelay.relay.transports.auto import AutoLink, AutoTransport
@@ -79,7 +80,7 @@ class PrefillHooks(LoopHooks):
         return {"status": ans.status.value, "reason": ans.reason.value if ans.reason else None,
                 "error": ans.error or None}
 
-    def metrics(self) -> Samples:
+    def metrics(self) -> list[Family]:
         with self.lock:
             return prefill_metrics(self.server.table, self.server)
 
@@ -116,7 +117,7 @@ class DecodeHooks(LoopHooks):
                     break
         self.receiver.tick(now)
 
-    def metrics(self) -> Samples:
+    def metrics(self) -> list[Family]:
         with self.lock:
             return decode_metrics(self.receiver)
 
@@ -128,16 +129,20 @@ class RelayExport:
     hooks: PrefillHooks | DecodeHooks
 
     def collect(self) -> Any:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
-        for name, samples in self.hooks.metrics().items():
-            labels = ["state"] if name == "kvrelay_leases" else (
-                ["reason"] if name.endswith(("released_total", "fallbacks_total")) else [])
-            if name.endswith("_total"):
-                family: Any = CounterMetricFamily(name[: -len("_total")], name, labels=labels)
-            else:
-                family = GaugeMetricFamily(name, name, labels=labels)
-            for key, value in samples.items():
+        kinds = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+        for f in self.hooks.metrics():
+            if f.kind == "histogram":
+                buckets = [("+Inf" if b == float("inf") else repr(b), n) for b, n in f.buckets]
+                yield HistogramMetricFamily(f.name, f.help, buckets=buckets, sum_value=f.total)
+                continue
+            family: Any = kinds[f.kind](f.name, f.help, labels=list(f.labels))
+            for key, value in f.samples.items():
                 family.add_metric(list(key), value)
             yield family
 
@@ -151,8 +156,8 @@ def build_prefill(
     args: Any, config: SchedulerConfig, model: LoadedModel, shm: ShmKvCache | None
 ) -> tuple[Engine, PrefillHooks]:
     pool = BlockPool(config.num_blocks)
-    table = LeaseTable(pool, engine_id=new_engine_id(), acquire_timeout=args.lease_timeout,
-                       hard_cap=args.lease_max)
+    table = LeaseTable(PoolLeaseBlocks(pool), engine_id=new_engine_id(),
+                       acquire_timeout=args.lease_timeout, hard_cap=args.lease_max)
     transports: dict[str, dict[str, Any]] = {"tcp": {}}
     if shm is not None:
         transports["shm"] = shm.descriptor()
@@ -192,7 +197,7 @@ def build_decode(
         transport = (ShmTransport(model.kv_cache) if args.kv_transport == "shm"
                      else TcpTransport(model.kv_cache, connect=only.open_data))
     receiver = Receiver(
-        engine, link, transport, holder=engine_id, compat=compat,
+        EngineKvLoads(engine), link, transport, holder=engine_id, compat=compat,
         config=ReceiverConfig(
             policy=Policy(args.kv_load_failure_policy), peer_timeout=args.lease_timeout,
             heartbeat_interval=max(0.05, args.lease_timeout / 4),

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine, RequestOutput
+from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
 from kvrelay.core.lifecycle import FinishReason
 from kvrelay.core.scheduler import RequestRejected
 from kvrelay.relay import protocol as P
@@ -62,7 +63,7 @@ class PrefillNode:
         self.pool = BlockPool(c.p_blocks)
         self.kv = SimKv(c.p_blocks, BLOCK)
         rng = w.rng
-        self.table = LeaseTable(self.pool, engine_id=f"p{life}",
+        self.table = LeaseTable(PoolLeaseBlocks(self.pool), engine_id=f"p{life}",
                                 acquire_timeout=c.acquire_timeout, hard_cap=c.hard_cap,
                                 new_lease_id=lambda: f"{rng.getrandbits(128):032x}")
         self.relay = PrefillRelay(self.table, address="p", compat=COMPAT,
@@ -158,8 +159,8 @@ class DecodeNode:
             dest=self.kv, dest_pool=self.pool, on_change=self.poke,
             per_block=c.per_block, fail_prob=c.transfer_fail,
         )
-        self.receiver = Receiver(self.engine, self, self.transport, holder=f"d{life}",
-                                 compat=COMPAT, config=c.receiver)
+        self.receiver = Receiver(EngineKvLoads(self.engine), self, self.transport,
+                                 holder=f"d{life}", compat=COMPAT, config=c.receiver)
         self._step_pending = False
         self._wake_at: float | None = None
 
@@ -244,7 +245,7 @@ class Proxy:
         c.lease = params
         if c.stage == "done":  # the client left: free the lease now
             w.net.deliver(lambda: w.relay_deliver(
-                P.Abort(0, params.engine_id, params.lease_id), None))
+                P.Abort(0, params.engine_id, params.lease_id, "", ""), None))
             return
         if params.first_token != c.expect[0]:
             raise Violation(f"{c.rid}: first token {params.first_token} != {c.expect[0]}")
@@ -258,7 +259,7 @@ class Proxy:
     def _decode_gone(self, c: Client, params: KvTransferParams) -> None:
         w = self.w
         w.net.deliver(lambda: w.relay_deliver(
-            P.Abort(0, params.engine_id, params.lease_id), None))
+            P.Abort(0, params.engine_id, params.lease_id, "", ""), None))
         self.fail(c, "error: decode engine unavailable")
 
     def finished_at_prefill(self, c: Client, tokens: list[int]) -> None:

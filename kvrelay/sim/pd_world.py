@@ -180,7 +180,7 @@ class SimTransport:
         return {}
 
     def read(self, peer: PeerInfo, lease_id: str, holder: str, remote_blocks: Sequence[int],
-             local_blocks: Sequence[int]) -> SimHandle:
+             local_blocks: Sequence[int], *, attempt: str = "") -> SimHandle:
         owner = self.dest_pool.owner_of(local_blocks[0]) if local_blocks else ""
         h = SimHandle(list(remote_blocks), list(local_blocks), owner or "",
                       self.prefill_life(), started=self.clock.now)

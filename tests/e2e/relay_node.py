@@ -30,6 +30,7 @@ import torch
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine
+from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
 from kvrelay.relay.client import RelayClient
 from kvrelay.relay.lease import LeaseTable
 from kvrelay.relay.receiver import Receiver, ReceiverConfig, RemoteKv
@@ -81,7 +82,7 @@ def run_prefill(args: argparse.Namespace) -> None:
     pool = BlockPool(NBLOCKS)
     runner, kv, compat, sched = make_runner(args, pool, shm.factory)
     lock = threading.Lock()
-    table = LeaseTable(pool, engine_id=f"p-{time.time_ns()}",
+    table = LeaseTable(PoolLeaseBlocks(pool), engine_id=f"p-{time.time_ns()}",
                        acquire_timeout=args.acquire_timeout, hard_cap=60.0)
     cfg = RelayServerConfig(compat=compat, transports={"shm": shm.descriptor(), "tcp": {}})
     server = RelayServer(table, lock, cfg, kv_bytes=byte_view(kv)).start()
@@ -136,7 +137,8 @@ def run_decode(args: argparse.Namespace) -> None:
         transport = ShmTransport(kv)
     else:
         transport = TcpTransport(kv, connect=client.open_data)
-    rx = Receiver(engine, client, transport, holder=f"d-{time.time_ns()}", compat=compat,
+    rx = Receiver(EngineKvLoads(engine), client, transport, holder=f"d-{time.time_ns()}",
+                  compat=compat,
                   config=ReceiverConfig(rto=0.5, peer_timeout=5.0, heartbeat_interval=0.3))
     emit({"ready": True})
     for line in sys.stdin:

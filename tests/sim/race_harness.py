@@ -18,6 +18,7 @@ from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine
 from kvrelay.core.fake_runner import expected_output
+from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
 from kvrelay.relay import protocol as P
 from kvrelay.relay.lease import LeaseTable
 from kvrelay.relay.prefill import PrefillRelay
@@ -53,7 +54,7 @@ class ManualTransport:
         return {}
 
     def read(self, peer: PeerInfo, lease_id: str, holder: str, remote: Sequence[int],
-             local: Sequence[int]) -> Handle:
+             local: Sequence[int], *, attempt: str = "") -> Handle:
         h = Handle(list(remote), list(local), self.dst_pool.owner_of(local[0]) or "")
         self.handles.append(h)
         return h
@@ -86,8 +87,9 @@ class Pair:
         ids = itertools.count()
         self.p_pool = BlockPool(NBLOCKS)
         self.p_kv = SimKv(NBLOCKS, BS)
-        self.table = LeaseTable(self.p_pool, engine_id="p1", acquire_timeout=acquire,
-                                hard_cap=acquire * 10, new_lease_id=lambda: f"L{next(ids)}")
+        self.table = LeaseTable(PoolLeaseBlocks(self.p_pool), engine_id="p1",
+                                acquire_timeout=acquire, hard_cap=acquire * 10,
+                                new_lease_id=lambda: f"L{next(ids)}")
         self.relay = PrefillRelay(self.table, address="p", compat=COMPAT, clock=lambda: self.now)
         self.p = Engine(SchedulerConfig(num_blocks=NBLOCKS, block_size=BS,
                                         async_scheduling=p_async),
@@ -104,8 +106,10 @@ class Pair:
         cfg = ReceiverConfig(policy=policy, rto=1.0, peer_timeout=10.0, copy_timeout=30.0,
                              heartbeat_interval=2.0)
         kw = {} if prefix_cached is None else {"prefix_cached_blocks": prefix_cached}
-        self.rx = Receiver(self.d, self, self.transport, holder="d1", compat=COMPAT,
-                           config=cfg, **kw)
+        attempts = itertools.count(1)
+        self.rx = Receiver(EngineKvLoads(self.d), self, self.transport, holder="d1",
+                           compat=COMPAT, config=cfg, new_attempt=lambda: f"a{next(attempts)}",
+                           **kw)
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, Any] = {}
 

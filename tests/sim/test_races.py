@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -16,16 +17,18 @@ import torch
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine
+from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
 from kvrelay.core.lifecycle import FinishReason, RequestState
 from kvrelay.core.scheduler import RequestRejected
 from kvrelay.relay import protocol as P
-from kvrelay.relay.lease import LeaseState, ReleaseReason
+from kvrelay.relay.lease import LeaseState, LeaseTable, ReleaseReason
+from kvrelay.relay.prefill import PrefillRelay
 from kvrelay.relay.receiver import Phase, Policy, Receiver, ReceiverConfig, RemoteKv
 from kvrelay.relay.testing import TINY_GEOMETRY, TensorFakeRunner, kv_shape
 from kvrelay.relay.transports.base import PeerInfo, TransferState
 from kvrelay.relay.transports.tcp import TcpTransport
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.sim.pd_world import SimRunner, Violation
+from kvrelay.sim.pd_world import SimKv, SimRunner, Violation
 from tests.sim.race_harness import NBLOCKS, VOCAB, Pair
 
 
@@ -36,18 +39,75 @@ def decoded(pair: Pair, rid: str, kv: RemoteKv) -> list[int]:
 def test_race01_done_before_the_lease_timer_is_armed() -> None:
     """Mooncake connector: D's done arrived before P armed the timer; the timer then
     fired on a released request and freed it twice. Here creating the lease arms
-    its deadline in the same call, and a released lease's heap entry is dead."""
-    pair = Pair(acquire=1.0)
-    kv = pair.prefill("r")
-    # D acquires and releases at the very instant the lease is created.
-    rid, holder = kv.lease_id, "d1"
-    assert pair.table.acquire("p1", rid, holder, pair.now).ok
-    assert pair.table.release("p1", rid, holder, True, pair.now).ok
-    assert pair.table.expire(100.0) == []  # the deadline passes: nothing to free again
-    assert pair.table.next_deadline() is None
-    assert pair.table.stats.released == {"done": 1}
-    pair.p_pool.check_integrity()
-    assert pair.p_pool.num_free == NBLOCKS
+    its deadline in the same call, and a released lease's heap entry is dead.
+
+    Three real threads, as in the server: the engine creating leases in its steps,
+    a relay thread acquiring and committing each lease the instant it appears, and an
+    expiry thread racing both with a deadline of 0.1 ms. Each lease is released once,
+    by whichever came first, and the pool balances."""
+    lock = threading.Lock()
+    pool = BlockPool(NBLOCKS)
+    table = LeaseTable(PoolLeaseBlocks(pool), engine_id="p1", acquire_timeout=1e-4,
+                       hard_cap=10.0)
+    relay = PrefillRelay(table, address="p", compat="c", clock=time.monotonic)
+    engine = Engine(SchedulerConfig(num_blocks=NBLOCKS, block_size=4),
+                    SimRunner(SimKv(NBLOCKS, 4), pool, VOCAB), pool=pool,
+                    kv_handoff=relay.kv_handoff)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    verdicts: dict[str, str] = {}
+
+    def guarded(fn: Any) -> Any:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # reported below, never lost in a thread
+                errors.append(e)
+                stop.set()
+        return run
+
+    def engine_thread() -> None:
+        for i in range(40):
+            with lock:
+                engine.add_request(f"r{i}", list(range(1, 10)), SamplingParams(max_tokens=4),
+                                   remote_decode=True)
+            while engine.has_work():
+                with lock:
+                    engine.step()
+
+    def relay_thread() -> None:
+        while not stop.is_set():
+            with lock:
+                taken, relay.kv_params = relay.kv_params, {}
+                for params in taken.values():
+                    now = time.monotonic()
+                    table.acquire("p1", params.lease_id, "d1", "a1", now)
+                    ans = table.release("p1", params.lease_id, "d1", "a1", True, now)
+                    verdicts[params.lease_id] = ans.reason.value if ans.reason else ""
+
+    def expiry_thread() -> None:
+        while not stop.is_set():
+            with lock:
+                table.expire(time.monotonic())
+
+    threads = [threading.Thread(target=guarded(f)) for f in (relay_thread, expiry_thread)]
+    for t in threads:
+        t.start()
+    guarded(engine_thread)()
+    deadline = time.monotonic() + 10
+    while len(verdicts) < 40 and not errors and time.monotonic() < deadline:
+        time.sleep(0.001)
+    stop.set()
+    for t in threads:
+        t.join(5)
+    assert not errors, errors
+    assert len(verdicts) == 40 and set(verdicts.values()) <= {"done", "expired"}
+    with lock:
+        table.expire(time.monotonic() + 1.0)
+    assert table.stats.created == 40 == sum(table.stats.released.values())
+    assert table.next_deadline() is None and not table.leases
+    pool.check_integrity()
+    assert pool.num_free == NBLOCKS
 
 
 def test_race02_done_arrives_after_the_lease_expired() -> None:
@@ -208,12 +268,13 @@ def test_race08_nothing_to_pull_is_still_reported() -> None:
     """D already holds the whole prompt: the naive receiver never told P, whose
     blocks leaked until a timeout. Here RELEASE(ok) goes out without an ACQUIRE."""
 
-    def cached(req: object) -> int:
+    def cached(request_id: str) -> int:
         from kvrelay.sim.pd_world import kv_tag
 
-        for i, b in enumerate(req.block_ids):  # type: ignore[attr-defined]
+        block_ids = pair.d.requests[request_id].block_ids
+        for i, b in enumerate(block_ids):
             pair.d_kv.set_block(b, [kv_tag(1, 4 * i + j) for j in range(4)])
-        return len(req.block_ids)  # type: ignore[attr-defined]
+        return len(block_ids)
 
     pair = Pair(prefix_cached=cached)
     kv = pair.prefill("r")
@@ -315,7 +376,8 @@ def test_race11_abort_while_the_peer_writes_into_our_blocks() -> None:
         def peer(self, r: str) -> PeerInfo:
             return PeerInfo(r, "p1")
 
-    rx = Receiver(engine, Link(), tr, holder="d1", compat="c", config=ReceiverConfig())
+    rx = Receiver(EngineKvLoads(engine), Link(), tr, holder="d1", compat="c",
+                  config=ReceiverConfig())
     remote = RemoteKv("L", relay.address, "p1", [0, 1, 2], 9, 5, "c")
     rx.submit("r", list(range(9)), SamplingParams(max_tokens=4, seed=1), remote, 0.0)
     engine.step()
@@ -381,10 +443,11 @@ def test_duplicated_and_reordered_messages_release_once() -> None:
     pair.deliver_to_d()
     assert pair.rx.stats.stale_replies == 1
     pair.converse()
-    release = P.Release(99, "p1", kv.lease_id, "d1", True)
-    late = [P.Heartbeat(98, "p1", kv.lease_id, "d1"), release, P.Abort(97, "p1", kv.lease_id)]
-    for msg in late:  # late duplicates after the release
-        assert pair.relay.handle(msg, pair.now).reason in ("done", "")
+    release = P.Release(99, "p1", kv.lease_id, "d1", "a1", True)
+    late = [P.Heartbeat(98, "p1", kv.lease_id, "d1", "a1"), release,
+            P.Abort(97, "p1", kv.lease_id, "d1", "a1")]
+    for msg in late:  # late duplicates after the release: the verdict does not change
+        assert pair.relay.handle(msg, pair.now).reason == "done"
     assert pair.table.stats.released == {"done": 1}
     assert decoded(pair, "r", kv) == pair.expect(1)
     pair.assert_all_free()
@@ -436,7 +499,8 @@ def test_decode_crash_leaves_prefill_free_after_the_deadline() -> None:
     pair.table.expire(pair.now)
     assert pair.table.stats.released == {"expired": 1}
     assert pair.p_pool.num_free == NBLOCKS
-    assert pair.table.release("p1", kv.lease_id, "d1", True, 2.0).reason is ReleaseReason.EXPIRED
+    late = pair.table.release("p1", kv.lease_id, "d1", "a1", True, 2.0)
+    assert late.reason is ReleaseReason.EXPIRED and not late.ok
 
 
 def test_the_sim_runner_catches_decoding_foreign_kv() -> None:

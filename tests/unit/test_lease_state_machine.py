@@ -1,4 +1,5 @@
-"""Hypothesis state machine over the lease table: exactly-once release under any order."""
+"""Hypothesis state machine over the lease table: exactly-once release under any order,
+and a lease bound to the one attempt (decode engine, nonce) that acquired it."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvrelay.core.block_pool import BlockPool, request_owner
+from kvrelay.core.kv_port import PoolLeaseBlocks
 from kvrelay.relay.lease import LeaseState, LeaseTable, Status
 
 ENGINE = "p"
-HOLDERS = st.sampled_from(["d1", "d2"])
+# (decode engine, attempt): two attempts on one engine, and another engine.
+HOLDERS = st.sampled_from([("d1", "a1"), ("d1", "a2"), ("d2", "a1")])
+Holder = tuple[str, str]
 
 
 class LeaseMachine(RuleBasedStateMachine):
@@ -20,20 +24,23 @@ class LeaseMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool = BlockPool(24)
         ids = itertools.count()
-        self.table = LeaseTable(self.pool, engine_id=ENGINE, acquire_timeout=5.0,
+        self.table = LeaseTable(PoolLeaseBlocks(self.pool), engine_id=ENGINE, acquire_timeout=5.0,
                                 hard_cap=20.0, new_lease_id=lambda: f"L{next(ids)}")
         self.now = 0.0
         self.all_ids: list[str] = []
         self.frees: dict[str, int] = {}  # lease -> times its blocks were freed
-        self.model: dict[str, tuple[LeaseState, str | None]] = {}  # expected state, holder
+        self.model: dict[str, tuple[LeaseState, Holder | None]] = {}  # state, holder
+        self.committed: dict[str, Holder] = {}  # released done: the committing attempt
         self.nreq = 0
         self.released_at: dict[str, float] = {}
 
     def _pick(self, i: int) -> str:
         return self.all_ids[i % len(self.all_ids)]
 
-    def _released(self, lease_id: str) -> None:
+    def _released(self, lease_id: str, committed_by: Holder | None = None) -> None:
         self.frees[lease_id] = self.frees.get(lease_id, 0) + 1
+        if committed_by is not None:
+            self.committed[lease_id] = committed_by
         self.model[lease_id] = (LeaseState.RELEASED, None)
         self.released_at[lease_id] = self.now
 
@@ -61,10 +68,10 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.all_ids)
     @rule(i=st.integers(0, 100), holder=HOLDERS)
-    def acquire(self, i: int, holder: str) -> None:
+    def acquire(self, i: int, holder: Holder) -> None:
         lid = self._pick(i)
         state, cur = self.model[lid]
-        ans = self.table.acquire(ENGINE, lid, holder, self.now)
+        ans = self.table.acquire(ENGINE, lid, *holder, self.now)
         if state is LeaseState.HELD:
             assert ans.ok
             self.model[lid] = (LeaseState.PULLING, holder)
@@ -73,35 +80,47 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.all_ids)
     @rule(i=st.integers(0, 100), holder=HOLDERS)
-    def heartbeat(self, i: int, holder: str) -> None:
+    def heartbeat(self, i: int, holder: Holder) -> None:
         lid = self._pick(i)
         state, cur = self.model[lid]
-        ans = self.table.heartbeat(ENGINE, lid, holder, self.now)
+        ans = self.table.heartbeat(ENGINE, lid, *holder, self.now)
         assert ans.ok == (state is LeaseState.PULLING and cur == holder)
 
     @precondition(lambda self: self.all_ids)
     @rule(i=st.integers(0, 100), holder=HOLDERS, ok=st.booleans())
-    def release(self, i: int, holder: str, ok: bool) -> None:
+    def release(self, i: int, holder: Holder, ok: bool) -> None:
         lid = self._pick(i)
         state, cur = self.model[lid]
-        ans = self.table.release(ENGINE, lid, holder, ok, self.now)
+        ans = self.table.release(ENGINE, lid, *holder, ok, self.now)
         may = state is LeaseState.HELD or (state is LeaseState.PULLING and cur == holder)
-        assert ans.ok == may
         if may:
-            self._released(lid)
+            assert ans.ok
+            self._released(lid, holder if ok else None)
         elif state is LeaseState.RELEASED:
-            assert ans.status is self._stale_status(lid)
+            stale = self._stale_status(lid)
+            # Only the committing attempt's own RELEASE(ok) is answered ok again.
+            again = ok and self.committed.get(lid) == holder and stale is Status.RELEASED
+            assert ans.ok == again
+            if not again:
+                assert ans.status is stale
+        else:
+            assert not ans.ok
 
     @precondition(lambda self: self.all_ids)
-    @rule(i=st.integers(0, 100), foreign=st.booleans())
-    def abort(self, i: int, foreign: bool) -> None:
+    @rule(i=st.integers(0, 100), foreign=st.booleans(),
+          by=st.one_of(st.none(), HOLDERS))
+    def abort(self, i: int, foreign: bool, by: Holder | None) -> None:
+        """``by`` None: the proxy's release; else a decode attempt's ABORT."""
         lid = self._pick(i)
-        state, _ = self.model[lid]
-        ans = self.table.abort("old-life" if foreign else ENGINE, lid, self.now)
+        state, cur = self.model[lid]
+        who = (None, None) if by is None else by
+        ans = self.table.abort("old-life" if foreign else ENGINE, lid, self.now, *who)
         if foreign:
             assert ans.status is Status.ERROR
         elif state is LeaseState.RELEASED:
             assert ans.status is self._stale_status(lid)
+        elif state is LeaseState.PULLING and by is not None and cur != by:
+            assert ans.status is Status.ERROR  # another attempt pulls it
         else:
             assert ans.ok
             self._released(lid)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvrelay.relay import protocol as P
-from kvrelay.relay.metrics import decode_metrics, prefill_metrics
+from kvrelay.relay.metrics import as_dict, decode_metrics, prefill_metrics
 from tests.sim.race_harness import Pair
 
 
@@ -15,13 +15,13 @@ def test_metrics_after_a_handover_and_an_expiry() -> None:
     pair.converse()
     pair.now = 5.0
     pair.table.expire(pair.now)
-    pair.relay.handle(P.Abort(1, "p1", kv.lease_id), pair.now)  # late: stale
-    p = prefill_metrics(pair.table)
+    pair.relay.handle(P.Abort(1, "p1", kv.lease_id, "d1", "a1"), pair.now)  # late: stale
+    p = as_dict(prefill_metrics(pair.table))
     assert p["kvrelay_leases"] == {("held",): 0.0, ("pulling",): 0.0}
     assert p["kvrelay_leases_released_total"][("done",)] == 1.0
     assert p["kvrelay_leases_released_total"][("expired",)] == 1.0
     assert p["kvrelay_relay_stale_messages_total"][()] == 1.0
-    d = decode_metrics(pair.rx)
+    d = as_dict(decode_metrics(pair.rx))
     assert d["kvrelay_kv_transfer_bytes_total"][()] > 0
     assert d["kvrelay_kv_transfer_seconds_count"][()] == 1.0
     assert d["kvrelay_kv_load_fallbacks_total"] == {}

@@ -18,12 +18,13 @@ def roundtrip(msg: P.Message) -> P.Message:
     "msg",
     [
         P.Hello(1, P.PROTOCOL_VERSION, "abc", "block_major", "tcp", "d1", b"m"),
-        P.Acquire(2, "p", "L", "d1"),
-        P.Heartbeat(3, "p", "L", "d1"),
-        P.Release(4, "p", "L", "d1", True, [1, 2]),
-        P.Abort(5, "p", "L"),
-        P.Read(6, "p", "L", "d1", [3, 4]),
+        P.Acquire(2, "p", "L", "d1", "a1"),
+        P.Heartbeat(3, "p", "L", "d1", "a1"),
+        P.Release(4, "p", "L", "d1", "a1", True),
+        P.Abort(5, "p", "L", "d1", "a1"),
+        P.Read(6, "p", "L", "d1", "a1", [3, 4]),
         P.Reply(7, "ok", block_ids=[1], generations=[0], transport={"name": "x"}),
+        P.Reply(8, "error", code=P.ErrorCode.LEASE_BUSY.value, error="busy"),
         P.Challenge("p", b"n"),
     ],
 )
@@ -32,7 +33,7 @@ def test_every_frame_round_trips(msg: P.Message) -> None:
 
 
 def test_wrong_version_and_magic_are_refused() -> None:
-    frame = bytearray(P.encode(P.Abort(1, "p", "L")))
+    frame = bytearray(P.encode(P.Abort(1, "p", "L", "d1", "a1")))
     frame[2] = 99
     with pytest.raises(P.ProtocolError, match="version 99"):
         P.parse_header(bytes(frame[: P.HEADER.size]))
@@ -47,7 +48,8 @@ def test_oversized_and_malformed_frames_are_refused() -> None:
     with pytest.raises(P.ProtocolError, match="malformed"):
         P.decode(b"\xc1garbage")
     with pytest.raises(P.ProtocolError, match="malformed"):
-        P.decode(P.encode(P.Abort(1, "p", "L"))[P.HEADER.size :].replace(b"abort", b"zzzzz"))
+        payload = P.encode(P.Abort(1, "p", "L", "d1", "a1"))[P.HEADER.size :]
+        P.decode(payload.replace(b"abort", b"zzzzz"))
 
 
 def test_hello_mac() -> None:

@@ -19,6 +19,7 @@ from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine
 from kvrelay.core.fake_runner import expected_output
+from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
 from kvrelay.relay import protocol as P
 from kvrelay.relay.client import RelayClient
 from kvrelay.relay.lease import LeaseTable
@@ -42,8 +43,8 @@ class Prefill:
         kv = self.shm.factory(kv_shape(GEOM, NBLOCKS), torch.float32)
         self.pool = BlockPool(NBLOCKS)
         self.lock = threading.Lock()
-        self.table = LeaseTable(self.pool, engine_id="p-1", acquire_timeout=acquire_timeout,
-                                hard_cap=60.0)
+        self.table = LeaseTable(PoolLeaseBlocks(self.pool), engine_id="p-1",
+                                acquire_timeout=acquire_timeout, hard_cap=60.0)
         cfg = RelayServerConfig(compat=COMPAT, secret=secret,
                                 transports={"shm": self.shm.descriptor(), "tcp": {}})
         self.server = RelayServer(self.table, self.lock, cfg, kv_bytes=byte_view(kv)).start()
@@ -76,7 +77,8 @@ class Decode:
         tr = (ShmTransport(self.kv) if transport == "shm"
               else TcpTransport(self.kv, connect=self.client.open_data))
         self.transport = tr
-        self.receiver = Receiver(self.engine, self.client, tr, holder="d-1", compat=COMPAT,
+        self.receiver = Receiver(EngineKvLoads(self.engine), self.client, tr, holder="d-1",
+                                 compat=COMPAT,
                                  config=config or ReceiverConfig(rto=0.2, peer_timeout=2.0))
 
     def run(self, deadline_s: float = 10.0) -> dict[str, list[int]]:
@@ -167,7 +169,7 @@ def test_hostile_frames_close_one_connection_and_the_server_keeps_serving(
         b"GET / HTTP/1.1\r\n\r\n",
         P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, 0, P.MAX_FRAME + 1),
         P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, 0, 3) + b"\xc1\xc1\xc1",
-        P.encode(P.Acquire(1, "p-1", "x", "d")),  # a request before hello
+        P.encode(P.Acquire(1, "p-1", "x", "d", "a1")),  # a request before hello
     ]
     for payload in payloads:
         with socket.create_connection((host, int(port)), timeout=2.0) as s:
@@ -182,7 +184,7 @@ def test_hostile_frames_close_one_connection_and_the_server_keeps_serving(
     with pytest.raises(ConnectionError, match="mismatch"):
         wrong.open(prefill.server.address)
     ok = RelayClient(compat=COMPAT, transport="shm", client_id="d")
-    ok.send(prefill.server.address, P.Abort(7, "p-1", "nope"))
+    ok.send(prefill.server.address, P.Abort(7, "p-1", "nope", "d-1", "a1"))
     reply = ok.replies.get(timeout=2.0)
     assert reply.seq == 7 and reply.status == "error" and "unknown lease" in reply.error
     ok.close()
@@ -199,7 +201,7 @@ def test_unreachable_prefill_never_blocks_the_loop_and_falls_back() -> None:
         kv = RemoteKv("L", dead, "p-9", [0, 1], 6, expected_output(4, 6, 3, VOCAB)[0], COMPAT)
         t0 = time.monotonic()
         d.receiver.submit("r", list(range(6)), params, kv, t0)
-        d.client.send(dead, P.Abort(1, "p-9", "x"))
+        d.client.send(dead, P.Abort(1, "p-9", "x", "d-1", "a1"))
         assert time.monotonic() - t0 < 0.1
         got = d.run(deadline_s=5.0)
         assert [kv.first_token, *got["r"]] == expected_output(4, 6, 3, VOCAB)

@@ -120,7 +120,7 @@ class ShmTransport:
         raise TypeError("the shm transport needs the KV cache allocated by ShmKvCache.factory")
 
     def read(self, peer: PeerInfo, lease_id: str, holder: str, remote_blocks: Sequence[int],
-             local_blocks: Sequence[int]) -> ShmHandle:
+             local_blocks: Sequence[int], *, attempt: str = "") -> ShmHandle:
         h = ShmHandle()
         args = (h, peer.descriptor, list(remote_blocks), list(local_blocks))
         if self.threaded:

@@ -112,9 +112,11 @@ class TcpTransport:
         holder: str,
         remote_blocks: Sequence[int],
         local_blocks: Sequence[int],
+        *,
+        attempt: str = "",
     ) -> TcpHandle:
         h = TcpHandle(started=time.perf_counter())
-        args = (h, peer, lease_id, holder, list(remote_blocks), list(local_blocks))
+        args = (h, peer, lease_id, holder, attempt, list(remote_blocks), list(local_blocks))
         h.thread = threading.Thread(target=self._run, args=args, daemon=True)
         h.thread.start()
         return h
@@ -137,7 +139,7 @@ class TcpTransport:
                     c.close()
             self._idle.clear()
 
-    def _run(self, h: TcpHandle, peer: PeerInfo, lease_id: str, holder: str,
+    def _run(self, h: TcpHandle, peer: PeerInfo, lease_id: str, holder: str, attempt: str,
              remote: list[int], local: list[int]) -> None:
         sock: socket.socket | None = None
         try:
@@ -151,7 +153,7 @@ class TcpTransport:
             with self._lock:
                 self._seq += 1
                 seq = self._seq
-            sock.sendall(P.encode(P.Read(seq, peer.engine_id, lease_id, holder, remote)))
+            sock.sendall(P.encode(P.Read(seq, peer.engine_id, lease_id, holder, attempt, remote)))
             reply = P.recv_frame(sock)
             if not isinstance(reply, P.Reply) or reply.status != "ok":
                 err = reply.error if isinstance(reply, P.Reply) else "unexpected frame"
