@@ -25,6 +25,7 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.transfer",
     "kvrelay.bench.offline",
     "kvrelay.bench.serve",
+    "kvrelay.bench.relay",
 ]
 
 

@@ -54,6 +54,7 @@ class EngineStats:
     stale_events: int = 0
     # Sampled tokens of in-flight steps for requests that had finished meanwhile.
     dropped_samples: int = 0
+    failed_steps: int = 0  # steps whose runner raised: their requests failed, the engine went on
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -203,13 +204,36 @@ class Engine:
             self._release_if_fenced(req)
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and apply one step. A runner failure fails the step's requests
+        (``end_step``); the engine goes on."""
         batch = self.schedule()
-        if batch is not None:
-            self._in_flight.append((batch, self.runner.execute(batch)))
+        if batch is None:
+            return self.end_step(None)
+        try:
+            sampled = self.runner.execute(batch)
+        except Exception as exc:
+            return self.end_step(batch, error=exc)
+        return self.end_step(batch, sampled)
+
+    def end_step(
+        self,
+        batch: Batch | None,
+        sampled: Mapping[str, SampledToken] | None = None,
+        *,
+        error: BaseException | None = None,
+    ) -> list[RequestOutput]:
+        """Apply what the runner made of ``batch`` (from ``schedule``; None when nothing
+        was scheduled): its samples, or the ``error`` it raised. The server's loop runs
+        the runner between ``schedule`` and this call without holding the relay's lock."""
+        if batch is not None and error is not None:
+            self._fail_batch(batch, error)
+        elif batch is not None:
+            assert sampled is not None
+            self._in_flight.append((batch, sampled))
         depth = 1 if self.config.async_scheduling else 0
         while self._in_flight and (len(self._in_flight) > depth or batch is None):
-            done, sampled = self._in_flight.popleft()
-            self.complete(done, sampled)
+            done, samples = self._in_flight.popleft()
+            self.complete(done, samples)
         return self.take_outputs()
 
     def take_outputs(self) -> list[RequestOutput]:
@@ -217,6 +241,23 @@ class Engine:
         return out
 
     # -- internals ---------------------------------------------------------------
+    def _fail_batch(self, batch: Batch, error: BaseException) -> None:
+        """The runner raised on this step: its requests end with an error, their blocks
+        released on the one path (after any other in-flight step that holds them). The
+        runner cannot say which request was at fault, so every request of the step fails;
+        admission validates what it can so that no single request can cause this."""
+        message = f"the model step failed: {type(error).__name__}: {error}"
+        self.stats.failed_steps += 1
+        for sr in batch.requests:
+            req = self.requests[sr.request_id]
+            req.in_flight -= 1
+            if sr.sample:
+                req.num_pending_samples -= 1
+            if req.state not in TERMINAL_DECIDED:
+                self._finish(req, FinishReason.ERROR, error=message)
+            else:
+                self._release_if_fenced(req)
+
     def _append_token(self, req: Request, tok: SampledToken) -> None:
         req.token_ids.append(tok.token_id)
         reason = self._stop_reason(req, tok.token_id)

@@ -25,12 +25,17 @@ from typing import Any
 
 from kvrelay.core.engine import Engine, RequestOutput, RequestRejected
 from kvrelay.core.lifecycle import FinishReason
+from kvrelay.core.runner import Batch
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 OutputQueue = asyncio.Queue[RequestOutput]
+
+
+class AdmissionFailed(RuntimeError):
+    """Admitting a request raised unexpectedly: the request fails, the loop goes on."""
 
 
 class EngineDead(RuntimeError):
@@ -205,7 +210,14 @@ class EngineLoop:
                         self._deliver(engine.take_outputs())
                         continue
                     steps_before = engine.stats.steps
-                    outputs = engine.step()
+                    batch = engine.schedule()
+                # The forward runs without the lock, so the relay answers decode engines
+                # while it runs. The pool still has one writer at a time: the relay
+                # frees only lease blocks, the step touches only its requests' blocks,
+                # and every change of ownership happens under the lock.
+                sampled, error = self._execute(batch)
+                with hooks.lock:
+                    outputs = engine.end_step(batch, sampled, error=error)
                 self._deliver(outputs)
                 self.stats.steps += 1
                 if engine.stats.steps == steps_before and not outputs:
@@ -219,6 +231,15 @@ class EngineLoop:
             self.stats.dead_reason = f"engine failure: {type(exc).__name__}: {exc}"
             self._stopping = True
             self._fail_all(self.stats.dead_reason)
+
+    def _execute(self, batch: Batch | None) -> tuple[Any, BaseException | None]:
+        if batch is None:
+            return None, None
+        try:
+            return self.engine.runner.execute(batch), None
+        except Exception as exc:  # fails this step's requests; the loop goes on
+            log.exception("model step of %d requests failed", len(batch.requests))
+            return None, exc
 
     def _drain_commands(self, *, block: bool, timeout: float | None = None) -> None:
         try:
@@ -260,6 +281,13 @@ class EngineLoop:
             except RequestRejected as exc:
                 self.stats.rejected += 1
                 error = exc
+            except Exception as exc:  # a bug admitting one request must not stop the loop
+                log.exception("admitting request %s failed", cmd.request_id)
+                self.stats.rejected += 1
+                self.hooks.abort(self.engine, cmd.request_id, FinishReason.ERROR)
+                self.engine.take_outputs()  # nobody listens for this request yet
+                error = AdmissionFailed(f"the request could not be admitted: "
+                                        f"{type(exc).__name__}: {exc}")
         self._call_async(_settle, cmd.accepted, error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

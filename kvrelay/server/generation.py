@@ -26,7 +26,7 @@ from kvrelay.core.runner import TokenLogprobs
 from kvrelay.relay.receiver import INVALID_PARAMS
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.server.engine_loop import EngineDead, EngineLoop
+from kvrelay.server.engine_loop import AdmissionFailed, EngineDead, EngineLoop
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import ApiError
 
@@ -117,6 +117,9 @@ class Generation:
         except EngineDead as exc:
             self.abort_unfinished()
             raise ApiError(503, str(exc), type="server_error", code="unavailable") from exc
+        except AdmissionFailed as exc:
+            self.abort_unfinished()
+            raise ApiError(500, str(exc), type="server_error") from exc
         except BaseException:
             self.abort_unfinished()
             raise

@@ -14,7 +14,7 @@ from kvrelay.core.fake_runner import FakeRunner, expected_output
 from kvrelay.core.lifecycle import FinishReason
 from kvrelay.core.runner import Batch, SampledToken
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.server.engine_loop import EngineDead, EngineLoop
+from kvrelay.server.engine_loop import AdmissionFailed, EngineDead, EngineLoop
 from kvrelay.server.protocol import param_from_loc
 from tests.unit.test_server_fakes import make_state, serve_in_thread
 
@@ -91,17 +91,24 @@ def test_abort_and_stop_release_every_block(async_scheduling: bool) -> None:
 
 
 class ExplodingRunner:
+    """Raises on the 3rd call only (a transient fault), and on every step that holds a
+    poisoned token (a request the model cannot run)."""
+
+    POISON = 99
+
     def __init__(self) -> None:
         self.calls = 0
 
     def execute(self, batch: Batch) -> Mapping[str, SampledToken]:
         self.calls += 1
-        if self.calls > 2:
+        if self.calls == 3:
             raise RuntimeError("device lost")
+        if any(self.POISON in sr.token_ids for sr in batch.requests):
+            raise IndexError("index out of range in self")
         return {sr.request_id: SampledToken(7) for sr in batch.requests if sr.sample}
 
 
-def test_runner_failure_fails_requests_and_marks_loop_dead() -> None:
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on() -> None:
     async def main() -> None:
         loop = make_loop(runner=ExplodingRunner())
         loop.start(asyncio.get_running_loop())
@@ -109,24 +116,57 @@ def test_runner_failure_fails_requests_and_marks_loop_dead() -> None:
         await loop.add("r", [1], SamplingParams(max_tokens=20), q)
         last = (await drain(q))[-1]
         assert last.finish_reason is FinishReason.ERROR and "device lost" in (last.error or "")
+        await loop.add("bad", [1, ExplodingRunner.POISON], SamplingParams(max_tokens=4), q)
+        last = (await drain(q))[-1]
+        assert last.finish_reason is FinishReason.ERROR and "IndexError" in (last.error or "")
+        await loop.add("good", [1, 2], SamplingParams(max_tokens=3), q)
+        outs = await drain(q)
+        assert [t for o in outs for t in o.new_token_ids] == [7, 7, 7]
+        assert outs[-1].finish_reason is FinishReason.LENGTH
+        assert loop.alive and loop.engine.stats.failed_steps == 2
         await asyncio.sleep(0.05)
-        assert not loop.alive
-        with pytest.raises(EngineDead):
-            await loop.add("r2", [1], SamplingParams(max_tokens=1), q)
+        assert loop.engine.pool.num_free == loop.engine.pool.num_blocks
+        loop.engine.pool.check_integrity()
+        loop.stop()
 
     asyncio.run(main())
 
 
-def test_runner_failure_over_http_is_500_and_health_503() -> None:
+def test_an_exception_while_admitting_fails_that_request_only() -> None:
+    async def main() -> None:
+        loop = make_loop()
+        real_add = loop.hooks.add
+
+        def add(engine: Engine, cmd: object) -> None:
+            real_add(engine, cmd)  # type: ignore[arg-type]
+            if cmd.request_id == "bad":  # type: ignore[attr-defined]
+                raise KeyError("a bug while admitting")
+
+        loop.hooks.add = add  # type: ignore[method-assign]
+        loop.start(asyncio.get_running_loop())
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        with pytest.raises(AdmissionFailed, match="KeyError"):
+            await loop.add("bad", [1], SamplingParams(max_tokens=4), q)
+        await loop.add("good", [1], SamplingParams(max_tokens=2), q)
+        assert (await drain(q))[-1].finish_reason is FinishReason.LENGTH
+        await asyncio.sleep(0.05)
+        assert loop.alive and loop.engine.pool.num_free == loop.engine.pool.num_blocks
+        assert not loop.engine.requests
+        loop.stop()
+
+    asyncio.run(main())
+
+
+def test_runner_failure_over_http_is_500_and_the_server_keeps_serving() -> None:
     state = make_state()
     state.loop.engine.runner = ExplodingRunner()
     with serve_in_thread(state) as url:
         body = {"model": "tiny", "prompt": "a", "max_tokens": 20}
         r = httpx.post(url + "/v1/completions", json=body)
         assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
-        assert httpx.get(url + "/health").status_code == 503
+        assert httpx.get(url + "/health").status_code == 200
         r = httpx.post(url + "/v1/completions", json=body)
-        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
 
 
 def test_param_from_loc() -> None:
