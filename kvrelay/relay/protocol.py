@@ -16,22 +16,46 @@ Conversation on one connection:
 ``mac`` is HMAC-SHA256 over the challenge nonce and the Hello's fields, keyed with
 the cluster secret (``--relay-secret``); without a secret it is empty and ignored.
 Every request names the engine id it believes it talks to, so a restarted P (new
-id) refuses leases of its previous life.
+id) refuses leases of its previous life. Lease messages name the holder (the decode
+engine's id, which must be the ``client_id`` of the connection's HELLO) and the
+``attempt``: a fresh nonce per request attempt on D. A lease is a capability of one
+attempt: once acquired, only that attempt may read, heartbeat or release it, and a
+``done`` verdict is only ever given to the attempt that committed.
+
+A reply that refuses carries a ``code`` (``ErrorCode``): the decode side acts on the
+code, never on the text of ``error``, which is for people.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import enum
 import struct
 from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"KR"
 HEADER = struct.Struct(">2sBBI")
 MAX_FRAME = 1 << 20
+
+
+class ErrorCode(enum.Enum):
+    """Why a request was refused, on the wire as the value string."""
+
+    NONE = ""
+    UNKNOWN_LEASE = "unknown_lease"  # no such lease (forged, or its record was pruned)
+    WRONG_ENGINE = "wrong_engine"  # the lease is of another engine life (P restarted)
+    LEASE_BUSY = "lease_busy"  # another attempt holds the lease
+    NOT_HOLDER = "not_holder"  # the message is not from the attempt that holds the lease
+    FENCE = "fence"  # the blocks changed under the lease: the copy is not valid
+    READ_DENIED = "read_denied"  # blocks outside the lease, or read already
+    BAD_FRAME = "bad_frame"  # malformed, oversized or out-of-order frame
+    AUTH_FAILED = "auth_failed"  # hello not authenticated (wrong or missing secret)
+    REFUSED = "refused"  # hello refused: version, compat, layout, transport or capacity
+    UNREACHABLE = "unreachable"  # (decode side only) the relay could not be reached
 
 
 class ProtocolError(ValueError):
@@ -59,6 +83,7 @@ class Acquire(msgspec.Struct, tag="acquire"):
     engine_id: str
     lease_id: str
     holder: str
+    attempt: str
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
@@ -66,6 +91,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     engine_id: str
     lease_id: str
     holder: str
+    attempt: str
 
 
 class Release(msgspec.Struct, tag="release"):
@@ -73,14 +99,18 @@ class Release(msgspec.Struct, tag="release"):
     engine_id: str
     lease_id: str
     holder: str
+    attempt: str
     ok: bool
-    generations: list[int] | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):
+    """From D: the attempt gives the lease up (it may not be acquired yet)."""
+
     seq: int
     engine_id: str
     lease_id: str
+    holder: str
+    attempt: str
 
 
 class Read(msgspec.Struct, tag="read"):
@@ -88,6 +118,7 @@ class Read(msgspec.Struct, tag="read"):
     engine_id: str
     lease_id: str
     holder: str
+    attempt: str
     block_ids: list[int]
 
 
@@ -97,6 +128,7 @@ class Reply(msgspec.Struct, tag="reply", omit_defaults=True):
     state: str = ""
     reason: str = ""  # release reason when the lease is released
     error: str = ""
+    code: str = ""  # ErrorCode value when status is not ok
     engine_id: str = ""
     block_ids: list[int] = msgspec.field(default_factory=list)
     generations: list[int] = msgspec.field(default_factory=list)
