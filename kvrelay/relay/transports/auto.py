@@ -49,9 +49,9 @@ class AutoTransport:
         raise NotImplementedError("auto chooses on the decode side; prefill offers both")
 
     def read(self, peer: PeerInfo, lease_id: str, holder: str, remote_blocks: Sequence[int],
-             local_blocks: Sequence[int]) -> tuple[Transport, Any]:
+             local_blocks: Sequence[int], *, attempt: str = "") -> tuple[Transport, Any]:
         t = self.shm if is_local(peer.relay) else self.tcp
-        return t, t.read(peer, lease_id, holder, remote_blocks, local_blocks)
+        return t, t.read(peer, lease_id, holder, remote_blocks, local_blocks, attempt=attempt)
 
     def poll(self, handle: tuple[Transport, Any]) -> TransferStatus:
         return handle[0].poll(handle[1])
