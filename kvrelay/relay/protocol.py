@@ -216,7 +216,10 @@ def wait_readable(sock: Any, deadline: float | None) -> bool:
     (a bound on sends, shared by every thread using the socket) is left alone."""
     left_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1e3) + 1)
     poller = select.poll()
-    poller.register(sock, select.POLLIN | select.POLLPRI)
+    try:
+        poller.register(sock, select.POLLIN | select.POLLPRI)
+    except ValueError:  # closed meanwhile by another thread (fileno -1)
+        raise ConnectionError("the relay connection was closed") from None
     return bool(poller.poll(left_ms))
 
 

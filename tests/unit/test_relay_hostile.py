@@ -433,12 +433,14 @@ def test_sweep_removes_only_our_kvrelay_segments_whose_owner_is_gone(tmp_path: P
     proc.wait()
     dead_pid = proc.pid
     tag = secrets.token_hex(16)
+    ns = shm_mod.pid_namespace()
     names = {
-        "dead": f"kvrelay-{dead_pid}-{tag}",
-        "alive": f"kvrelay-1-{tag}",  # pid 1 started before the segment
-        "ours": f"kvrelay-{os.getpid()}-{tag}",
+        "dead": f"kvrelay-{ns}-{dead_pid}-{tag}",
+        "alive": f"kvrelay-{ns}-1-{tag}",  # pid 1 started before the segment
+        "ours": f"kvrelay-{ns}-{os.getpid()}-{tag}",
+        "other_namespace": f"kvrelay-{ns + 1}-{dead_pid}-{tag}",  # its pids are not ours
         "old_format": f"kvrelay-{tag}",  # no owner pid: cannot tell, left alone
-        "foreign": f"other-{dead_pid}-{tag}",
+        "foreign": f"other-{ns}-{dead_pid}-{tag}",
     }
     for name in names.values():
         (tmp_path / name).write_bytes(b"x" * 10)
