@@ -104,7 +104,7 @@ class RelayClient:
                 code = reply.code if isinstance(reply, P.Reply) else ""
                 raise RelayUnavailable(f"the prefill relay at {relay} refused hello: {err}",
                                        _code(code, P.ErrorCode.REFUSED))
-            sock.settimeout(self.io_timeout)  # bounds sends; reads wait with poll(2)
+            P.kernel_timeouts(sock, self.io_timeout)  # bounds sends; reads wait with poll
             return sock, PeerInfo(relay, reply.engine_id, dict(reply.transport))
         except RelayUnavailable:
             sock.close()

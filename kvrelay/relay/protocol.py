@@ -32,6 +32,7 @@ import enum
 import hashlib
 import hmac
 import select
+import socket
 import struct
 import time
 from typing import Any
@@ -209,11 +210,23 @@ def check_hello_mac(secret: bytes | None, nonce: bytes, hello: Hello) -> bool:
     return hmac.compare_digest(hello.mac, hello_mac(secret, nonce, hello))
 
 
+def kernel_timeouts(sock: Any, seconds: float) -> None:
+    """Make ``sock`` blocking with each recv and send bounded in the kernel
+    (SO_RCVTIMEO, SO_SNDTIMEO): a call that makes no progress for ``seconds`` fails
+    with EAGAIN (``BlockingIOError``, an ``OSError``). Unlike ``settimeout`` this
+    adds no poll(2) per call on the data path, and no thread sharing the socket
+    changes it for another."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 def wait_readable(sock: Any, deadline: float | None) -> bool:
     """Wait until ``sock`` has bytes (or EOF) to read; False once ``deadline`` passed.
 
-    Waits with poll(2) instead of the socket's timeout, so the socket's own timeout
-    (a bound on sends, shared by every thread using the socket) is left alone."""
+    Waits with poll(2) instead of the socket's timeout, so the socket's own send
+    bound (shared by every thread using the socket) is left alone."""
     left_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1e3) + 1)
     poller = select.poll()
     try:

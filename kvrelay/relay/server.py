@@ -275,8 +275,8 @@ class RelayServer:
         cfg = self.config
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # Bounds every send; reads wait with poll(2) against their own deadlines.
-            conn.settimeout(cfg.send_timeout)
+            # Bounds every send call; reads wait with poll(2) against their own deadlines.
+            P.kernel_timeouts(conn, cfg.send_timeout)
             hello = self._handshake(conn, address)
             with self._conns_lock:
                 self._handshaking.pop(conn, None)
@@ -379,11 +379,11 @@ class RelayServer:
         assert self.kv_bytes is not None
         nbytes = len(msg.block_ids) * self.kv_bytes.shape[1]
         conn.sendall(P.encode(P.Reply(msg.seq, "ok", nbytes=nbytes)))
-        # The whole stream must be taken within send_timeout: a peer that asks and does
-        # not read cannot pin this thread (and its slot) for longer.
+        # The stream must be taken within send_timeout (checked between system calls,
+        # each bounded by it too): a peer that asks and does not read cannot pin this
+        # thread (and its slot) for longer.
         send_blocks(conn, self.kv_bytes, msg.block_ids,
                     deadline=time.monotonic() + self.config.send_timeout)
-        conn.settimeout(self.config.send_timeout)
         self.stats.bytes_sent += nbytes
 
     def _read_grant(self, msg: P.Read) -> tuple[Answer, P.ErrorCode]:
@@ -416,7 +416,6 @@ class RelayServer:
 
     def _reply_quietly(self, conn: socket.socket, reply: P.Reply) -> None:
         with contextlib.suppress(OSError):
-            conn.settimeout(min(1.0, self.config.send_timeout))
             conn.sendall(P.encode(reply))
 
     def _warn(self, key: str, fmt: str, *args: Any) -> None:

@@ -45,9 +45,9 @@ def wait_for(cond: Callable[[], bool], what: str, limit_s: float = 10.0) -> None
 
 
 class Prefill:
-    def __init__(self, **config: object) -> None:
-        self.kv = torch.arange(NBLOCKS * BLOCK_FLOATS, dtype=torch.float32).reshape(
-            NBLOCKS, BLOCK_FLOATS)
+    def __init__(self, block_floats: int = BLOCK_FLOATS, **config: object) -> None:
+        self.kv = torch.arange(NBLOCKS * block_floats, dtype=torch.float32).reshape(
+            NBLOCKS, block_floats)
         self.pool = BlockPool(NBLOCKS)
         self.lock = threading.Lock()
         self.table = LeaseTable(self.pool, engine_id="p-1", acquire_timeout=30.0,
@@ -255,6 +255,23 @@ def test_read_one_block_2000_times_is_refused_after_the_first(prefill: Prefill) 
     # counted after the stream went out: wait for the server thread to count it
     wait_for(lambda: prefill.server.stats.bytes_sent >= 4 * block_bytes, "the count")
     assert prefill.server.stats.bytes_sent == 4 * block_bytes
+
+
+def test_a_read_stream_nobody_takes_ends_the_connection() -> None:
+    """A peer that asks for a lease's bytes and never reads them holds P's thread
+    and slot for send_timeout only (16 MiB: more than the socket buffers hold)."""
+    p = Prefill(block_floats=256 * 1024, send_timeout=0.3)
+    try:
+        lease_id, ids = p.lease("r", nblocks=16)
+        ctl, _ = hello(p.addr, "d-1")
+        data, _ = hello(p.addr, "d-1")
+        with ctl, data:
+            assert call(ctl, P.Acquire(1, "p-1", lease_id, "d-1", "a")).status == "ok"
+            data.sendall(P.encode(P.Read(2, "p-1", lease_id, "d-1", "a", ids)))
+            wait_for(lambda: p.server.open_connections == 1, "the stalled stream to end")
+            assert p.server.stats.bytes_sent == 0
+    finally:
+        p.close()
 
 
 def test_idle_connection_is_closed_and_the_tcp_transport_reconnects() -> None:

@@ -65,16 +65,14 @@ def send_blocks(sock: socket.socket, kv_bytes: np.ndarray, block_ids: Sequence[i
                 deadline: float | None = None) -> None:
     """Scatter-gather send: up to IOV_BATCH runs of blocks per system call.
 
-    With ``deadline`` (``time.monotonic``) the whole stream must be taken by then,
-    else ``TimeoutError`` (the socket's timeout is changed; the caller resets it)."""
+    With ``deadline`` (``time.monotonic``) the stream must have been taken by then,
+    checked between system calls (each one is bounded by the socket's own send
+    timeout), else ``TimeoutError``."""
     bufs = _views(kv_bytes, block_ids)
     i = 0
     while i < len(bufs):
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the peer did not take the stream in time")
-            sock.settimeout(left)
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("the peer did not take the stream in time")
         i = _advance(bufs, i, sock.sendmsg(bufs[i : i + IOV_BATCH]))
 
 
@@ -182,7 +180,7 @@ class TcpTransport:
                 h.sock = sock
                 if h.cancelled.is_set():
                     raise ConnectionAbortedError("transfer cancelled")
-                sock.settimeout(self.io_timeout)
+                P.kernel_timeouts(sock, self.io_timeout)
                 try:
                     sock.sendall(P.encode(P.Read(seq, peer.engine_id, lease_id, holder,
                                                  attempt, remote)))
@@ -209,7 +207,7 @@ class TcpTransport:
             sock = None
             h.status = TransferStatus(TransferState.DONE, nbytes=reply.nbytes,
                                       seconds=time.perf_counter() - h.started)
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO/SO_SNDTIMEO expired
             h.status = TransferStatus(
                 TransferState.FAILED,
                 error=f"tcp transfer failed: no progress from the prefill engine for "
