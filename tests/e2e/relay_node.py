@@ -140,7 +140,8 @@ def run_decode(args: argparse.Namespace) -> None:
     pool = BlockPool(NBLOCKS)
     runner, kv, compat, sched = make_runner(args, pool)
     engine = Engine(sched, runner, pool=pool)
-    client = RelayClient(compat=compat, transport=args.transport, client_id="d")
+    holder = f"d-{time.time_ns()}"  # the relay binds lease messages to HELLO's client_id
+    client = RelayClient(compat=compat, transport=args.transport, client_id=holder)
     transport: Any
     if args.stall:
         stall_mid_stream()
@@ -148,7 +149,7 @@ def run_decode(args: argparse.Namespace) -> None:
         transport = ShmTransport(kv)
     else:
         transport = TcpTransport(kv, connect=client.open_data)
-    rx = Receiver(engine, client, transport, holder=f"d-{time.time_ns()}", compat=compat,
+    rx = Receiver(engine, client, transport, holder=holder, compat=compat,
                   config=ReceiverConfig(rto=0.5, peer_timeout=5.0, heartbeat_interval=0.3))
     emit({"ready": True})
     for line in sys.stdin:
