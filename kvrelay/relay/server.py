@@ -58,7 +58,9 @@ class ServerStats:
     connections: int = 0
     protocol_errors: int = 0
     auth_failures: int = 0
-    refused: int = 0  # connections refused at accept (caps)
+    refused: int = 0  # connections refused at accept (caps), both kinds
+    refused_per_address: int = 0  # ... because their address was at its cap
+    hellos_refused: int = 0  # HELLOs refused: version, compat, layout, transport
     evicted: int = 0  # connections dropped in their handshake to make room
     frame_timeouts: int = 0  # a handshake or a started frame did not complete in time
     idle_closed: int = 0  # authenticated connections closed after idle_timeout
@@ -91,6 +93,23 @@ class RelayServerConfig:
                 f"need 0 < max_connections_per_address ({self.max_connections_per_address})"
                 f" <= max_connections ({self.max_connections})"
             )
+
+
+SERVER_METRIC_HELP = {
+    "kvrelay_relay_connections": "Open connections on the relay port (all states).",
+    "kvrelay_relay_connections_refused_total":
+        "Connections refused at accept (answered with code refused), by the cap they hit.",
+    "kvrelay_relay_hello_failures_total":
+        "HELLOs refused: auth_failed (wrong or missing relay secret) or refused (protocol "
+        "version, model/KV compat, layout or transport mismatch).",
+    "kvrelay_relay_connections_cut_total":
+        "Connections the relay closed: frame_timeout (HELLO or a started frame not "
+        "completed in time), idle (no frame for idle_timeout), evicted (in the handshake "
+        "when every slot was taken).",
+    "kvrelay_relay_requests_refused_total":
+        "Requests refused without effect: not_holder (holder is not the connection's "
+        "HELLO client_id), read_denied (READ outside the lease's byte budget).",
+}
 
 
 @dataclass
@@ -180,6 +199,32 @@ class RelayServer:
         with self._conns_lock:
             return len(self._conns)
 
+    def samples(self) -> dict[str, dict[tuple[str, ...], float]]:
+        """The relay port's own figures, as metrics.py samples (name -> labels -> value).
+
+        LEAD: merge into ``prefill_metrics``; HELP texts in ``SERVER_METRIC_HELP``."""
+        st = self.stats
+        return {
+            "kvrelay_relay_connections": {(): float(self.open_connections)},
+            "kvrelay_relay_connections_refused_total": {
+                ("max_connections_per_address",): float(st.refused_per_address),
+                ("max_connections",): float(st.refused - st.refused_per_address),
+            },
+            "kvrelay_relay_hello_failures_total": {
+                ("auth_failed",): float(st.auth_failures),
+                ("refused",): float(st.hellos_refused),
+            },
+            "kvrelay_relay_connections_cut_total": {
+                ("frame_timeout",): float(st.frame_timeouts),
+                ("idle",): float(st.idle_closed),
+                ("evicted",): float(st.evicted),
+            },
+            "kvrelay_relay_requests_refused_total": {
+                ("not_holder",): float(st.not_holder),
+                ("read_denied",): float(st.reads_denied),
+            },
+        }
+
     # -- the engine's hook -----------------------------------------------------
     def kv_handoff(self, req: Request) -> None:
         """Engine ``kv_handoff``: the finished request's blocks become a lease.
@@ -224,6 +269,7 @@ class RelayServer:
         victim: socket.socket | None = None
         with self._conns_lock:
             if self._per_address.get(address, 0) >= cfg.max_connections_per_address:
+                self.stats.refused_per_address += 1
                 return (f"too many connections from {address} "
                         f"(max_connections_per_address={cfg.max_connections_per_address})")
             if len(self._conns) >= cfg.max_connections:
@@ -290,6 +336,8 @@ class RelayServer:
             self.stats.protocol_errors += 1
             if isinstance(e, P.FrameTimeout):
                 self.stats.frame_timeouts += 1
+            elif e.code is E.REFUSED:
+                self.stats.hellos_refused += 1
             self._reply_quietly(conn, P.Reply(0, "error", error=str(e), code=e.code.value))
         except (ConnectionError, OSError):
             pass

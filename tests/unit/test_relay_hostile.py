@@ -157,6 +157,8 @@ def test_auth_failure_is_answered_at_once_logged_and_surfaced(
                    for r in server_logs), "P must log the failure with the peer address"
         assert any("auth_failed" in r.getMessage() for r in client_logs)
         assert p.server.stats.auth_failures == 2
+        failures = p.server.samples()["kvrelay_relay_hello_failures_total"]
+        assert failures[("auth_failed",)] == 2.0
     finally:
         p.close()
 
@@ -324,6 +326,10 @@ def test_refused_connection_gets_a_reply_with_code_refused() -> None:
         socks.append(s)
         assert reply.status == "ok"
         assert p.server.stats.refused == 2
+        got = p.server.samples()
+        assert got["kvrelay_relay_connections_refused_total"] == {
+            ("max_connections_per_address",): 2.0, ("max_connections",): 0.0}
+        assert got["kvrelay_relay_connections"] == {(): 3.0}
     finally:
         for s in socks:
             s.close()
