@@ -152,6 +152,7 @@ class RelayServer:
         self._per_address: dict[str, int] = {}
         self._handshaking: OrderedDict[socket.socket, None] = OrderedDict()
         self._conns_lock = threading.Lock()
+        self._stats_lock = threading.Lock()  # counters bumped by connection threads
         # LEAD: local stand-in for LeaseTable.read_grant (each block of a lease read at
         # most once, by one attempt); entries die with their Lease. Guarded by ``lock``.
         self._read_grants: weakref.WeakKeyDictionary[Lease, _ReadGrant] = (
@@ -183,16 +184,18 @@ class RelayServer:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
+        end = time.monotonic() + timeout
+        for t in self._threads:  # the acceptor first: no connection is added after this
+            if t is not threading.current_thread():
+                t.join(timeout=max(0.0, end - time.monotonic()))
         with self._conns_lock:
             conns = list(self._conns.items())
         for c, _ in conns:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-        end = time.monotonic() + timeout
-        threads = self._threads + [st.thread for _, st in conns if st.thread is not None]
-        for t in threads:
-            if t is not threading.current_thread():
-                t.join(timeout=max(0.0, end - time.monotonic()))
+        for _, st in conns:
+            if st.thread is not None and st.thread is not threading.current_thread():
+                st.thread.join(timeout=max(0.0, end - time.monotonic()))
 
     @property
     def open_connections(self) -> int:
@@ -250,6 +253,9 @@ class RelayServer:
                 time.sleep(0.05)  # EMFILE and friends: do not spin, do not die
                 continue
             address = str(addr[0])
+            if self._stop.is_set():
+                conn.close()
+                return
             refusal = self._admit(conn, address)
             if refusal:
                 self._refuse(conn, address, refusal)
@@ -331,13 +337,13 @@ class RelayServer:
                                    frame_timeout=cfg.frame_timeout)
                 self._dispatch(conn, msg, hello.client_id)
         except P.IdleTimeout:
-            self.stats.idle_closed += 1
+            self._bump("idle_closed")
         except P.ProtocolError as e:
-            self.stats.protocol_errors += 1
+            self._bump("protocol_errors")
             if isinstance(e, P.FrameTimeout):
-                self.stats.frame_timeouts += 1
+                self._bump("frame_timeouts")
             elif e.code is E.REFUSED:
-                self.stats.hellos_refused += 1
+                self._bump("hellos_refused")
             self._reply_quietly(conn, P.Reply(0, "error", error=str(e), code=e.code.value))
         except (ConnectionError, OSError):
             pass
@@ -368,7 +374,7 @@ class RelayServer:
                 f"speaks {P.PROTOCOL_VERSION}"
             )
         if not P.check_hello_mac(cfg.secret, nonce, hello):
-            self.stats.auth_failures += 1
+            self._bump("auth_failures")
             self._warn(f"auth:{address}", "relay: hello from %s (client_id %r) failed "
                        "authentication: wrong or missing relay secret", address,
                        hello.client_id)
@@ -395,7 +401,7 @@ class RelayServer:
             raise P.ProtocolError(f"unexpected {type(msg).__name__.lower()} frame after hello")
         if msg.holder != client_id:
             # The holder is bound to the connection's HELLO: nothing is applied.
-            self.stats.not_holder += 1
+            self._bump("not_holder")
             conn.sendall(P.encode(P.Reply(
                 msg.seq, "error", code=E.NOT_HOLDER.value,
                 error=f"holder {msg.holder!r} is not this connection's client {client_id!r}")))
@@ -419,7 +425,7 @@ class RelayServer:
                 ans, code = self._read_grant(msg)
         if not ans.ok:
             if code is E.READ_DENIED:
-                self.stats.reads_denied += 1
+                self._bump("reads_denied")
             reply = answer_reply(msg.seq, ans)
             reply.code = reply.code or code.value
             conn.sendall(P.encode(reply))
@@ -432,7 +438,7 @@ class RelayServer:
         # thread (and its slot) for longer.
         send_blocks(conn, self.kv_bytes, msg.block_ids,
                     deadline=time.monotonic() + self.config.send_timeout)
-        self.stats.bytes_sent += nbytes
+        self._bump("bytes_sent", nbytes)
 
     def _read_grant(self, msg: P.Read) -> tuple[Answer, P.ErrorCode]:
         """Stand-in for the lead's ``LeaseTable.read_grant``; call with ``lock`` held.
@@ -461,6 +467,10 @@ class RelayServer:
             return Answer(Status.ERROR, error=why), E.READ_DENIED
         grant.read |= wanted
         return ans, E.NONE
+
+    def _bump(self, counter: str, n: int = 1) -> None:
+        with self._stats_lock:
+            setattr(self.stats, counter, getattr(self.stats, counter) + n)
 
     def _reply_quietly(self, conn: socket.socket, reply: P.Reply) -> None:
         with contextlib.suppress(OSError):
