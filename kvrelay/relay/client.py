@@ -17,8 +17,11 @@ connection drops the connection and the message; the receiver's retransmission
 
 Bounds: opening a connection (connect, challenge, HELLO and its answer) takes at
 most ``connect_timeout`` in total; a started reply frame must complete, and a send
-make progress, within ``io_timeout``. A relay's sender thread (and its connection)
-ends after ``idle_s`` without a message to send; the next ``send`` starts a new one.
+make progress, within ``io_timeout``. After a failure to open a connection, the
+messages of the next ``retry_after_s`` get the same answer without a new dial (a
+refusing or unreachable relay is not hammered, and messages do not queue behind
+connect timeouts). A relay's sender thread (and its connection) ends after
+``idle_s`` without a message to send; the next ``send`` starts a new one.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class RelayClient:
         connect_timeout: float = 2.0,
         io_timeout: float = 30.0,
         idle_s: float = 60.0,
+        retry_after_s: float = 1.0,
     ) -> None:
         self.compat = compat
         self.layout = layout
@@ -70,10 +74,10 @@ class RelayClient:
         self.connect_timeout = connect_timeout
         self.io_timeout = io_timeout
         self.idle_s = idle_s
+        self.retry_after_s = retry_after_s
         self.replies: queue.Queue[P.Reply] = queue.Queue()
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
-        self._last_refusal: dict[str, str] = {}  # relay -> last refusal logged
 
     def open(self, relay: str) -> tuple[socket.socket, PeerInfo]:
         """A new authenticated connection to ``relay`` (control or tcp data).
@@ -183,24 +187,25 @@ class RelayClient:
                 break
             try:
                 if p.sock is None:
-                    sock, p.info = self.open(relay)
-                    p.sock = sock
+                    if p.refusal is not None and time.monotonic() < p.retry_at:
+                        raise p.refusal  # it just said no: do not redial per message
+                    try:
+                        sock, p.info = self.open(relay)
+                    except RelayUnavailable as e:
+                        if p.refusal is None or p.refusal.code is not e.code:
+                            log.warning("relay %s: %s (code %s)", relay, e, e.code.value)
+                        p.refusal, p.retry_at = e, time.monotonic() + self.retry_after_s
+                        raise
+                    p.sock, p.refusal = sock, None
                     threading.Thread(target=self._read_loop, args=(p, sock), daemon=True,
                                      name=f"relay-read-{relay}").start()
-                    self._last_refusal.pop(relay, None)
                 p.sock.sendall(P.encode(msg))
             except RelayUnavailable as e:
-                self._refused(relay, msg, e)
+                # Tell the receiver at once: not delivered, and why.
+                self.replies.put(P.Reply(msg.seq, "error", error=str(e), code=e.code.value))
             except OSError:
                 self._drop(p, p.sock)
         self._drop(p, p.sock)
-
-    def _refused(self, relay: str, msg: P.Request, e: RelayUnavailable) -> None:
-        """Tell the receiver at once: the message was not delivered, and why."""
-        if self._last_refusal.get(relay) != e.code.value:
-            self._last_refusal[relay] = e.code.value
-            log.warning("relay %s: %s (code %s)", relay, e, e.code.value)
-        self.replies.put(P.Reply(msg.seq, "error", error=str(e), code=e.code.value))
 
     def _read_loop(self, p: _Peer, sock: socket.socket) -> None:
         try:
@@ -239,3 +244,7 @@ class _Peer:
         self.sock: socket.socket | None = None
         self.info: PeerInfo | None = None
         self.thread: threading.Thread | None = None
+        # The last failure to open a connection, answered for every message until
+        # retry_at without dialling again (a refusing or dead relay is not hammered).
+        self.refusal: RelayUnavailable | None = None
+        self.retry_at = 0.0

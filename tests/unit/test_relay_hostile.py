@@ -142,14 +142,17 @@ def test_auth_failure_is_answered_at_once_logged_and_surfaced(
     try:
         caplog.set_level(logging.WARNING)
         bad = RelayClient(compat=COMPAT, transport="tcp", client_id="d-bad", secret=b"wrong",
-                          connect_timeout=30.0)
+                          connect_timeout=30.0, retry_after_s=60.0)
         with pytest.raises(RelayUnavailable) as info:
             bad.open(p.server.address)
         assert info.value.code is E.AUTH_FAILED
-        # The receiver's message is answered by the client itself, at once, with the code.
-        bad.send(p.server.address, P.Acquire(41, "p-1", "L", "d-bad", "a-1"))
-        reply = bad.replies.get(timeout=5.0)
-        assert (reply.seq, reply.status, reply.code) == (41, "error", "auth_failed")
+        # The receiver's messages are answered by the client itself, at once, with the
+        # code; within retry_after_s it does not dial again for each of them.
+        for seq in (41, 42, 43):
+            bad.send(p.server.address, P.Acquire(seq, "p-1", "L", "d-bad", "a-1"))
+        for seq in (41, 42, 43):
+            reply = bad.replies.get(timeout=5.0)
+            assert (reply.seq, reply.status, reply.code) == (seq, "error", "auth_failed")
         bad.close()
         server_logs = [r for r in caplog.records if r.name == "kvrelay.relay.server"]
         client_logs = [r for r in caplog.records if r.name == "kvrelay.relay.client"]
