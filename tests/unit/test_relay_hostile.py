@@ -422,6 +422,39 @@ def test_tcp_read_from_a_prefill_frozen_mid_copy_fails_within_io_timeout() -> No
         fake.close()
 
 
+def test_tcp_transport_opens_at_most_max_per_relay_data_connections() -> None:
+    """However many loads D runs, it stays under P's per-address cap; transfers that
+    wait for a connection can still be cancelled."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(listener.accept()[0])  # never answers a READ
+
+    threading.Thread(target=accept, daemon=True).start()
+    port = listener.getsockname()[1]
+    dst = torch.zeros(NBLOCKS, BLOCK_FLOATS)
+    tr = TcpTransport(dst, connect=lambda relay: socket.create_connection(
+        ("127.0.0.1", port), timeout=2.0), io_timeout=30.0, max_per_relay=2)
+    try:
+        handles = [tr.read(PeerInfo(f"127.0.0.1:{port}", "p"), f"L{i}", "d", [i], [i])
+                   for i in range(5)]
+        wait_for(lambda: len(accepted) == 2, "two data connections")
+        time.sleep(0.3)  # the other three wait for a slot instead of dialling
+        assert len(accepted) == 2
+        for h in handles:
+            tr.cancel(h)
+        wait_for(lambda: all(tr.poll(h).state is TransferState.FAILED for h in handles),
+                 "every transfer to stop")
+    finally:
+        tr.close()
+        listener.close()
+        for c in accepted:
+            c.close()
+
+
 def test_transport_threads_turn_any_exception_into_a_failed_transfer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -111,7 +111,7 @@ class TcpTransport:
     name = "tcp"
 
     def __init__(self, kv_cache: Any = None, connect: Connector | None = None, *,
-                 io_timeout: float = 30.0) -> None:
+                 io_timeout: float = 30.0, max_per_relay: int = 16) -> None:
         """``io_timeout``: the longest a data socket waits for any progress (a reply, a
         byte of the stream, room to send); the server wires it from --lease-timeout so
         a P frozen mid-copy fails the transfer well within the lease timeout."""
@@ -121,6 +121,11 @@ class TcpTransport:
         self.connect = connect
         self.io_timeout = io_timeout
         self._idle: dict[str, list[socket.socket]] = {}
+        # At most max_per_relay transfers (so data connections) per relay at once: well
+        # under the relay's per-address cap (64), however many loads D runs; the rest
+        # wait their turn (cancellable), their leases heartbeated meanwhile.
+        self.max_per_relay = max_per_relay
+        self._slots: dict[str, threading.BoundedSemaphore] = {}
         self._lock = threading.Lock()
         self._seq = 0
         self.delay = injected_delay()
@@ -166,10 +171,17 @@ class TcpTransport:
     def _run(self, h: TcpHandle, peer: PeerInfo, lease_id: str, holder: str, attempt: str,
              remote: list[int], local: list[int]) -> None:
         sock: socket.socket | None = None
+        with self._lock:
+            slot = self._slots.setdefault(peer.relay,
+                                          threading.BoundedSemaphore(self.max_per_relay))
+        slotted = False
         try:
             assert self.kv_bytes is not None and self.connect is not None
             if self.delay:
                 h.cancelled.wait(self.delay)
+            while not (slotted := slot.acquire(timeout=0.05)):
+                if h.cancelled.is_set():
+                    raise ConnectionAbortedError("transfer cancelled")
             with self._lock:
                 self._seq += 1
                 seq = self._seq
@@ -187,7 +199,7 @@ class TcpTransport:
                     reply = P.recv_frame(sock)
                     break
                 except (ConnectionError, BrokenPipeError) as e:
-                    if not pooled or fresh:
+                    if not pooled or fresh or h.cancelled.is_set():
                         raise
                     log.debug("pooled data connection to %s was closed (%s); retrying",
                               peer.relay, e)
@@ -220,6 +232,8 @@ class TcpTransport:
             h.sock = None
             if sock is not None:
                 sock.close()
+            if slotted:
+                slot.release()
             if h.status.state is TransferState.PENDING:  # BaseException: still never hang
                 h.status = TransferStatus(TransferState.FAILED,
                                           error="tcp transfer failed: reader interrupted")
