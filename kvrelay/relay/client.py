@@ -5,23 +5,46 @@ one control connection (challenge, HELLO with the optional HMAC, then requests)
 written by a sender thread from a queue, so ``send`` never blocks the engine loop,
 and read by a reader thread that puts every ``Reply`` on ``replies``; it also opens
 data connections for the tcp transport. The engine loop drains ``replies`` into
-``Receiver.on_reply``; a send that fails drops the connection and the message, and
-the receiver's retransmission (or its give-up) takes it from there.
+``Receiver.on_reply``.
+
+A message that cannot be delivered because no connection could be opened is
+answered at once with a synthetic error ``Reply`` for its ``seq``, whose ``code``
+says why (``auth_failed``: P refused our secret; ``refused``: P refused the HELLO or
+had no room; ``unreachable``: no connection or no answer), so the receiver never
+waits its whole timeout for a peer that said no. A send that fails on an open
+connection drops the connection and the message; the receiver's retransmission
+(or its give-up) takes it from there.
+
+Bounds: opening a connection (connect, challenge, HELLO and its answer) takes at
+most ``connect_timeout`` in total; a started reply frame must complete, and a send
+make progress, within ``io_timeout``. After a failure to open a connection, the
+messages of the next ``retry_after_s`` get the same answer without a new dial (a
+refusing or unreachable relay is not hammered, and messages do not queue behind
+connect timeouts). A relay's sender thread (and its connection) ends after
+``idle_s`` without a message to send; the next ``send`` starts a new one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import socket
 import threading
+import time
 
 from kvrelay.relay import protocol as P
 from kvrelay.relay.transports.base import PeerInfo
 
+log = logging.getLogger(__name__)
+
 
 class RelayUnavailable(ConnectionError):
-    pass
+    """No usable connection to a relay; ``code`` says why (an ``ErrorCode``)."""
+
+    def __init__(self, message: str, code: P.ErrorCode = P.ErrorCode.UNREACHABLE) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def split_address(relay: str) -> tuple[str, int]:
@@ -39,6 +62,9 @@ class RelayClient:
         layout: str = "block_major",
         secret: bytes | None = None,
         connect_timeout: float = 2.0,
+        io_timeout: float = 30.0,
+        idle_s: float = 60.0,
+        retry_after_s: float = 1.0,
     ) -> None:
         self.compat = compat
         self.layout = layout
@@ -46,19 +72,29 @@ class RelayClient:
         self.client_id = client_id
         self.secret = secret
         self.connect_timeout = connect_timeout
+        self.io_timeout = io_timeout
+        self.idle_s = idle_s
+        self.retry_after_s = retry_after_s
         self.replies: queue.Queue[P.Reply] = queue.Queue()
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
 
     def open(self, relay: str) -> tuple[socket.socket, PeerInfo]:
-        """A new authenticated connection to ``relay`` (control or tcp data)."""
+        """A new authenticated connection to ``relay`` (control or tcp data).
+
+        Raises ``RelayUnavailable`` (with its ``code``) within ``connect_timeout``."""
+        deadline = time.monotonic() + self.connect_timeout
         try:
             sock = socket.create_connection(split_address(relay), timeout=self.connect_timeout)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             raise RelayUnavailable(f"cannot reach the prefill relay at {relay}: {e}") from e
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            challenge = P.recv_frame(sock)
+            challenge = self._recv(sock, deadline)
+            if isinstance(challenge, P.Reply) and challenge.status == "error":
+                raise RelayUnavailable(  # refused at accept (no room), before any HELLO
+                    f"the prefill relay at {relay} refused the connection: {challenge.error}",
+                    _code(challenge.code, P.ErrorCode.REFUSED))
             if not isinstance(challenge, P.Challenge):
                 raise P.ProtocolError("the relay did not send a challenge")
             hello = P.Hello(0, P.PROTOCOL_VERSION, self.compat, self.layout, self.transport,
@@ -66,18 +102,29 @@ class RelayClient:
             if self.secret is not None:
                 hello.mac = P.hello_mac(self.secret, challenge.nonce, hello)
             sock.sendall(P.encode(hello))
-            reply = P.recv_frame(sock)
+            reply = self._recv(sock, deadline)
             if not isinstance(reply, P.Reply) or reply.status != "ok":
                 err = reply.error if isinstance(reply, P.Reply) else "unexpected frame"
-                raise RelayUnavailable(f"the prefill relay at {relay} refused hello: {err}")
-            sock.settimeout(None)
+                code = reply.code if isinstance(reply, P.Reply) else ""
+                raise RelayUnavailable(f"the prefill relay at {relay} refused hello: {err}",
+                                       _code(code, P.ErrorCode.REFUSED))
+            P.kernel_timeouts(sock, self.io_timeout)  # bounds sends; reads wait with poll
             return sock, PeerInfo(relay, reply.engine_id, dict(reply.transport))
-        except (OSError, P.ProtocolError) as e:
-            sock.close()
-            raise RelayUnavailable(f"hello with the prefill relay at {relay} failed: {e}") from e
         except RelayUnavailable:
             sock.close()
             raise
+        except (OSError, P.ProtocolError, P.IdleTimeout) as e:
+            sock.close()
+            why = e.code if isinstance(e, P.VersionMismatch) else P.ErrorCode.UNREACHABLE
+            raise RelayUnavailable(f"hello with the prefill relay at {relay} failed: {e}",
+                                   why) from e
+
+    @staticmethod
+    def _recv(sock: socket.socket, deadline: float) -> P.Message:
+        try:
+            return P.recv_frame(sock, start_by=deadline, complete_by=deadline)
+        except P.IdleTimeout:
+            raise P.FrameTimeout("the prefill relay did not answer in time") from None
 
     def open_data(self, relay: str) -> socket.socket:
         return self.open(relay)[0]
@@ -85,18 +132,29 @@ class RelayClient:
     # -- RelayLink -----------------------------------------------------------------
     def peer(self, relay: str) -> PeerInfo:
         """What HELLO told us about ``relay`` (connects once if it never answered)."""
-        p = self._peer(relay)
-        if p.info is None:
-            sock, p.info = self.open(relay)
+        with self._lock:
+            p = self._peers.get(relay)
+            info = p.info if p is not None else None
+        if info is None:
+            sock, info = self.open(relay)
             sock.close()
-        return p.info
+            if p is not None:
+                p.info = info
+        return info
 
     def send(self, relay: str, msg: P.Request) -> None:
         """Queue ``msg`` for ``relay``; never blocks the engine loop on the network.
 
-        If the relay cannot be reached the message is dropped: the receiver
-        retransmits, and gives up at its peer timeout."""
-        self._peer(relay).outbox.put(msg)
+        If no connection can be opened, a synthetic error reply for ``msg.seq`` (code
+        ``auth_failed``, ``refused`` or ``unreachable``) is put on ``replies``."""
+        with self._lock:  # under the lock: an idle sender cannot retire in between
+            p = self._peers.get(relay)
+            if p is None:
+                p = self._peers[relay] = _Peer()
+                p.thread = threading.Thread(target=self._send_loop, args=(relay, p),
+                                            daemon=True, name=f"relay-send-{relay}")
+                p.thread.start()
+            p.outbox.put(msg)
 
     def close(self) -> None:
         with self._lock:
@@ -108,31 +166,51 @@ class RelayClient:
                 with contextlib.suppress(OSError):
                     p.sock.shutdown(socket.SHUT_RDWR)
 
-    # -- internals -----------------------------------------------------------------
-    def _peer(self, relay: str) -> _Peer:
+    @property
+    def sender_threads(self) -> int:
         with self._lock:
-            p = self._peers.get(relay)
-            if p is None:
-                p = self._peers[relay] = _Peer()
-                threading.Thread(target=self._send_loop, args=(relay, p), daemon=True).start()
-            return p
+            return len(self._peers)
 
+    # -- internals -----------------------------------------------------------------
     def _send_loop(self, relay: str, p: _Peer) -> None:
-        while (msg := p.outbox.get()) is not None:
+        while True:
+            try:
+                msg = p.outbox.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if not p.outbox.empty():
+                        continue
+                    if self._peers.get(relay) is p:  # retire: nothing queued, none can be
+                        del self._peers[relay]
+                break
+            if msg is None:
+                break
             try:
                 if p.sock is None:
-                    sock, p.info = self.open(relay)
-                    p.sock = sock
-                    threading.Thread(target=self._read_loop, args=(p, sock), daemon=True).start()
+                    if p.refusal is not None and time.monotonic() < p.retry_at:
+                        raise p.refusal  # it just said no: do not redial per message
+                    try:
+                        sock, p.info = self.open(relay)
+                    except RelayUnavailable as e:
+                        if p.refusal is None or p.refusal.code is not e.code:
+                            log.warning("relay %s: %s (code %s)", relay, e, e.code.value)
+                        p.refusal, p.retry_at = e, time.monotonic() + self.retry_after_s
+                        raise
+                    p.sock, p.refusal = sock, None
+                    threading.Thread(target=self._read_loop, args=(p, sock), daemon=True,
+                                     name=f"relay-read-{relay}").start()
                 p.sock.sendall(P.encode(msg))
-            except (RelayUnavailable, OSError):
+            except RelayUnavailable as e:
+                # Tell the receiver at once: not delivered, and why.
+                self.replies.put(P.Reply(msg.seq, "error", error=str(e), code=e.code.value))
+            except OSError:
                 self._drop(p, p.sock)
         self._drop(p, p.sock)
 
     def _read_loop(self, p: _Peer, sock: socket.socket) -> None:
         try:
             while True:
-                msg = P.recv_frame(sock)
+                msg = P.recv_frame(sock, frame_timeout=self.io_timeout)
                 if isinstance(msg, P.Reply):
                     self.replies.put(msg)
         except (OSError, ConnectionError, P.ProtocolError):
@@ -150,6 +228,14 @@ class RelayClient:
         sock.close()
 
 
+def _code(value: str, default: P.ErrorCode) -> P.ErrorCode:
+    try:
+        code = P.ErrorCode(value)
+    except ValueError:
+        return default
+    return default if code is P.ErrorCode.NONE else code
+
+
 class _Peer:
     """One prefill relay: a control connection, fed by one sender thread."""
 
@@ -157,3 +243,8 @@ class _Peer:
         self.outbox: queue.Queue[P.Request | None] = queue.Queue()
         self.sock: socket.socket | None = None
         self.info: PeerInfo | None = None
+        self.thread: threading.Thread | None = None
+        # The last failure to open a connection, answered for every message until
+        # retry_at without dialling again (a refusing or dead relay is not hammered).
+        self.refusal: RelayUnavailable | None = None
+        self.retry_at = 0.0

@@ -18,9 +18,11 @@ counters are totals since start.
     kvrelay_kv_load_fallbacks_total{reason} counter: loads that ended without remote KV
     kvrelay_kv_quarantined_blocks          gauge: blocks held for transfers that did not
                                            stop within the drain bound (D)
-    kvrelay_relay_connections_total        counter: relay connections accepted (P)
     kvrelay_relay_protocol_errors_total    counter: malformed or out-of-order frames (P)
-    kvrelay_relay_auth_failures_total      counter: HELLOs refused for the secret (P)
+    and the relay port's own families (P; RelayServer.samples, SERVER_METRIC_HELP):
+    kvrelay_relay_connections (gauge), kvrelay_relay_connections_refused_total{cap},
+    kvrelay_relay_hello_failures_total{code}, kvrelay_relay_connections_cut_total{reason},
+    kvrelay_relay_requests_refused_total{code}
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.relay.lease import LeaseTable
 from kvrelay.relay.receiver import TRANSFER_SECONDS_BUCKETS, Receiver
-from kvrelay.relay.server import RelayServer
+from kvrelay.relay.server import SERVER_METRIC_HELP, RelayServer
 
 Samples = dict[tuple[str, ...], float]
 
@@ -70,14 +72,24 @@ def prefill_metrics(table: LeaseTable, server: RelayServer | None = None) -> lis
         out += [
             _counter("kvrelay_kv_transfer_bytes", "KV bytes served to decode engines over tcp",
                      s.bytes_sent),
-            _counter("kvrelay_relay_connections", "Relay connections accepted", s.connections),
             _counter("kvrelay_relay_protocol_errors",
                      "Relay frames refused as malformed, oversized or out of order",
                      s.protocol_errors),
-            _counter("kvrelay_relay_auth_failures",
-                     "Relay HELLOs refused for a wrong or missing secret", s.auth_failures),
         ]
+        for name, samples in server.samples().items():
+            counter = name.endswith("_total")
+            out.append(Family(name.removesuffix("_total"), "counter" if counter else "gauge",
+                              SERVER_METRIC_HELP[name], _LABELS.get(name, ()), samples))
     return out
+
+
+# The label of each relay-port family that has one (see RelayServer.samples).
+_LABELS = {
+    "kvrelay_relay_connections_refused_total": ("cap",),
+    "kvrelay_relay_hello_failures_total": ("code",),
+    "kvrelay_relay_connections_cut_total": ("reason",),
+    "kvrelay_relay_requests_refused_total": ("code",),
+}
 
 
 def decode_metrics(receiver: Receiver) -> list[Family]:

@@ -31,7 +31,10 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import select
+import socket
 import struct
+import time
 from typing import Any
 
 import msgspec
@@ -59,7 +62,28 @@ class ErrorCode(enum.Enum):
 
 
 class ProtocolError(ValueError):
-    """A frame that cannot be understood; the connection is answered and closed."""
+    """A frame that cannot be understood or a HELLO that is refused; the connection is
+    answered (an error Reply carrying ``code``) and closed."""
+
+    default_code = ErrorCode.BAD_FRAME
+
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code or self.default_code
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version (frame header or HELLO payload)."""
+
+    default_code = ErrorCode.REFUSED
+
+
+class FrameTimeout(ProtocolError):
+    """A frame that was started did not complete within its bound (a stalled peer)."""
+
+
+class IdleTimeout(ConnectionError):
+    """No frame started within the idle bound: the connection is closed quietly."""
 
 
 class Challenge(msgspec.Struct, tag="challenge"):
@@ -158,7 +182,7 @@ def parse_header(header: bytes) -> int:
     if magic != MAGIC:
         raise ProtocolError("not a kvrelay relay frame (bad magic)")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(
+        raise VersionMismatch(
             f"relay protocol version {version} is not supported; this engine speaks "
             f"{PROTOCOL_VERSION}"
         )
@@ -186,12 +210,43 @@ def check_hello_mac(secret: bytes | None, nonce: bytes, hello: Hello) -> bool:
     return hmac.compare_digest(hello.mac, hello_mac(secret, nonce, hello))
 
 
-def read_exact(sock: Any, n: int) -> bytes:
-    """Read exactly ``n`` bytes from a socket or raise ``ConnectionError``."""
+def kernel_timeouts(sock: Any, seconds: float) -> None:
+    """Make ``sock`` blocking with each recv and send bounded in the kernel
+    (SO_RCVTIMEO, SO_SNDTIMEO): a call that makes no progress for ``seconds`` fails
+    with EAGAIN (``BlockingIOError``, an ``OSError``). Unlike ``settimeout`` this
+    adds no poll(2) per call on the data path, and no thread sharing the socket
+    changes it for another."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def wait_readable(sock: Any, deadline: float | None) -> bool:
+    """Wait until ``sock`` has bytes (or EOF) to read; False once ``deadline`` passed.
+
+    Waits with poll(2) instead of the socket's timeout, so the socket's own send
+    bound (shared by every thread using the socket) is left alone."""
+    left_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1e3) + 1)
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLIN | select.POLLPRI)
+    except ValueError:  # closed meanwhile by another thread (fileno -1)
+        raise ConnectionError("the relay connection was closed") from None
+    return bool(poller.poll(left_ms))
+
+
+def read_exact(sock: Any, n: int, deadline: float | None = None, what: str = "frame") -> bytes:
+    """Read exactly ``n`` bytes from a socket or raise ``ConnectionError``.
+
+    With ``deadline`` (``time.monotonic``): all ``n`` bytes must have arrived by then,
+    however the peer trickles them, else ``FrameTimeout``."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None and not wait_readable(sock, deadline):
+            raise FrameTimeout(f"{what} not completed in time ({got} of {n} bytes arrived)")
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionError("the peer closed the relay connection")
@@ -199,6 +254,28 @@ def read_exact(sock: Any, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: Any) -> Message:
-    length = parse_header(read_exact(sock, HEADER.size))
-    return decode(read_exact(sock, length))
+def recv_frame(
+    sock: Any,
+    *,
+    start_by: float | None = None,
+    frame_timeout: float | None = None,
+    complete_by: float | None = None,
+) -> Message:
+    """Read one frame. Without keywords: as the socket's own timeout allows.
+
+    ``start_by``: the frame's first byte must arrive by then (``time.monotonic``),
+    else ``IdleTimeout``. Once it has arrived the whole frame must complete within
+    ``frame_timeout`` seconds and by ``complete_by``, else ``FrameTimeout``: a peer
+    that starts a frame and stalls (or trickles bytes) holds a connection for a
+    bounded time only."""
+    if start_by is None and frame_timeout is None and complete_by is None:
+        length = parse_header(read_exact(sock, HEADER.size))
+        return decode(read_exact(sock, length))
+    if not wait_readable(sock, start_by):
+        raise IdleTimeout("no frame started in time")
+    end = complete_by
+    if frame_timeout is not None:
+        started = time.monotonic() + frame_timeout
+        end = started if end is None else min(end, started)
+    length = parse_header(read_exact(sock, HEADER.size, end, "frame header"))
+    return decode(read_exact(sock, length, end, "frame payload"))

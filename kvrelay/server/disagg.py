@@ -16,6 +16,7 @@ Both roles serve requests without ``kv_transfer_params`` as a colocated engine.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -164,9 +165,14 @@ def build_prefill(
     cfg = RelayServerConfig(
         compat=model.kv_geometry.compat_hash(model.name), host=args.relay_host,
         port=args.relay_port, secret=_secret(args), transports=transports,
+        # A decode engine that takes longer than its lease timeout to read a reply or
+        # a stream has lost the lease anyway; idle connections outlive its heartbeats.
+        send_timeout=args.lease_timeout, idle_timeout=max(120.0, 2 * args.lease_timeout),
     )
     server = RelayServer(table, threading.Lock(), cfg, kv_bytes=byte_view(model.kv_cache))
     server.start()
+    # Registered after the CLI's shm.close, so it runs first: no read outlives the cache.
+    atexit.register(server.close)
     log.info("relay for decode engines on %s (transports: %s)", server.address,
              ", ".join(sorted(transports)))
     engine = Engine(config, model.runner, pool=pool, kv_handoff=server.kv_handoff)
@@ -180,9 +186,13 @@ def build_decode(
     engine_id = new_engine_id()
     compat = model.kv_geometry.compat_hash(model.name)
 
+    # Every socket wait of the decode side is bounded by half the lease timeout, so a
+    # frozen or cut-off prefill engine makes it fall back within --lease-timeout.
+    io_timeout = args.lease_timeout / 2
+
     def client(transport: str) -> RelayClient:
         return RelayClient(compat=compat, transport=transport, client_id=engine_id,
-                           secret=_secret(args))
+                           secret=_secret(args), io_timeout=io_timeout)
 
     transport: Any
     if args.kv_transport == "auto":
@@ -190,12 +200,14 @@ def build_decode(
         link: Any = AutoLink(shm_client, tcp_client)
         clients = [shm_client, tcp_client]
         transport = AutoTransport(ShmTransport(model.kv_cache),
-                                  TcpTransport(model.kv_cache, connect=tcp_client.open_data))
+                                  TcpTransport(model.kv_cache, connect=tcp_client.open_data,
+                                               io_timeout=io_timeout))
     else:
         only = client(args.kv_transport)
         link, clients = only, [only]
         transport = (ShmTransport(model.kv_cache) if args.kv_transport == "shm"
-                     else TcpTransport(model.kv_cache, connect=only.open_data))
+                     else TcpTransport(model.kv_cache, connect=only.open_data,
+                                       io_timeout=io_timeout))
     receiver = Receiver(
         EngineKvLoads(engine), link, transport, holder=engine_id, compat=compat,
         config=ReceiverConfig(

@@ -1,9 +1,11 @@
 """One engine of a prefill/decode pair as a real process, driven by JSON lines on stdin.
 
     python tests/e2e/relay_node.py prefill --acquire-timeout 1.5
-        -> prints {"relay": "127.0.0.1:PORT"}; then per line:
+           [--secret S --max-connections N --max-per-address N --handshake-timeout S
+            --frame-timeout S --idle-timeout S]   (the relay server's bounds)
+        -> prints {"relay": "127.0.0.1:PORT", "shm": segment name}; then per line:
            {"op": "prefill", "rid", "prompt", "max_tokens", "seed"} -> kv_transfer_params
-           {"op": "stats"} -> pool and lease figures
+           {"op": "stats"} -> pool, lease and relay server figures
     python tests/e2e/relay_node.py decode --transport shm|tcp [--stall]
     (both: --model DIR runs the real model runner of kvrelay.model instead)
         -> prints {"ready": true}; then per line:
@@ -19,6 +21,7 @@ hangs: a decode engine to kill -9 in the middle of a transfer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -84,10 +87,17 @@ def run_prefill(args: argparse.Namespace) -> None:
     lock = threading.Lock()
     table = LeaseTable(PoolLeaseBlocks(pool), engine_id=f"p-{time.time_ns()}",
                        acquire_timeout=args.acquire_timeout, hard_cap=60.0)
-    cfg = RelayServerConfig(compat=compat, transports={"shm": shm.descriptor(), "tcp": {}})
+    cfg = RelayServerConfig(
+        compat=compat, transports={"shm": shm.descriptor(), "tcp": {}},
+        secret=args.secret.encode() if args.secret else None,
+        max_connections=args.max_connections,
+        max_connections_per_address=args.max_per_address,
+        handshake_timeout=args.handshake_timeout, frame_timeout=args.frame_timeout,
+        idle_timeout=args.idle_timeout,
+    )
     server = RelayServer(table, lock, cfg, kv_bytes=byte_view(kv)).start()
     engine = Engine(sched, runner, pool=pool, kv_handoff=server.kv_handoff)
-    emit({"relay": server.address})
+    emit({"relay": server.address, "shm": shm.descriptor()["name"]})
     try:
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -105,7 +115,9 @@ def run_prefill(args: argparse.Namespace) -> None:
                 with lock:
                     emit({"free": pool.num_free, "total": NBLOCKS,
                           "leases": table.leases_by_state(),
-                          "released": table.stats.released})
+                          "released": table.stats.released,
+                          "server": {**dataclasses.asdict(server.stats),
+                                     "open": server.open_connections}})
     finally:
         server.close()
         shm.close()
@@ -129,7 +141,8 @@ def run_decode(args: argparse.Namespace) -> None:
     pool = BlockPool(NBLOCKS)
     runner, kv, compat, sched = make_runner(args, pool)
     engine = Engine(sched, runner, pool=pool)
-    client = RelayClient(compat=compat, transport=args.transport, client_id="d")
+    holder = f"d-{time.time_ns()}"  # the relay binds lease messages to HELLO's client_id
+    client = RelayClient(compat=compat, transport=args.transport, client_id=holder)
     transport: Any
     if args.stall:
         stall_mid_stream()
@@ -137,7 +150,7 @@ def run_decode(args: argparse.Namespace) -> None:
         transport = ShmTransport(kv)
     else:
         transport = TcpTransport(kv, connect=client.open_data)
-    rx = Receiver(EngineKvLoads(engine), client, transport, holder=f"d-{time.time_ns()}",
+    rx = Receiver(EngineKvLoads(engine), client, transport, holder=holder,
                   compat=compat,
                   config=ReceiverConfig(rto=0.5, peer_timeout=5.0, heartbeat_interval=0.3))
     emit({"ready": True})
@@ -164,6 +177,12 @@ def main() -> None:
     ap.add_argument("--transport", default="shm")
     ap.add_argument("--stall", action="store_true")
     ap.add_argument("--model", default=None, help="a model directory for kvrelay.model")
+    ap.add_argument("--secret", default=None)
+    ap.add_argument("--max-connections", type=int, default=256)
+    ap.add_argument("--max-per-address", type=int, default=64)
+    ap.add_argument("--handshake-timeout", type=float, default=5.0)
+    ap.add_argument("--frame-timeout", type=float, default=5.0)
+    ap.add_argument("--idle-timeout", type=float, default=120.0)
     args = ap.parse_args()
     run_prefill(args) if args.role == "prefill" else run_decode(args)
 

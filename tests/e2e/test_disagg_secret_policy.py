@@ -101,3 +101,18 @@ def test_a_wrong_secret_with_policy_fail_fails_clearly(procs: dict[str, Proc]) -
     pools_free(d, prefill=(procs["p"],), timeout=10)
     # The engine still serves requests of its own.
     assert post(d, body()).status_code == 200
+
+
+def test_a_wrong_secret_is_reported_at_once_as_auth_failed(procs: dict[str, Proc]) -> None:
+    """Bug: a D with the wrong secret waited the full timeout, reported `unreachable`,
+    and neither side logged anything. Now P refuses HELLO with code auth_failed (and
+    logs it with the peer's address); D's client answers the undelivered ACQUIRE at
+    once with that code, so the fallback is counted as auth_failed, not a timeout."""
+    d = procs["d_recompute"]
+    _, params = lease(procs["p"])
+    assert post(d, body(kv_transfer_params=params)).status_code == 200
+    m = metrics(d.url)
+    assert metric(m, 'kvrelay_kv_load_fallbacks_total{reason="auth_failed"}') >= 1
+    assert metric(m, 'kvrelay_kv_load_fallbacks_total{reason="unreachable"}') == 0
+    assert "failed authentication" in procs["p"].tail(20000)
+    assert "auth_failed" in d.tail(20000)

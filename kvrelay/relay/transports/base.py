@@ -1,8 +1,8 @@
 """The transport interface: how a lease's block bytes move from P's cache into D's.
 
 P side: ``register(kv_cache)`` returns the descriptor D receives in the HELLO reply.
-D side: ``read(peer, lease_id, holder, remote_blocks, local_blocks, attempt=...) -> handle``
-(``holder``/``attempt``: the request attempt that acquired the lease),
+D side: ``read(peer, lease_id, holder, remote_blocks, local_blocks, *, attempt)
+-> handle`` (``attempt``: the request attempt holding the lease, named in tcp READs),
 ``poll(handle)`` and ``cancel(handle)``. A handle is PENDING while the transfer may
 still write into the local blocks; once ``poll`` says DONE or FAILED it never
 writes again (so the receiver may drain an aborted load, then free the blocks).

@@ -7,12 +7,24 @@ straight from the shared cache into its own cache.
 
 The copy is a one-sided read P cannot stop: it is validated by the fence at
 RELEASE (lease.py), never trusted on its own.
+
+Segments are named ``kvrelay-<pid namespace>-<owner pid>-<128 random bits>``. P normally unlinks
+its segment at exit, and Python's resource tracker does if P is killed; when both
+die together (a process group or container killed) the segment would stay in
+/dev/shm. So a starting P first sweeps stale segments: only its own user's, with
+this name prefix, created in its own pid namespace (a container sharing /dev/shm
+with ``--ipc=host`` numbers its processes differently), whose owner process is gone
+(``sweep_stale_segments``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import re
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -32,6 +44,11 @@ from kvrelay.relay.transports.base import (
     runs,
 )
 
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "kvrelay-"
+_SEGMENT_NAME = re.compile(r"kvrelay-(\d+)-(\d+)-[0-9a-f]{32}")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _CREATED_HERE: set[str] = set()  # segments this process created (and will unlink)
@@ -49,7 +66,8 @@ class ShmKvCache:
 
     def factory(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        name = f"kvrelay-{secrets.token_hex(16)}"
+        sweep_stale_segments()
+        name = f"{SEGMENT_PREFIX}{pid_namespace()}-{os.getpid()}-{secrets.token_hex(16)}"
         self.segment = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
         _CREATED_HERE.add(self.segment.name)
         t = torch.frombuffer(self.segment.buf, dtype=dtype, count=torch.Size(shape).numel())
@@ -72,6 +90,68 @@ class ShmKvCache:
             with contextlib.suppress(BufferError):  # a view is still alive; unlink anyway
                 seg.close()
             seg.unlink()
+
+
+def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove kvrelay segments left by dead prefill engines; return their names.
+
+    A segment is removed only if it is a regular file of this user, named
+    ``kvrelay-<our pid namespace>-<pid>-<32 hex>``, and process ``pid`` is gone: no
+    such process, or one that started after the segment was created (the pid was
+    reused). Anything else, including a live owner we cannot inspect, is left alone."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:  # no /dev/shm (not Linux): nothing to sweep
+        return []
+    removed: list[str] = []
+    uid, ns, me = os.getuid(), pid_namespace(), os.getpid()
+    for name in names:
+        m = _SEGMENT_NAME.fullmatch(name)
+        if m is None or int(m.group(1)) != ns or int(m.group(2)) == me:
+            continue
+        pid = int(m.group(2))
+        path = os.path.join(shm_dir, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                continue
+            if not _owner_gone(pid, min(st.st_ctime, st.st_mtime)):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
+        log.warning("removed stale shared-memory KV segment %s (%d bytes): its owner, "
+                    "process %d, is gone", path, st.st_size, pid)
+        removed.append(name)
+    return removed
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where /proc does not say)."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+        return int(link[link.index("[") + 1 : -1])
+    except (OSError, ValueError):
+        return 0
+
+
+def _owner_gone(pid: int, created: float) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        started = btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+    # The owner started before it created the segment; a process that started
+    # later only reuses the pid (2 s of slack for btime's whole seconds).
+    return started > created + 2.0
 
 
 def attach(descriptor: dict[str, Any]) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
@@ -165,6 +245,9 @@ class ShmTransport:
             nbytes = len(local) * dst[0].numel() * dst.element_size()
             h.status = TransferStatus(TransferState.DONE, nbytes=nbytes,
                                       seconds=time.perf_counter() - t0)
-        except (OSError, KeyError, ValueError, AssertionError, ConnectionError,
-                RuntimeError) as e:
-            h.status = TransferStatus(TransferState.FAILED, error=f"shm transfer failed: {e}")
+        except Exception as e:  # any failure ends the transfer; the handle never hangs
+            h.status = TransferStatus(TransferState.FAILED, error=f"shm transfer failed: {e!r}")
+        finally:
+            if h.status.state is TransferState.PENDING:  # BaseException: still never hang
+                h.status = TransferStatus(TransferState.FAILED,
+                                          error="shm transfer failed: copy interrupted")

@@ -6,11 +6,19 @@ the destination run): no intermediate copy, no per-block Python object.
 
 D reads on a data connection of its own (never the control connection, so a
 heartbeat is not stuck behind megabytes), taken from a per-peer pool.
+
+Every wait is bounded: a data socket waits at most ``io_timeout`` seconds for any
+progress (a P frozen mid-copy fails the transfer within that bound), P's stream of
+one READ must be taken within its deadline, and the reader thread turns any
+exception into a FAILED status: a handle never stays PENDING because its thread
+died.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import select
 import socket
 import threading
 import time
@@ -29,6 +37,8 @@ from kvrelay.relay.transports.base import (
     injected_delay,
     runs,
 )
+
+log = logging.getLogger(__name__)
 
 IOV_BATCH = 64  # buffers per sendmsg/recvmsg_into (IOV_MAX is 1024)
 
@@ -51,11 +61,18 @@ def _advance(bufs: list[memoryview], i: int, n: int) -> int:
     return i
 
 
-def send_blocks(sock: socket.socket, kv_bytes: np.ndarray, block_ids: Sequence[int]) -> None:
-    """Scatter-gather send: up to IOV_BATCH runs of blocks per system call."""
+def send_blocks(sock: socket.socket, kv_bytes: np.ndarray, block_ids: Sequence[int],
+                deadline: float | None = None) -> None:
+    """Scatter-gather send: up to IOV_BATCH runs of blocks per system call.
+
+    With ``deadline`` (``time.monotonic``) the stream must have been taken by then,
+    checked between system calls (each one is bounded by the socket's own send
+    timeout), else ``TimeoutError``."""
     bufs = _views(kv_bytes, block_ids)
     i = 0
     while i < len(bufs):
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("the peer did not take the stream in time")
         i = _advance(bufs, i, sock.sendmsg(bufs[i : i + IOV_BATCH]))
 
 
@@ -93,10 +110,22 @@ Connector = Callable[[str], socket.socket]
 class TcpTransport:
     name = "tcp"
 
-    def __init__(self, kv_cache: Any = None, connect: Connector | None = None) -> None:
+    def __init__(self, kv_cache: Any = None, connect: Connector | None = None, *,
+                 io_timeout: float = 30.0, max_per_relay: int = 16) -> None:
+        """``io_timeout``: the longest a data socket waits for any progress (a reply, a
+        byte of the stream, room to send); the server wires it from --lease-timeout so
+        a P frozen mid-copy fails the transfer well within the lease timeout."""
+        if not io_timeout > 0:
+            raise ValueError(f"io_timeout must be > 0, got {io_timeout}")
         self.kv_bytes = byte_view(kv_cache) if kv_cache is not None else None
         self.connect = connect
+        self.io_timeout = io_timeout
         self._idle: dict[str, list[socket.socket]] = {}
+        # At most max_per_relay transfers (so data connections) per relay at once: well
+        # under the relay's per-address cap (64), however many loads D runs; the rest
+        # wait their turn (cancellable), their leases heartbeated meanwhile.
+        self.max_per_relay = max_per_relay
+        self._slots: dict[str, threading.BoundedSemaphore] = {}
         self._lock = threading.Lock()
         self._seq = 0
         self.delay = injected_delay()
@@ -142,19 +171,41 @@ class TcpTransport:
     def _run(self, h: TcpHandle, peer: PeerInfo, lease_id: str, holder: str, attempt: str,
              remote: list[int], local: list[int]) -> None:
         sock: socket.socket | None = None
+        with self._lock:
+            slot = self._slots.setdefault(peer.relay,
+                                          threading.BoundedSemaphore(self.max_per_relay))
+        slotted = False
         try:
             assert self.kv_bytes is not None and self.connect is not None
             if self.delay:
                 h.cancelled.wait(self.delay)
-            sock = self._take(peer.relay)
-            h.sock = sock
-            if h.cancelled.is_set():
-                raise ConnectionAbortedError("transfer cancelled")
+            while not (slotted := slot.acquire(timeout=0.05)):
+                if h.cancelled.is_set():
+                    raise ConnectionAbortedError("transfer cancelled")
             with self._lock:
                 self._seq += 1
                 seq = self._seq
-            sock.sendall(P.encode(P.Read(seq, peer.engine_id, lease_id, holder, attempt, remote)))
-            reply = P.recv_frame(sock)
+            # A pooled socket P closed while idle fails before P saw the READ: retry
+            # once on a fresh connection (a READ P did see is never sent twice).
+            for fresh in (False, True):
+                sock, pooled = self._take(peer.relay, fresh)
+                h.sock = sock
+                if h.cancelled.is_set():
+                    raise ConnectionAbortedError("transfer cancelled")
+                P.kernel_timeouts(sock, self.io_timeout)
+                try:
+                    sock.sendall(P.encode(P.Read(seq, peer.engine_id, lease_id, holder,
+                                                 attempt, remote)))
+                    reply = P.recv_frame(sock)
+                    break
+                except (ConnectionError, BrokenPipeError) as e:
+                    if not pooled or fresh or h.cancelled.is_set():
+                        raise
+                    log.debug("pooled data connection to %s was closed (%s); retrying",
+                              peer.relay, e)
+                    sock.close()
+                    sock = h.sock = None
+            assert sock is not None
             if not isinstance(reply, P.Reply) or reply.status != "ok":
                 err = reply.error if isinstance(reply, P.Reply) else "unexpected frame"
                 raise ConnectionError(f"read refused: {err} {getattr(reply, 'reason', '')}")
@@ -168,12 +219,24 @@ class TcpTransport:
             sock = None
             h.status = TransferStatus(TransferState.DONE, nbytes=reply.nbytes,
                                       seconds=time.perf_counter() - h.started)
-        except (OSError, ConnectionError, P.ProtocolError, AssertionError) as e:
-            h.status = TransferStatus(TransferState.FAILED, error=f"tcp transfer failed: {e}")
+        except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO/SO_SNDTIMEO expired
+            h.status = TransferStatus(
+                TransferState.FAILED,
+                error=f"tcp transfer failed: no progress from the prefill engine for "
+                      f"{self.io_timeout:g} s")
+        except Exception as e:  # any failure ends the transfer; the handle never hangs
+            h.status = TransferStatus(TransferState.FAILED, error=f"tcp transfer failed: {e!r}"
+                                      if not isinstance(e, OSError | P.ProtocolError)
+                                      else f"tcp transfer failed: {e}")
         finally:
             h.sock = None
             if sock is not None:
                 sock.close()
+            if slotted:
+                slot.release()
+            if h.status.state is TransferState.PENDING:  # BaseException: still never hang
+                h.status = TransferStatus(TransferState.FAILED,
+                                          error="tcp transfer failed: reader interrupted")
 
     def _recv_scattered(self, sock: socket.socket, remote: list[int], local: list[int],
                         cancelled: threading.Event) -> None:
@@ -181,17 +244,34 @@ class TcpTransport:
         assert self.kv_bytes is not None
         recv_blocks(sock, self.kv_bytes, local, cancelled)
 
-    def _take(self, relay: str) -> socket.socket:
-        with self._lock:
-            idle = self._idle.get(relay)
-            if idle:
-                return idle.pop()
+    def _take(self, relay: str, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A data connection to ``relay`` and whether it came from the pool. Pooled
+        sockets P has closed (idle timeout) or written to unasked are dropped."""
+        while not fresh:
+            with self._lock:
+                idle = self._idle.get(relay)
+                sock = idle.pop() if idle else None
+            if sock is None:
+                break
+            if _still_quiet(sock):
+                return sock, True
+            sock.close()
         assert self.connect is not None
-        return self.connect(relay)
+        return self.connect(relay), False
 
     def _give_back(self, relay: str, sock: socket.socket) -> None:
         with self._lock:
             self._idle.setdefault(relay, []).append(sock)
+
+
+def _still_quiet(sock: socket.socket) -> bool:
+    """An idle data connection has nothing to read; readable means EOF or garbage."""
+    try:
+        p = select.poll()
+        p.register(sock, select.POLLIN | select.POLLPRI)
+        return not p.poll(0)
+    except (OSError, ValueError):
+        return False
 
 
 def close_quietly(sock: socket.socket) -> None:
