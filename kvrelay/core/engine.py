@@ -204,15 +204,11 @@ class Engine:
             self._release_if_fenced(req)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and apply one step. A runner failure fails the step's requests
-        (``end_step``); the engine goes on."""
+        """Schedule, run and apply one step. A runner exception propagates here (the
+        simulators' invariant checks live in their runners); the server's loop calls
+        ``schedule``, the runner and ``end_step`` itself, and fails only the step."""
         batch = self.schedule()
-        if batch is None:
-            return self.end_step(None)
-        try:
-            sampled = self.runner.execute(batch)
-        except Exception as exc:
-            return self.end_step(batch, error=exc)
+        sampled = self.runner.execute(batch) if batch is not None else None
         return self.end_step(batch, sampled)
 
     def end_step(

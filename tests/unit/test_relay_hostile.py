@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kvrelay.core.block_pool import BlockPool, request_owner
+from kvrelay.core.kv_port import PoolLeaseBlocks
 from kvrelay.relay import protocol as P
 from kvrelay.relay.client import RelayClient, RelayUnavailable
 from kvrelay.relay.lease import LeaseState, LeaseTable
@@ -50,7 +51,7 @@ class Prefill:
             NBLOCKS, block_floats)
         self.pool = BlockPool(NBLOCKS)
         self.lock = threading.Lock()
-        self.table = LeaseTable(self.pool, engine_id="p-1", acquire_timeout=30.0,
+        self.table = LeaseTable(PoolLeaseBlocks(self.pool), engine_id="p-1", acquire_timeout=30.0,
                                 hard_cap=60.0)
         cfg = RelayServerConfig(compat=COMPAT, transports={"tcp": {}}, **config)  # type: ignore[arg-type]
         self.server = RelayServer(self.table, self.lock, cfg,
@@ -251,7 +252,7 @@ def test_read_one_block_2000_times_is_refused_after_the_first(prefill: Prefill) 
         # Another attempt of the same engine reads nothing; blocks outside the lease
         # neither; the holding attempt still gets the blocks it has not read yet.
         r = call(data, P.Read(3, "p-1", lease_id, "d-1", "a-2", [ids[1]]))
-        assert r.code == E.READ_DENIED.value
+        assert r.code == E.NOT_HOLDER.value
         other = next(b for b in range(NBLOCKS) if b not in ids)
         r = call(data, P.Read(4, "p-1", lease_id, "d-1", "a-1", [ids[1], other]))
         assert r.code == E.READ_DENIED.value

@@ -184,7 +184,7 @@ def test_hostile_frames_close_one_connection_and_the_server_keeps_serving(
     with pytest.raises(ConnectionError, match="mismatch"):
         wrong.open(prefill.server.address)
     ok = RelayClient(compat=COMPAT, transport="shm", client_id="d")
-    ok.send(prefill.server.address, P.Abort(7, "p-1", "nope", "d-1", "a1"))
+    ok.send(prefill.server.address, P.Abort(7, "p-1", "nope", "d", "a1"))
     reply = ok.replies.get(timeout=2.0)
     assert reply.seq == 7 and reply.status == "error" and "unknown lease" in reply.error
     ok.close()
