@@ -66,6 +66,7 @@ class ServedModel:
     # Most tokens one request can hold: min(max_model_len, KV cache capacity).
     max_context: int
     make_detokenizer: DetokenizerFactory
+    block_size: int | None = None  # KV block size (validates a lease's block count)
     created: int = field(default_factory=now)
 
     @property
@@ -224,10 +225,11 @@ class _Handlers:
             raise bad_request("kv_transfer_params", "a KV lease can only be pulled by an "
                               f"engine started with --role decode; this one is --role {role}")
         try:
-            return False, RemoteKv.from_client(params)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise bad_request("kv_transfer_params", "kv_transfer_params lacks or mangles a "
-                              f"field of the lease: {exc!r}") from exc
+            return False, RemoteKv.from_client(params,
+                                               vocab_size=self.model.tokenizer.vocab_size,
+                                               block_size=self.model.block_size)
+        except ValueError as exc:
+            raise bad_request("kv_transfer_params", f"invalid kv_transfer_params: {exc}") from exc
 
     def _check_auth(self, request: Request) -> None:
         key = self.state.api_key

@@ -157,6 +157,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         make_detokenizer=lambda ids, stop, include: IncrementalDetokenizer(
             tok, ids, stop=stop, include_stop_str_in_output=include
         ),
+        block_size=block_size,
     )
     log.info(
         "model %s: %d KV blocks of %d tokens, max_model_len %d, dtype %s, device %s",

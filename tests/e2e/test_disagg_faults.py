@@ -336,3 +336,90 @@ def test_replayed_params_never_read(f: Faults) -> None:
         m0p, "kvrelay_relay_stale_messages_total"), "P did not count the replay as stale"
     f.free()
     f.serves()
+
+
+def _concurrently(*calls: Any) -> list[httpx.Response]:
+    out: list[Any] = [None] * len(calls)
+
+    def run(i: int, fn: Any, *args: Any) -> None:
+        out[i] = fn(*args)
+
+    threads = [threading.Thread(target=run, args=(i, *c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.mark.parametrize("target", ["same D over tcp", "same D over shm", "another D"])
+def test_concurrent_replay_never_decodes_on_reused_kv(f: Faults, target: str) -> None:
+    """Bug (issue 9): the same params sent twice to one decode engine, the second while
+    the first pull was in progress, were treated as a duplicate of the first attempt;
+    over shm the second copied after P had freed and reused the blocks and decoded
+    wrong text with a 200. A lease is now a capability of one attempt: one request
+    pulls and answers the colocated text, the other gets a 400 naming
+    kv_transfer_params, and both pools are free after."""
+    body = f.body(LONG + target, 6)
+    want = f.colocated_text(body)
+    params = f.prefill_direct(body)
+    first_text = f.first_text  # the churn below overwrites it
+    first, second = {"same D over tcp": (f.d, f.d), "same D over shm": (f.d_shm, f.d_shm),
+                     "another D": (f.d, f.d_shm)}[target]
+    # P keeps prefilling meanwhile, so freed blocks would be reused at once.
+    churn = [(f.prefill_direct, f.body(f"churn {i}", 2)) for i in range(3)]
+    rs = _concurrently((f.decode_direct, body, params, 30, first),
+                       (f.decode_direct, body, params, 30, second), *churn)[:2]
+    codes = sorted(r.status_code for r in rs)
+    assert codes == [200, 400], [(r.status_code, r.text[:200]) for r in rs]
+    ok = next(r for r in rs if r.status_code == 200)
+    bad = next(r for r in rs if r.status_code == 400)
+    assert first_text + ok.json()["choices"][0]["text"] == want
+    assert _error_param(bad) == "kv_transfer_params", bad.text
+    pools_free(f.d, f.d_shm, prefill=(f.p,), timeout=FREE_WAIT)
+
+
+def test_forged_first_token_with_an_unreachable_relay_is_a_400(f: Faults) -> None:
+    """Bug (issue 9): params whose relay was unreachable and whose first token was
+    outside the vocabulary made D recompute, then IndexError in the engine loop: the
+    loop died, /health stayed 503. They are now validated before admission."""
+    body = f.body("A forged first token", 4)
+    params = {**f.prefill_direct(body), "relay": "127.0.0.1:1", "first_token": 10**6}
+    r = f.decode_direct(body, params)
+    assert r.status_code == 400 and _error_param(r) == "kv_transfer_params", r.text
+    assert "first_token" in r.json()["error"]["message"]
+    assert httpx.get(f.d.url + "/health", timeout=5).status_code == 200
+    f.free()
+    f.serves()
+
+
+def test_prefill_frozen_mid_copy_decode_falls_back_within_the_lease_timeout(f: Faults) -> None:
+    """Bug (issue 9): the data socket had no timeout, so a P frozen mid-copy held D for
+    --lease-max. Now every wait of the pull is bounded by the lease timeout: D falls
+    back (recompute) and answers the colocated text."""
+    body = f.body(PULL + " frozen", 4)
+    want = f.colocated_text(body)
+    params = f.prefill_direct(body)
+    result: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: result.append(
+        f.decode_direct(body, params, timeout=60)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not pulling(f.p) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pulling(f.p), "never saw the lease pulling"
+    f.p.signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        t.join(LEASE_TIMEOUT * 4 + 20)
+        took = time.monotonic() - t0
+    finally:
+        f.p.signal(signal.SIGCONT)
+    assert result, "D did not answer while P was frozen"
+    r = result[0]
+    assert r.status_code == 200, r.text
+    assert f.first_text + r.json()["choices"][0]["text"] == want
+    print(f"frozen P mid-copy: D answered {took:.1f} s after the freeze")
+    assert took < LEASE_TIMEOUT * 4 + 10  # the recompute included; --lease-max is 480 s
+    f.free()
+    f.serves()
