@@ -351,10 +351,15 @@ class Receiver:
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
             return
         self.engine.load_started(rid)
-        peer = self.link.peer(kv.relay)
-        load.handle = self.transport.read(peer, kv.lease_id, self.holder,
-                                          reply.block_ids[:need], load.local_blocks,
-                                          attempt=load.attempt)
+        try:
+            peer = self.link.peer(kv.relay)
+            load.handle = self.transport.read(peer, kv.lease_id, self.holder,
+                                              reply.block_ids[:need], load.local_blocks,
+                                              attempt=load.attempt)
+        except Exception as exc:  # no transfer started: nothing writes into our blocks
+            self._fallback(load, "transfer_failed", f"the KV transfer could not start: {exc}")
+            self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
+            return
         self._set_phase(load, Phase.COPYING)
         load.give_up_at = now + self.config.copy_timeout
         self._timer(load, min(now + self.config.heartbeat_interval, load.give_up_at))

@@ -20,6 +20,7 @@ A failing seed prints its replay command.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.core.fake_runner import expected_output
+from kvrelay.core.lifecycle import RequestState
 from kvrelay.relay import protocol as P
 from kvrelay.relay.receiver import Policy, ReceiverConfig
 from kvrelay.sampling_params import SamplingParams
@@ -51,6 +53,11 @@ class SimConfig:
     hard_cap: float = 8.0
     per_block: float = 0.005
     transfer_fail: float = 0.0
+    transfer_stall: float = 0.0  # a transfer stuck mid-copy, deaf to cancel for a while
+    transfer_throw: float = 0.0  # the transport raises when asked to start a read
+    step_fault: float = 0.0  # a model step raises (its requests fail, the engine goes on)
+    # client index -> (delay after its params reach the proxy, to the other D?) replays
+    replays: dict[int, list[tuple[float, bool]]] = field(default_factory=dict)
     faults: NetFaults = field(default_factory=NetFaults)
     receiver: ReceiverConfig = field(default_factory=ReceiverConfig)
     # (time, kind, client index) for kind in client_abort, prefill_abort, decode_abort;
@@ -66,12 +73,16 @@ def draw_config(rng: random.Random) -> SimConfig:
         jitter=rng.choice([0.002, 0.02, 0.1]),
         slow=rng.choice([0.0, 0.0, 0.05]),
     )
+    if rng.random() < 0.1:  # a half-open link: messages vanish for a while
+        start = rng.uniform(0.0, 2.0)
+        faults.blackholes.append((start, start + rng.choice([0.3, 1.0, 5.0])))
     recv = ReceiverConfig(
         policy=Policy.FAIL if rng.random() < 0.2 else Policy.RECOMPUTE,
         rto=rng.choice([0.05, 0.2]),
         peer_timeout=rng.choice([0.5, 2.0, 4.0]),
         copy_timeout=rng.choice([0.5, 3.0]),
         heartbeat_interval=acquire * rng.choice([0.3, 0.9, 2.0]),
+        drain_timeout=rng.choice([0.5, 5.0]),
     )
     n = rng.randint(1, 5)
     incidents: list[tuple[float, str, int]] = []
@@ -80,6 +91,11 @@ def draw_config(rng: random.Random) -> SimConfig:
                            ("decode_abort", 0.05)):
             if rng.random() < prob:
                 incidents.append((rng.uniform(0.0, 1.5), kind, i))
+    replays: dict[int, list[tuple[float, bool]]] = {}
+    for i in range(n):
+        if rng.random() < 0.15:
+            replays[i] = [(rng.choice([0.0, 0.002, 0.02, 0.5]), rng.random() < 0.3)
+                          for _ in range(rng.randint(1, 2))]
     for kind, prob in (("decode_crash", 0.08), ("prefill_restart", 0.08)):
         if rng.random() < prob:
             incidents.append((rng.uniform(0.0, 1.5), kind, -1))
@@ -89,7 +105,10 @@ def draw_config(rng: random.Random) -> SimConfig:
         acquire_timeout=acquire, hard_cap=acquire * rng.choice([2, 5]),
         per_block=rng.choice([0.0005, 0.005, 0.05, 0.4]),
         transfer_fail=rng.choice([0.0, 0.0, 0.1, 0.4]), faults=faults, receiver=recv,
-        incidents=incidents,
+        transfer_stall=rng.choice([0.0, 0.0, 0.0, 0.2]),
+        transfer_throw=rng.choice([0.0, 0.0, 0.0, 0.1]),
+        step_fault=rng.choice([0.0, 0.0, 0.0, 0.03]),
+        incidents=incidents, replays=replays,
     )
 
 
@@ -104,6 +123,7 @@ class World:
         self._kv_by_life: dict[int, SimKv] = {}
         self.p = self._new_prefill(0)
         self.d = DecodeNode(self, 0)
+        self.d2 = DecodeNode(self, 0, name="x")  # where some replays go
         self.proxy = Proxy(self)
         self.clients: dict[str, Client] = {}
         self.leases_created = 0
@@ -111,6 +131,9 @@ class World:
     # -- wiring used by the nodes --------------------------------------------------
     def prefill_kv(self, life: int) -> SimKv | None:
         return self._kv_by_life.get(life)
+
+    def step_fault(self) -> bool:
+        return self.cfg.step_fault > 0 and self.rng.random() < self.cfg.step_fault
 
     def proxy_later(self, fn: Callable[[], None]) -> None:
         self.clock.after(LINK_DELAY, fn)
@@ -161,7 +184,7 @@ class World:
         old.alive = False
         old.transport.alive = False
         for c in self.clients.values():
-            if c.stage == "d":
+            if c.stage == "d" and not c.on_other:
                 self.proxy.fail(c, "error: decode engine crashed")
         self.d = DecodeNode(self, old.life + 1)
 
@@ -194,7 +217,9 @@ class World:
     def check_invariants(self) -> None:
         self.p.pool.check_integrity()
         self.p.table.check_integrity()
-        self.d.pool.check_integrity()
+        for d in (self.d, self.d2):
+            d.pool.check_integrity()
+            d.receiver.check_integrity(functools.partial(_state_of, d.engine.requests))
 
     def check_quiescence(self) -> None:
         for c in self.clients.values():
@@ -207,9 +232,16 @@ class World:
         released = sum(p.table.stats.released.values())
         if created != released:
             raise Violation(f"{created} leases created, {released} released")
-        if d.pool.num_free != d.pool.num_blocks or d.engine.requests or d.receiver.loads:
-            raise Violation(f"decode side not idle at quiescence: {d.pool.owners()} "
-                            f"{list(d.engine.requests)} {list(d.receiver.loads)}")
+        for d in (self.d, self.d2):
+            if (d.pool.num_free != d.pool.num_blocks or d.engine.requests
+                    or d.receiver.has_work()):
+                raise Violation(f"decode side not idle at quiescence: {d.pool.owners()} "
+                                f"{list(d.engine.requests)} {list(d.receiver.loads)}")
+
+
+def _state_of(requests: dict[str, Any], request_id: str) -> RequestState | None:
+    req = requests.get(request_id)
+    return req.state if req is not None else None
 
 
 def build_world(seed: int, trace: bool = False) -> World:

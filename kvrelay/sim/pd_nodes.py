@@ -8,6 +8,7 @@ TCP), steps and timers on the ``SimClock``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,7 +25,7 @@ from kvrelay.relay.prefill import KvTransferParams, PrefillRelay
 from kvrelay.relay.receiver import Receiver, RemoteKv
 from kvrelay.relay.transports.base import PeerInfo
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.sim.pd_world import SimKv, SimRunner, SimTransport, Violation
+from kvrelay.sim.pd_world import SimKv, SimRunner, SimTransport, Violation, run_step
 
 if TYPE_CHECKING:
     from kvrelay.sim.pd import World
@@ -53,6 +54,7 @@ class Client:
     ends: int = 0
     lease: KvTransferParams | None = None
     local: bool = False  # served by the prefill engine alone (traffic that reuses blocks)
+    on_other: bool = False  # a replay sent to the second decode engine
 
 
 class PrefillNode:
@@ -70,7 +72,8 @@ class PrefillNode:
                                   clock=lambda: w.clock.now)
         cfg = SchedulerConfig(num_blocks=c.p_blocks, block_size=BLOCK, max_model_len=64,
                               max_num_batched_tokens=32, async_scheduling=c.p_async)
-        self.engine = Engine(cfg, SimRunner(self.kv, self.pool, VOCAB), pool=self.pool,
+        self.engine = Engine(cfg, SimRunner(self.kv, self.pool, VOCAB, fault=w.step_fault),
+                             pool=self.pool,
                              kv_handoff=self.relay.kv_handoff)
         self._step_pending = False
         self._expiry_at: float | None = None
@@ -103,7 +106,7 @@ class PrefillNode:
         self._step_pending = False
         if not self.alive:
             return
-        for out in self.engine.step():
+        for out in run_step(self.engine):
             c = self.w.clients[out.request_id]
             if c.local and out.finish_reason is not FinishReason.ABORT:
                 self.w.proxy_later(self._streamed_later(c, out))
@@ -145,22 +148,26 @@ class PrefillNode:
 
 
 class DecodeNode:
-    def __init__(self, w: World, life: int) -> None:
-        self.w, self.life = w, life
+    def __init__(self, w: World, life: int, name: str = "d") -> None:
+        self.w, self.life, self.name = w, life, name
         self.alive = True
         c = w.cfg
         self.pool = BlockPool(c.d_blocks)
         self.kv = SimKv(c.d_blocks, BLOCK)
         cfg = SchedulerConfig(num_blocks=c.d_blocks, block_size=BLOCK, max_model_len=32,
                               max_num_batched_tokens=32, async_scheduling=c.d_async)
-        self.engine = Engine(cfg, SimRunner(self.kv, self.pool, VOCAB), pool=self.pool)
+        self.engine = Engine(cfg, SimRunner(self.kv, self.pool, VOCAB, fault=w.step_fault),
+                             pool=self.pool)
         self.transport = SimTransport(
             w.clock, w.rng, source=w.prefill_kv, prefill_life=lambda: w.p.life,
             dest=self.kv, dest_pool=self.pool, on_change=self.poke,
-            per_block=c.per_block, fail_prob=c.transfer_fail,
+            per_block=c.per_block, fail_prob=c.transfer_fail, stall_prob=c.transfer_stall,
+            throw_prob=c.transfer_throw,
         )
+        rng = w.rng
         self.receiver = Receiver(EngineKvLoads(self.engine), self, self.transport,
-                                 holder=f"d{life}", compat=COMPAT, config=c.receiver)
+                                 holder=f"{name}{life}", compat=COMPAT, config=c.receiver,
+                                 new_attempt=lambda: f"{rng.getrandbits(64):016x}")
         self._step_pending = False
         self._wake_at: float | None = None
 
@@ -179,7 +186,7 @@ class DecodeNode:
 
     def submit(self, c: Client, kv: RemoteKv) -> None:
         w = self.w
-        w.log(f"d{self.life} submit {c.rid} lease {kv.lease_id[:8]}")
+        w.log(f"{self.name}{self.life} submit {c.rid} lease {kv.lease_id[:8]}")
         try:
             self.receiver.submit(c.rid, c.prompt, c.params, kv, w.clock.now)
         except RequestRejected as e:
@@ -216,8 +223,8 @@ class DecodeNode:
         self._step_pending = False
         if not self.alive:
             return
-        for out in self.engine.step():
-            self.w.log(f"d{self.life} out {out.request_id} {out.new_token_ids} "
+        for out in run_step(self.engine):
+            self.w.log(f"{self.name}{self.life} out {out.request_id} {out.new_token_ids} "
                        f"{out.finish_reason} {out.error or ''}")
             self.w.proxy_later(self._decoded_later(out))
         self.poke()
@@ -255,6 +262,23 @@ class Proxy:
         d = w.d
         kv = RemoteKv.from_dict(params.to_dict())
         w.proxy_later(lambda: d.submit(c, kv) if d.alive else self._decode_gone(c, params))
+        for k, (delay, other) in enumerate(w.cfg.replays.get(c.idx, [])):
+            w.clock.after(delay, functools.partial(self.replay, c, kv, k, other))
+
+    def replay(self, c: Client, kv: RemoteKv, k: int, other: bool) -> None:
+        """The same params again (a client retry or a replay), to the same decode engine
+        or another one. It may be refused, or succeed where the first failed; if it
+        answers tokens they must be the colocated ones (Client.end checks)."""
+        w = self.w
+        r = Client(c.idx, f"{c.rid}r{k}", c.prompt, c.params, c.expect, stage="d",
+                   tokens=[kv.first_token], on_other=other)
+        w.clients[r.rid] = r
+        d = w.d2 if other else w.d
+        w.log(f"proxy replays {c.rid} as {r.rid} to {d.name}")
+        if d.alive:
+            d.submit(r, kv)
+        else:
+            self.fail(r, "error: decode engine unavailable")
 
     def _decode_gone(self, c: Client, params: KvTransferParams) -> None:
         w = self.w

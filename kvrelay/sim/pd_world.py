@@ -67,6 +67,9 @@ class NetFaults:
     base_delay: float = 0.002
     jitter: float = 0.02
     slow: float = 0.0  # probability of a long delay (reordering across timeouts)
+    # (start, end) windows in which every relay message is lost in silence: a half-open
+    # connection or a partition (no reset, no error: the peer just stops answering).
+    blackholes: list[tuple[float, float]] = field(default_factory=list)
 
 
 class SimNetwork:
@@ -79,6 +82,10 @@ class SimNetwork:
     def deliver(self, fn: Callable[[], None]) -> None:
         f, rng = self.faults, self.rng
         self.sent += 1
+        now = self.clock.now
+        if any(start <= now < end for start, end in f.blackholes):
+            self.dropped += 1
+            return
         if rng.random() < f.drop:
             self.dropped += 1
             return
@@ -111,14 +118,23 @@ class SimKv:
         self.slots[b * bs : (b + 1) * bs] = tags
 
 
-class SimRunner:
-    """FakeRunner sampling and ownership checks, plus KV tags written and verified."""
+class InjectedFault(RuntimeError):
+    """A model step that raised (the simulated model failed on this batch)."""
 
-    def __init__(self, kv: SimKv, pool: BlockPool, vocab_size: int) -> None:
+
+class SimRunner:
+    """FakeRunner sampling and ownership checks, plus KV tags written and verified.
+    With ``fault`` (a callable drawing from the seed's rng) a step may raise."""
+
+    def __init__(self, kv: SimKv, pool: BlockPool, vocab_size: int,
+                 fault: Callable[[], bool] = lambda: False) -> None:
         self.kv = kv
         self.inner = FakeRunner(vocab_size, block_size=kv.block_size, pool=pool)
+        self.fault = fault
 
     def execute(self, batch: Batch) -> Mapping[str, SampledToken]:
+        if self.fault():
+            raise InjectedFault(f"injected failure of a step of {len(batch.requests)}")
         out = self.inner.execute(batch)
         bs, slots = self.kv.block_size, self.kv.slots
         for sr in batch.requests:
@@ -138,6 +154,22 @@ class SimRunner:
         return out
 
 
+def run_step(engine: Any) -> list[Any]:
+    """One engine step as the server's loop runs it: a runner exception fails the
+    step's requests and the engine goes on; a Violation (an invariant check) stops the
+    simulation."""
+    batch = engine.schedule()
+    if batch is None:
+        return list(engine.end_step(None))
+    try:
+        sampled = engine.runner.execute(batch)
+    except Violation:
+        raise
+    except Exception as exc:
+        return list(engine.end_step(batch, error=exc))
+    return list(engine.end_step(batch, sampled))
+
+
 @dataclass
 class SimHandle:
     remote: list[int]
@@ -147,6 +179,8 @@ class SimHandle:
     next_block: int = 0
     cancelled: bool = False
     fail_at: int = -1  # block index where the transfer breaks (-1: never)
+    # A stalled transfer makes no progress, and ignores cancel, until this time.
+    stall_until: float = 0.0
     status: TransferStatus = field(default_factory=lambda: TransferStatus(TransferState.PENDING))
     started: float = 0.0
 
@@ -168,12 +202,15 @@ class SimTransport:
         on_change: Callable[[], None],
         per_block: float,
         fail_prob: float,
+        stall_prob: float = 0.0,
+        throw_prob: float = 0.0,
     ) -> None:
         self.clock, self.rng = clock, rng
         self.source, self.prefill_life = source, prefill_life
         self.dest, self.dest_pool = dest, dest_pool
         self.on_change = on_change
         self.per_block, self.fail_prob = per_block, fail_prob
+        self.stall_prob, self.throw_prob = stall_prob, throw_prob
         self.alive = True
 
     def register(self, kv_cache: Any) -> dict[str, Any]:
@@ -181,11 +218,15 @@ class SimTransport:
 
     def read(self, peer: PeerInfo, lease_id: str, holder: str, remote_blocks: Sequence[int],
              local_blocks: Sequence[int], *, attempt: str = "") -> SimHandle:
+        if self.rng.random() < self.throw_prob:
+            raise OSError("injected: the transport could not start the read")
         owner = self.dest_pool.owner_of(local_blocks[0]) if local_blocks else ""
         h = SimHandle(list(remote_blocks), list(local_blocks), owner or "",
                       self.prefill_life(), started=self.clock.now)
         if self.rng.random() < self.fail_prob:
             h.fail_at = self.rng.randrange(len(local_blocks) + 1)
+        if self.rng.random() < self.stall_prob:
+            h.stall_until = self.clock.now + self.rng.uniform(0.5, 30.0)
         self._schedule(h)
         return h
 
@@ -196,7 +237,10 @@ class SimTransport:
         handle.cancelled = True  # the block in flight still lands
 
     def _schedule(self, h: SimHandle) -> None:
-        self.clock.after(self.per_block * self.rng.uniform(0.5, 1.5), lambda: self._step(h))
+        delay = self.per_block * self.rng.uniform(0.5, 1.5)
+        if h.stall_until > self.clock.now and self.rng.random() < 0.5:
+            delay = h.stall_until - self.clock.now  # stuck mid-copy, cancel or not
+        self.clock.after(delay, lambda: self._step(h))
 
     def _step(self, h: SimHandle) -> None:
         """One block lands. A block copy in flight when cancel() came still lands:
@@ -213,7 +257,10 @@ class SimTransport:
         else:
             i = h.next_block
             b = h.local[i]
-            if self.dest_pool.owner_of(b) != h.owner:
+            # A transfer that overran its drain bound writes into quarantined blocks,
+            # where nothing else can see the bytes; any other owner is a violation.
+            quarantined = "quarantine:" + h.owner.removeprefix("req:")
+            if self.dest_pool.owner_of(b) not in (h.owner, quarantined):
                 raise Violation(f"a transfer writes into block {b}, which is owned by "
                                 f"{self.dest_pool.owner_of(b)}, not {h.owner}")
             self.dest.set_block(b, src.block(h.remote[i]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvrelay.relay import receiver as R
@@ -42,3 +44,23 @@ def test_a_failing_seed_prints_its_replay_command(
     seed = int(replay.split("--seed ")[1].split()[0])
     assert main(["pd", "--seed", str(seed)]) == 1
     assert "decodes on bad KV" in capsys.readouterr().out
+
+
+def test_the_simulator_finds_the_replay_bug_without_attempts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sim replays params to the same and another decode engine. With every attempt
+    given the same nonce (the design before leases bound one attempt: holder = engine
+    id only) a replay commits on KV it copied after P freed and reused the blocks."""
+    orig = R.Receiver.__init__
+
+    def one_attempt(self: R.Receiver, *a: Any, **kw: Any) -> None:
+        kw["new_attempt"] = lambda: "same"
+        orig(self, *a, **kw)
+
+    monkeypatch.setattr(R.Receiver, "__init__", one_attempt)
+    lines: list[str] = []
+    assert run_pd(range(95, 110), out=lines.append) > 0
+    assert any("r0 decodes on bad KV" in line for line in lines), lines
+    monkeypatch.undo()
+    assert run_pd(range(95, 110), out=lines.append) == 0
