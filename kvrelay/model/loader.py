@@ -12,6 +12,7 @@ import torch
 
 from kvrelay.core.runner import Runner
 from kvrelay.model.config import ModelConfig
+from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer
 from kvrelay.model.interface import KvCacheFactory, KvGeometry, LoadedModel
 from kvrelay.model.interface import Tokenizer as TokenizerProtocol
 from kvrelay.model.model import LlamaModel
@@ -102,6 +103,9 @@ def load_model(
     else:
         kv_cache = _zeros(shape, torch_dtype, dev)
     runner = ModelRunner(model, kv_cache, block_size)
+    runner.sampler.grammars = GrammarMasks(GrammarTokenizer(
+        tokenizer.tok.to_str, cfg.vocab_size, tokenizer.eos_token_ids
+    ))
     return Model(
         name=_model_name(model_path),
         tokenizer=tokenizer,
