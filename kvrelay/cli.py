@@ -38,6 +38,7 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.transfer",
     "kvrelay.bench.offline",
     "kvrelay.bench.serve",
+    "kvrelay.bench.grammar",
 ]
 
 

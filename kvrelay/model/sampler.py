@@ -86,7 +86,8 @@ class Sampler:
         masked = [i for i, p in enumerate(params) if p.structured is not None]
         if not biased and not masked:
             return logits
-        logits = logits.clone()
+        if any(p.logprobs is not None for p in params):
+            logits = logits.clone()  # logprobs read the raw logits afterwards
         vocab = logits.shape[1]
         for i in biased:
             pairs = [(t, b) for t, b in params[i].logit_bias if t < vocab]

@@ -81,7 +81,8 @@ class ResponseFormat(_Strict):
             if not isinstance(schema, dict):
                 raise bad_request("response_format.json_schema.schema",
                                   "response_format json_schema needs json_schema.schema, an object")
-            return StructuredOutput("json_schema", json.dumps(schema, sort_keys=True))
+            # Key order kept: the output's properties come in the schema's order.
+            return StructuredOutput("json_schema", json.dumps(schema))
         raise bad_request("response_format.type", "response_format.type must be text, "
                           f"json_object or json_schema, got {self.type!r}")
 
