@@ -24,12 +24,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 SCHEMA = {
     "type": "object",
-    "properties": {
+    "properties": {  # not in alphabetical order: the output keeps this order
+        "temp": {"type": "integer", "minimum": -20, "maximum": 45},
         "city": {"type": "string", "maxLength": 6},
         "sunny": {"type": "boolean"},
-        "temp": {"type": "integer", "minimum": -20, "maximum": 45},
     },
-    "required": ["city", "sunny", "temp"],
+    "required": ["temp", "city", "sunny"],
     "additionalProperties": False,
 }
 RESPONSE_FORMAT = {"type": "json_schema",
@@ -37,7 +37,7 @@ RESPONSE_FORMAT = {"type": "json_schema",
 
 
 def _matches(doc: Any) -> bool:
-    return (isinstance(doc, dict) and set(doc) == {"city", "sunny", "temp"}
+    return (isinstance(doc, dict) and list(doc) == ["temp", "city", "sunny"]
             and isinstance(doc["city"], str) and len(doc["city"]) <= 6
             and isinstance(doc["sunny"], bool)
             and type(doc["temp"]) is int and -20 <= doc["temp"] <= 45)

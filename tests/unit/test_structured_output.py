@@ -28,7 +28,7 @@ SPEC = StructuredOutput("json_schema", json.dumps(SCHEMA))
 
 def _matches_schema(doc: object) -> bool:
     return (
-        isinstance(doc, dict) and set(doc) == {"name", "ok", "n", "tags"}
+        isinstance(doc, dict) and list(doc) == ["name", "ok", "n", "tags"]  # schema order
         and isinstance(doc["name"], str) and len(doc["name"]) <= 5
         and isinstance(doc["ok"], bool)
         and isinstance(doc["n"], int) and not isinstance(doc["n"], bool) and 0 <= doc["n"] <= 99
