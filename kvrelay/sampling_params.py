@@ -33,6 +33,10 @@ class StructuredOutput:
             "response_format",
             f"response_format type must be json_object or json_schema, got {self.kind!r}",
         )
+        # A spec that exists compiles: the engine thread never meets a bad schema.
+        from kvrelay.model.grammar import compile_grammar
+
+        compile_grammar(self)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ Who does what:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -38,8 +39,10 @@ log = logging.getLogger(__name__)
 
 
 
+@functools.lru_cache(maxsize=256)
 def compile_grammar(spec: StructuredOutput) -> str:
-    """The llguidance grammar of ``spec``; the error names ``response_format``."""
+    """The llguidance grammar of ``spec`` (recent ones cached: a schema is usually sent
+    again and again); the error names ``response_format``."""
     try:
         # Compact JSON (no free whitespace): a small model cannot stall in endless newlines.
         grammar = llg.LLMatcher.grammar_from_json_schema(
@@ -90,7 +93,6 @@ class GrammarMasks:
         self.tokenizer = tokenizer
         self.eos_ids = tokenizer.eos_ids
         self._states: dict[str, _State] = {}
-        self._grammars: dict[StructuredOutput, str] = {}
 
     def observe(
         self, requests: Sequence[ScheduledRequest],
@@ -150,9 +152,4 @@ class GrammarMasks:
             words[t // 32] |= np.uint32(1 << (t % 32))
 
     def _matcher(self, spec: StructuredOutput) -> llg.LLMatcher:
-        grammar = self._grammars.get(spec)
-        if grammar is None:
-            grammar = self._grammars[spec] = compile_grammar(spec)
-            if len(self._grammars) > 256:  # a bounded cache of recent schemas
-                self._grammars.pop(next(iter(self._grammars)))
-        return llg.LLMatcher(self.tokenizer.get(), grammar, log_level=0)
+        return llg.LLMatcher(self.tokenizer.get(), compile_grammar(spec), log_level=0)

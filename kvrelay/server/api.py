@@ -27,11 +27,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay import __version__
-from kvrelay.model.grammar import compile_grammar
 from kvrelay.model.interface import Tokenizer
 from kvrelay.model.tokenizer import ChatTemplateError
 from kvrelay.relay.remote import RemoteKv
-from kvrelay.sampling_params import InvalidParameter
 from kvrelay.server.engine_loop import EngineLoop
 from kvrelay.server.generation import ChoiceSpec, DetokenizerFactory, Generation
 from kvrelay.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -219,18 +217,12 @@ class _Handlers:
         return tok.encode(text, add_special_tokens=False)
 
     def _check_extras(self, specs: Sequence[ChoiceSpec]) -> None:
-        """logit_bias ids inside the vocabulary; a response_format schema that compiles
-        (all choices share both)."""
-        params = specs[0].params
+        """logit_bias ids inside the vocabulary (all choices share them). A
+        response_format schema was checked when its SamplingParams were built."""
         vocab = self.model.tokenizer.vocab_size
-        bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab), None)
+        bad = next((t for t, _ in specs[0].params.logit_bias if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request("logit_bias", f"logit_bias token id {bad} is outside [0, {vocab})")
-        if params.structured is not None:
-            try:
-                compile_grammar(params.structured)
-            except InvalidParameter as exc:
-                raise bad_request(exc.param, str(exc)) from exc
 
     def _kv_mode(self, body: Any, num_prompts: int) -> tuple[bool, RemoteKv | None]:
         """(remote_decode, remote_kv) from the request's kv_transfer_params."""
