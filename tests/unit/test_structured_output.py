@@ -115,3 +115,11 @@ def test_tokens_reach_the_grammar_once_whatever_the_chunking(llm: kvrelay.LLM) -
     brace = tok.encode("{", add_special_tokens=False)[0]
     comma = tok.encode(",", add_special_tokens=False)[0]
     assert logits[0, brace] == float("-inf") and logits[0, comma] == 0.0
+
+
+def test_bench_grammar_prints_a_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvrelay.cli import main
+
+    assert main(["bench", "grammar", "--batch", "4", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "llguidance" in out and "constrained/unconstrained sampling time ratio:" in out
