@@ -4,6 +4,11 @@ Each command lives in its own module, which exposes ``register(subparsers)``;
 the module adds its parser and sets ``func`` (taking the parsed args, returning
 an exit code). Modules are imported when the command line is parsed, so keep
 their top level light (import torch and friends inside the command function).
+
+Exit codes, the same in every command: 0 done; 1 the command ran and failed (a
+port taken, a server that died); 2 the command line or what it names is wrong (a
+flag value, a model path that does not exist or cannot be read, a missing optional
+package), reported in one line as ``kvrelay COMMAND: what is wrong``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,14 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2  # argparse's own code for a bad command line
+
+
+class UsageError(Exception):
+    """A mistake in the command line or in what it names: one line, exit 2."""
+
 
 # Top-level commands, and the `kvrelay bench` subcommands.
 COMMANDS: list[str] = [
@@ -26,6 +39,7 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.offline",
     "kvrelay.bench.serve",
     "kvrelay.bench.relay",
+    "kvrelay.bench.grammar",
 ]
 
 
@@ -38,7 +52,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     for name in BENCH_COMMANDS:
         _register(name, bench_sub)
+    _show_defaults(parser)
     return parser
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            "default" in text.lower()
+            or not action.option_strings
+            or "key" in action.dest or "secret" in action.dest  # never print a secret
+            or action.default in (None, False, argparse.SUPPRESS)
+        ):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _DefaultsFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
+        elif action.help is None and action.option_strings and action.default not in (
+            None, False, argparse.SUPPRESS
+        ):
+            action.help = "default: %(default)s"
 
 
 def _register(module_name: str, subparsers: argparse._SubParsersAction) -> None:
@@ -47,7 +89,21 @@ def _register(module_name: str, subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    words = [args.command, getattr(args, "bench_command", None)]
+    prog = " ".join(["kvrelay", *(w for w in words if w)])
+    from kvrelay.model.config import UnsupportedModel
+
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, FileNotFoundError, UnsupportedModel) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.startswith("kvrelay"):
+            raise
+        print(f"{prog}: needs the Python package {exc.name!r}, which is not installed "
+              f"(pip install {exc.name})", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

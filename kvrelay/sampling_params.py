@@ -18,6 +18,28 @@ class InvalidParameter(ValueError):
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain the output to JSON: ``json_object`` (any object) or ``json_schema``.
+
+    ``schema`` is the JSON Schema as JSON text (hashable, so equal schemas share
+    one compiled grammar)."""
+
+    kind: str  # "json_object" | "json_schema"
+    schema: str
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in ("json_object", "json_schema"),
+            "response_format",
+            f"response_format type must be json_object or json_schema, got {self.kind!r}",
+        )
+        # A spec that exists compiles: the engine thread never meets a bad schema.
+        from kvrelay.model.grammar import compile_grammar
+
+        compile_grammar(self)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """What to sample and when to stop, in the spirit of vLLM's ``SamplingParams``.
 
@@ -37,6 +59,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token
     include_stop_str_in_output: bool = False
+    # (token id, bias added to its logit), as OpenAI's logit_bias; -100..100.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +70,9 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in pairs))
         _check(
             self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"
         )
@@ -74,6 +102,11 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             "stop_token_ids must be non-negative integers",
+        )
+        _check(
+            all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+            "logit_bias",
+            "logit_bias maps token ids (>= 0) to a bias between -100 and 100",
         )
 
     @property

@@ -32,7 +32,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-transformers", action="store_true",
+                   help="only kvrelay's run (no reference, no ratio)")
     p.set_defaults(func=run)
 
 
@@ -48,8 +49,16 @@ def make_prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
     import torch
 
+    from kvrelay.cli import UsageError
+
+    if not args.skip_transformers and importlib.util.find_spec("transformers") is None:
+        # Say it before minutes of kvrelay's own run, not with a traceback after.
+        raise UsageError("the reference run needs the package 'transformers', which is not "
+                         "installed (pip install transformers, or pass --skip-transformers)")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:

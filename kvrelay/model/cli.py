@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from kvrelay.cli import EXIT_USAGE
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -21,18 +23,20 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_model_args(p)
     p.set_defaults(func=run)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="weights and KV dtype; auto: the checkpoint's (GGUF: bfloat16 where "
+                   "the CPU has native bf16, else float32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
@@ -56,12 +60,12 @@ def run(args: argparse.Namespace) -> int:
         )
     except InvalidParameter as e:
         print(f"kvrelay generate: --{e.param.replace('_', '-')}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, num_blocks=None)
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: bad --device
         print(f"kvrelay generate: {e}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
 
     def show(_: int, text: str) -> None:
         sys.stdout.write(text)

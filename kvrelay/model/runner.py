@@ -27,14 +27,17 @@ class ModelRunner:
     def execute(self, batch: Batch) -> dict[str, SampledToken]:
         for rid in batch.finished_ids:
             self._last.pop(rid, None)
+            self.sampler.forget(rid)
         if not batch.requests:
             return {}
         sampled, logits = self.compute_logits(batch)
+        self.sampler.observe(batch.requests, self._resolve)  # before _last changes
         if not sampled:
             return {}
         params: list[SamplingParams] = [sr.params for sr in sampled]
         new_pos = [sr.start + len(sr.token_ids) for sr in sampled]
-        tokens = self.sampler.sample(logits, params, new_pos)
+        rids = [sr.request_id for sr in sampled]
+        tokens = self.sampler.sample(logits, params, new_pos, rids)
         out: dict[str, SampledToken] = {}
         for sr, tok in zip(sampled, tokens, strict=True):
             self._last[sr.request_id] = tok.token_id

@@ -1,4 +1,10 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, logprobs,
+logit_bias and structured output (a grammar's token mask, ``kvrelay.model.grammar``).
+
+logit_bias and the grammar mask change the logits every sampling rule sees (greedy
+included); logprobs stay those of the model's raw distribution, as vLLM reports them.
+Constrained and unconstrained requests share one batch: only constrained rows are
+masked.
 
 Sampling draws with the exponential race (argmax of probs / Exp(1) noise), which
 picks token t with probability probs[t]. With a seed, the noise of the token at
@@ -10,11 +16,12 @@ for the same reason (CPU and CUDA generators differ).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from kvrelay.core.runner import SampledToken, TokenLogprobs
+from kvrelay.core.runner import SampledToken, ScheduledRequest, TokenLogprobs
+from kvrelay.model.grammar import GrammarMasks
 from kvrelay.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -32,11 +39,29 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         # Randomness of requests without a seed: one stream per runner.
         self._gen = torch.Generator().manual_seed(seed)
+        # Structured output; None: a runner whose model has no grammar support.
+        self.grammars: GrammarMasks | None = None
+
+    def observe(
+        self, requests: Sequence[ScheduledRequest],
+        resolve: Callable[[ScheduledRequest], list[int]],
+    ) -> None:
+        """A step's scheduled chunks (before sampling): output tokens reach the grammars."""
+        if self.grammars is not None:
+            self.grammars.observe(requests, resolve)
+
+    def forget(self, request_id: str) -> None:
+        if self.grammars is not None:
+            self.grammars.forget(request_id)
 
     def sample(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+        request_ids: Sequence[str] = (),
     ) -> list[SampledToken]:
-        """logits: (n, vocab) float32; positions: sequence position of each new token."""
+        """logits: (n, vocab) float32; positions: sequence position of each new token;
+        request_ids: needed for structured output (the grammar state of each row)."""
+        raw = logits
+        logits = self._bias_and_mask(logits, params, request_ids)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
@@ -48,10 +73,34 @@ class Sampler:
         out = [SampledToken(t) for t in ids]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if lp_rows:
-            lps = _logprobs(logits[lp_rows], params, lp_rows, ids)
+            lps = _logprobs(raw[lp_rows], params, lp_rows, ids)
             for i, lp in zip(lp_rows, lps, strict=True):
                 out[i].logprobs = lp
         return out
+
+    def _bias_and_mask(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams],
+        request_ids: Sequence[str],
+    ) -> torch.Tensor:
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        masked = [i for i, p in enumerate(params) if p.structured is not None]
+        if not biased and not masked:
+            return logits
+        if any(p.logprobs is not None for p in params):
+            logits = logits.clone()  # logprobs read the raw logits afterwards
+        vocab = logits.shape[1]
+        for i in biased:
+            pairs = [(t, b) for t, b in params[i].logit_bias if t < vocab]
+            if pairs:
+                ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+                vals = torch.tensor([b for _, b in pairs], device=logits.device)
+                logits[i].index_add_(0, ids, vals.to(logits.dtype))
+        if masked:
+            if self.grammars is None or len(request_ids) != len(params):
+                raise ValueError("structured output needs a runner with grammar support "
+                                 "and the request ids of the batch")
+            self.grammars.apply(logits, masked, [request_ids[i] for i in masked])
+        return logits
 
     def _noise(
         self, params: Sequence[SamplingParams], positions: Sequence[int], vocab: int

@@ -1,11 +1,24 @@
-"""Tokenizer: a ``tokenizers`` tokenizer plus the chat template and special tokens."""
+"""Tokenizer: a ``tokenizers`` tokenizer plus the chat template and special tokens.
+
+Chat templates are written for transformers' ``apply_chat_template``, so they are
+rendered in the same jinja environment: a sandbox with ``trim_blocks`` and
+``lstrip_blocks``, loop controls (``{% break %}``, ``{% continue %}``),
+``raise_exception``, ``strftime_now``, and a ``tojson`` that neither escapes
+non-ASCII nor HTML and takes ``indent``/``separators``/``sort_keys``. The
+``{% generation %}`` tag (assistant masks for training) renders its body.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
 from tokenizers import Tokenizer as HfTokenizer
 
@@ -51,20 +64,78 @@ class Tokenizer:
         return self.tok.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> str:
+        """Render as transformers does; ``developer`` turns become ``system`` turns
+        when the template knows no developer role (as vLLM and OpenAI treat them)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt")
         if self._template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+            self._template = compile_chat_template(self.chat_template)
+        msgs = [dict(m) for m in messages]
+        if "developer" not in self.chat_template:
+            for m in msgs:
+                if m.get("role") == "developer":
+                    m["role"] = "system"
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        context.update(kwargs)
+        try:
+            return self._template.render(
+                messages=msgs,
+                tools=None if tools is None else [dict(t) for t in tools],
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template failed: {exc}") from exc
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}``: renders its body."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja's own class attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"the chat template does not parse: {exc}") from exc
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None,
+    separators: tuple[str, str] | None = None, sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _raise(message: str) -> Any:

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay import __version__
 from kvrelay.model.interface import Tokenizer
+from kvrelay.model.tokenizer import ChatTemplateError
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.server.engine_loop import EngineLoop
 from kvrelay.server.generation import ChoiceSpec, DetokenizerFactory, Generation
@@ -168,6 +169,7 @@ class _Handlers:
         body.check()
         prompts = [self._encode_prompt(p) for p in body.prompts()]
         specs = self._specs(body, prompts, body.max_tokens, body.logprobs)
+        self._check_extras(specs)
         gen = self._generation("cmpl", {}, arrival)
         await gen.start(specs, sum(len(p) for p in prompts))
         shape = CompletionShape(gen.base_id, self.model.name, body.logprobs is not None,
@@ -181,10 +183,9 @@ class _Handlers:
         body = parse_body(await _read_body(request), ChatCompletionRequest)
         self._check_model(body.model)
         body.check()
-        tok = self.model.tokenizer
-        text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=True)
-        prompt = tok.encode(text, add_special_tokens=False)
+        prompt = self._render_chat(body)
         specs = self._specs(body, [prompt], body.requested_max_tokens(), body.num_logprobs())
+        self._check_extras(specs)
         gen = self._generation("chatcmpl", {"prompt": "messages"}, arrival)
         await gen.start(specs, len(prompt))
         shape = ChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs)
@@ -207,6 +208,23 @@ class _Handlers:
         return JSONResponse(answer)
 
     # -- helpers ---------------------------------------------------------------------
+    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        tok = self.model.tokenizer
+        try:
+            text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise bad_request("messages", f"the model's chat template refused the "
+                              f"messages: {exc}") from exc
+        return tok.encode(text, add_special_tokens=False)
+
+    def _check_extras(self, specs: Sequence[ChoiceSpec]) -> None:
+        """logit_bias ids inside the vocabulary (all choices share them). A
+        response_format schema was checked when its SamplingParams were built."""
+        vocab = self.model.tokenizer.vocab_size
+        bad = next((t for t, _ in specs[0].params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request("logit_bias", f"logit_bias token id {bad} is outside [0, {vocab})")
+
     def _kv_mode(self, body: Any, num_prompts: int) -> tuple[bool, RemoteKv | None]:
         """(remote_decode, remote_kv) from the request's kv_transfer_params."""
         params, role = body.kv_transfer_params, self.state.role

@@ -13,13 +13,15 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from kvrelay.cli import EXIT_FAILURE, UsageError
+
 if TYPE_CHECKING:
     from kvrelay.model.interface import LoadedModel
     from kvrelay.server.api import ServerState
 
 log = logging.getLogger("kvrelay.serve")
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 def register(subparsers: Any) -> None:
@@ -62,7 +64,9 @@ def add_role_args(p: argparse.ArgumentParser) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="Hugging Face model directory or .gguf file (default: embedded model)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="weights and KV dtype; auto: a Hugging Face checkpoint's stored dtype, "
+                   "for GGUF bfloat16 where the CPU computes it natively, else float32")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's own)")
@@ -161,7 +165,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
     )
     log.info(
         "model %s: %d KV blocks of %d tokens, max_model_len %d, dtype %s, device %s",
-        names[0], model.num_blocks, block_size, model.max_model_len, args.dtype, args.device,
+        names[0], model.num_blocks, block_size, model.max_model_len, model.kv_geometry.dtype,
+        args.device,
     )
     metrics = ServerMetrics(engine, names[0])
     if isinstance(hooks, PrefillHooks | DecodeHooks):
@@ -182,8 +187,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         state = build_state(args)
     except (OSError, ValueError) as exc:  # no such model, bad flag values: say which
-        log.error("cannot start: %s", exc)
-        return 2
+        raise UsageError(f"cannot start: {exc}") from exc
     config = uvicorn.Config(
         create_app(state), host=args.host, port=args.port, log_level=args.log_level,
         access_log=args.log_level == "debug",
@@ -194,6 +198,6 @@ def run(args: argparse.Namespace) -> int:
     log.info("serving %s on http://%s:%d/v1", state.model.name, args.host, args.port)
     server.run()
     if not server.started:
-        return 1  # e.g. the port was taken; uvicorn logged why
+        return EXIT_FAILURE  # e.g. the port was taken; uvicorn logged why
     log.info("stopped")
     return 0

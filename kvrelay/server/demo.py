@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -17,7 +18,10 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from kvrelay.cli import EXIT_FAILURE
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -33,8 +37,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default=None, help="model to serve (default: embedded model)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer")
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
-    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for `kvrelay serve` (repeatable)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARGS",
+                   help="extra arguments for `kvrelay serve`, split like a shell line "
+                   "(repeatable): --server-arg \"--dtype bfloat16\"")
     p.add_argument("--colocated", action="store_true",
                    help="one colocated engine instead of prefill + decode + proxy")
     p.add_argument("--kv-transport", choices=("auto", "shm", "tcp"), default="auto",
@@ -227,14 +232,37 @@ def server_metrics(base_url: str, names: tuple[str, ...]) -> dict[str, float]:
     return values
 
 
+def server_args(model: str | None, values: list[str]) -> list[str]:
+    """``--server-arg`` values split like a shell line, checked against `kvrelay serve`'s
+    own parser here, so a mistake is one line now and not a server that never starts."""
+    from kvrelay.cli import UsageError
+    from kvrelay.server.cli import add_model_args, add_role_args, add_server_args
+
+    extra = [word for v in values for word in shlex.split(v)]
+    serve = argparse.ArgumentParser(prog="kvrelay serve", add_help=False, exit_on_error=False)
+    add_model_args(serve)
+    add_server_args(serve)
+    add_role_args(serve)
+    try:
+        parsed, unknown = serve.parse_known_args(([model] if model else []) + extra)
+    except argparse.ArgumentError as exc:
+        raise UsageError(f"--server-arg: {exc}") from exc
+    if unknown:
+        raise UsageError(f"--server-arg: `kvrelay serve` has no argument {unknown[0]!r}")
+    if parsed.model is not None and not Path(parsed.model).exists():
+        raise UsageError(f"model path {parsed.model} does not exist")
+    return extra
+
+
 def run(args: argparse.Namespace) -> int:
     import openai
 
+    extra = server_args(args.model, args.server_arg)
     if args.colocated:
-        deployment = colocated(args.model, list(args.server_arg))
+        deployment = colocated(args.model, extra)
         print("starting the server (loading the model)...", flush=True)
     else:
-        deployment = disaggregated(args.model, list(args.server_arg), args.kv_transport)
+        deployment = disaggregated(args.model, extra, args.kv_transport)
         print("starting a prefill engine, a decode engine and the proxy...", flush=True)
     t0 = time.perf_counter()
     try:
@@ -242,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
             deployment.start(args.startup_timeout)
         except (RuntimeError, TimeoutError) as exc:
             print(f"kvrelay demo: the server did not come up: {exc}", file=sys.stderr)
-            return 1
+            return EXIT_FAILURE
         print(f"server ready at {deployment.client_url} in {time.perf_counter() - t0:.1f} s\n")
         client = openai.OpenAI(base_url=deployment.client_url + "/v1", api_key="none")
         model = client.models.list().data[0].id
@@ -266,5 +294,5 @@ def run(args: argparse.Namespace) -> int:
         codes = deployment.stop()
     if any(codes):
         print(f"a server exited with status {codes}", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
     return 0

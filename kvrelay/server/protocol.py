@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvrelay.core.runner import TokenLogprobs
-from kvrelay.sampling_params import InvalidParameter, SamplingParams
+from kvrelay.sampling_params import InvalidParameter, SamplingParams, StructuredOutput
 
 MAX_N = 16
 MAX_CHOICES = 64  # prompts in a batch times n
@@ -65,6 +65,28 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    type: str
+    # {"name", "schema", "strict", "description"} as OpenAI sends it.
+    json_schema: dict[str, Any] | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object", '{"type": "object"}')
+        if self.type == "json_schema":
+            spec = self.json_schema or {}
+            schema = spec.get("schema")
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema",
+                                  "response_format json_schema needs json_schema.schema, an object")
+            # Key order kept: the output's properties come in the schema's order.
+            return StructuredOutput("json_schema", json.dumps(schema))
+        raise bad_request("response_format.type", "response_format.type must be text, "
+                          f"json_object or json_schema, got {self.type!r}")
+
+
 class _SamplingRequest(_Strict):
     model: str
     max_tokens: int | None = None
@@ -83,6 +105,8 @@ class _SamplingRequest(_Strict):
     # Disaggregation: {"do_remote_decode": true} on a prefill engine, the lease
     # (from the prefill engine's answer) on a decode engine.
     kv_transfer_params: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     presence_penalty: float = 0.0  # accepted for compatibility; not applied
     frequency_penalty: float = 0.0  # accepted for compatibility; not applied
     user: str | None = None
@@ -114,9 +138,21 @@ class _SamplingRequest(_Strict):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=self.logit_bias_pairs(),
+                structured=self.response_format.structured() if self.response_format else None,
             )
         except InvalidParameter as exc:
             raise bad_request(exc.param, str(exc)) from exc
+
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": bias} as (id, bias) pairs; keys must be integers."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise bad_request("logit_bias", f"logit_bias keys are token ids, got {key!r}")
+            pairs.append((int(key), bias))
+        return tuple(pairs)
 
 
 PromptInput = str | list[int] | list[str] | list[list[int]]
@@ -126,6 +162,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: PromptInput
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, a token list, or a list of either."""
@@ -153,6 +190,8 @@ class CompletionRequest(_SamplingRequest):
         self.check_common()
         if self.echo:
             raise bad_request("echo", "echo is not supported")
+        if self.suffix:
+            raise bad_request("suffix", "suffix (fill-in-the-middle) is not supported")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(
                 "logprobs",
@@ -168,6 +207,10 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None  # required, may be null (assistant turns)
+    # Earlier tool turns of a conversation reach the chat template as sent.
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -182,9 +225,18 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def check(self) -> None:
         self.check_common()
+        if self.tools:
+            raise bad_request("tools", "tools are not supported: this server does not parse "
+                              "tool calls out of the output (describe the tools in a message "
+                              "and ask for response_format json_schema instead)")
+        if self.tool_choice is not None and self.tool_choice != "none":
+            raise bad_request("tool_choice", "tool_choice other than \"none\" needs tools, "
+                              "which this server does not support")
         if not self.messages:
             raise bad_request("messages", "messages must contain at least one message")
         if self.top_logprobs is not None:
@@ -205,8 +257,15 @@ class ChatCompletionRequest(_SamplingRequest):
             self.max_tokens
         )
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+            for key in ("name", "tool_call_id", "tool_calls"):
+                if getattr(m, key) is not None:
+                    msg[key] = getattr(m, key)
+            out.append(msg)
+        return out
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:

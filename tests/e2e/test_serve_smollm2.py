@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -71,3 +72,16 @@ def test_demo_runs_and_answers_paris() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Paris" in r.stdout
     assert "TTFT" in r.stdout and "KV blocks free" in r.stdout
+
+
+def test_json_object_from_a_real_model(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(
+        model=model, response_format={"type": "json_object"}, max_tokens=80, temperature=0,
+        messages=[{"role": "developer", "content": "Answer in JSON."},
+                  {"role": "user", "content": "What is the capital of France?"}],
+    )
+    doc = json.loads(r.choices[0].message.content or "")
+    assert isinstance(doc, dict) and doc, r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"

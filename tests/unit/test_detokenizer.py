@@ -74,3 +74,26 @@ def test_text_that_may_start_a_stop_string_is_held_back(tok: Tokenizer) -> None:
 def test_special_tokens_are_not_shown(tok: Tokenizer, tmp_path: Path) -> None:
     detok = IncrementalDetokenizer(tok, [])
     assert detok.add(tok.encode("Hi<|im_end|>")) + detok.finish() == "Hi"
+
+
+class _NoRawTokenizer:
+    """The same tokenizer without its ``tokenizers`` object: the window decoding path."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.decode = tok.decode
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_stream_and_window_paths_agree_even_on_a_cut_character(
+    tok: Tokenizer, seed: int
+) -> None:
+    prompt = tok.encode("hi")
+    ids = tok.encode(TEXT + "🚀")
+    cut = ids[:-1]  # the rocket's last byte never arrives: finish() shows U+FFFD, as decode
+    for tokens in (ids, cut):
+        fast = IncrementalDetokenizer(tok, prompt)
+        assert fast._stream is not None
+        slow = IncrementalDetokenizer(_NoRawTokenizer(tok), prompt)  # type: ignore[arg-type]
+        assert slow._stream is None
+        a, b = _stream(tok, tokens, fast, seed), _stream(tok, tokens, slow, seed)
+        assert "".join(a) == "".join(b) == tok.decode(tokens)

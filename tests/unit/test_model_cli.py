@@ -28,7 +28,7 @@ def test_generate_prints_the_text(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_bad_input_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert _run(["--model", str(tmp_path / "missing.gguf"), "x"]) == 1
+    assert _run(["--model", str(tmp_path / "missing.gguf"), "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert _run(["--temperature", "5", "x"]) == 2
     assert "--temperature" in capsys.readouterr().err

@@ -1,0 +1,95 @@
+"""Command-line conventions shared by every command: defaults in --help, one exit
+code per kind of mistake, one-line errors, --dtype auto, demo --server-arg."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvrelay.cli import EXIT_USAGE, UsageError, build_parser, main
+from kvrelay.model import loader
+from kvrelay.model.testing import write_tiny_hf_model
+from kvrelay.server.demo import server_args
+
+
+def _parsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    out = [p]
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                out += _parsers(sub)
+    return out
+
+
+def test_help_shows_every_default_and_never_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVRELAY_API_KEY", "s3cret-key")
+    monkeypatch.setenv("KVRELAY_RELAY_SECRET", "s3cret-relay")
+    for p in _parsers(build_parser()):
+        text = " ".join(p.format_help().split())
+        assert "s3cret" not in text, p.prog
+        for a in p._actions:
+            if not a.option_strings or a.default in (None, False, argparse.SUPPRESS):
+                continue
+            if "key" in a.dest or "secret" in a.dest or a.dest == "help":
+                continue
+            # The option's own help line names its default.
+            assert "default" in (a.help or "").lower() or f"default: {a.default}" in text, (
+                p.prog, a.dest)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", "/no/such/model.gguf", "hi"],
+    ["serve", "/no/such/model.gguf", "--port", "1"],
+    ["bench", "offline", "--model", "/no/such/model.gguf", "--skip-transformers"],
+    ["demo", "--model", "/no/such/model.gguf"],
+])
+def test_a_missing_model_is_exit_2_everywhere(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == EXIT_USAGE
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_bench_offline_without_transformers_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *a: Any) -> Any:
+        return None if name == "transformers" else real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert main(["bench", "offline", "--num-prompts", "1"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("kvrelay bench offline: ") and "--skip-transformers" in err
+    assert "Traceback" not in err
+
+
+def test_demo_server_arg_takes_a_shell_line() -> None:
+    assert server_args(None, ["--dtype bfloat16", "--max-num-seqs=8"]) == [
+        "--dtype", "bfloat16", "--max-num-seqs=8"]
+    with pytest.raises(UsageError, match="no argument '--bogus'"):
+        server_args(None, ["--bogus 1"])
+    with pytest.raises(UsageError, match="invalid choice"):
+        server_args(None, ["--dtype float64"])
+
+
+def test_dtype_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = write_tiny_hf_model(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}
+    for key, stored, want in [("torch_dtype", "bfloat16", "bfloat16"), ("dtype", "float16",
+                              "float16"), ("torch_dtype", "int8", "float32")]:
+        (d / "config.json").write_text(json.dumps({**cfg, key: stored}))
+        assert loader.auto_dtype(d) == want
+    for native, want in [(True, "bfloat16"), (False, "float32")]:
+        monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda n=native: n)
+        assert loader.auto_dtype(tmp_path / "x.gguf") == want
+    (d / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    m = loader.load_model(str(d), dtype="auto", num_blocks=8, block_size=4)
+    assert m.kv_geometry.dtype == "bfloat16"
