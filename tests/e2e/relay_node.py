@@ -34,11 +34,11 @@ from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine
 from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
+from kvrelay.kv_testing import TINY_GEOMETRY, TensorFakeRunner, drive_decode, kv_shape
 from kvrelay.relay.client import RelayClient
 from kvrelay.relay.lease import LeaseTable
 from kvrelay.relay.receiver import Receiver, ReceiverConfig, RemoteKv
 from kvrelay.relay.server import RelayServer, RelayServerConfig
-from kvrelay.relay.testing import TINY_GEOMETRY, TensorFakeRunner, drive_decode, kv_shape
 from kvrelay.relay.transports import tcp
 from kvrelay.relay.transports.base import byte_view
 from kvrelay.relay.transports.shm import ShmKvCache, ShmTransport

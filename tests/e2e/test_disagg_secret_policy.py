@@ -97,7 +97,8 @@ def test_a_wrong_secret_with_policy_fail_fails_clearly(procs: dict[str, Proc]) -
     _, params = lease(procs["p"])
     r = post(d, body(kv_transfer_params=params))
     assert r.status_code >= 500, r.text
-    assert "prefill engine" in r.json()["error"]["message"], r.text
+    message = r.json()["error"]["message"]
+    assert "prefill relay at" in message and "relay secret" in message, r.text
     pools_free(d, prefill=(procs["p"],), timeout=10)
     # The engine still serves requests of its own.
     assert post(d, body()).status_code == 200

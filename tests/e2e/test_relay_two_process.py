@@ -24,7 +24,7 @@ import torch
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
-from kvrelay.relay.testing import TINY_GEOMETRY, TensorFakeRunner, kv_shape
+from kvrelay.kv_testing import TINY_GEOMETRY, TensorFakeRunner, kv_shape
 from kvrelay.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.e2e

@@ -20,11 +20,11 @@ from kvrelay.core.engine import Engine
 from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
 from kvrelay.core.lifecycle import FinishReason, RequestState
 from kvrelay.core.scheduler import RequestRejected
+from kvrelay.kv_testing import TINY_GEOMETRY, TensorFakeRunner, kv_shape
 from kvrelay.relay import protocol as P
 from kvrelay.relay.lease import LeaseState, LeaseTable, ReleaseReason
 from kvrelay.relay.prefill import PrefillRelay
 from kvrelay.relay.receiver import Phase, Policy, Receiver, ReceiverConfig, RemoteKv
-from kvrelay.relay.testing import TINY_GEOMETRY, TensorFakeRunner, kv_shape
 from kvrelay.relay.transports.base import PeerInfo, TransferState
 from kvrelay.relay.transports.tcp import TcpTransport
 from kvrelay.sampling_params import SamplingParams

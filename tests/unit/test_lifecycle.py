@@ -9,10 +9,33 @@ from kvrelay.core.lifecycle import (
     next_state,
 )
 
-LEGAL = sorted(TRANSITIONS.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value))
-ILLEGAL = [
-    (s, e) for s in RequestState for e in Event if (s, e) not in TRANSITIONS
-]
+S, E = RequestState, Event
+
+# The expected table, written out independently of TRANSITIONS (DESIGN section 3):
+# a change to the code's table that is not also made here fails.
+EXPECTED: dict[tuple[RequestState, Event], RequestState] = {
+    (S.WAITING, E.SCHEDULE): S.RUNNING,
+    (S.WAITING, E.AWAIT_KV): S.WAITING_FOR_KV,
+    (S.WAITING, E.FINISH): S.FINISHING,
+    (S.PREEMPTED, E.SCHEDULE): S.RUNNING,
+    (S.PREEMPTED, E.FINISH): S.FINISHING,
+    (S.RUNNING, E.PREEMPT): S.PREEMPTED,
+    (S.RUNNING, E.FINISH): S.FINISHING,
+    (S.WAITING_FOR_KV, E.LOAD_START): S.LOADING,
+    (S.WAITING_FOR_KV, E.LOAD_FAILED): S.WAITING,
+    (S.WAITING_FOR_KV, E.FINISH): S.FINISHING,
+    (S.LOADING, E.LOAD_DONE): S.RUNNING,
+    (S.LOADING, E.LOAD_FAILED): S.WAITING,
+    (S.LOADING, E.FINISH): S.DRAINING,
+    (S.DRAINING, E.TRANSFER_ENDED): S.FINISHING,
+    (S.FINISHING, E.RELEASE): S.FINISHED,
+}
+LEGAL = sorted(EXPECTED.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value))
+ILLEGAL = [(s, e) for s in RequestState for e in Event if (s, e) not in EXPECTED]
+
+
+def test_the_code_has_exactly_the_expected_table() -> None:
+    assert TRANSITIONS == EXPECTED
 
 
 @pytest.mark.parametrize(("key", "target"), LEGAL, ids=lambda x: str(x))
