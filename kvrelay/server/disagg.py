@@ -52,6 +52,7 @@ class PrefillHooks(LoopHooks):
         # Finished (remote_decode) outputs whose blocks are not handed over yet: an
         # in-flight step still referenced them. Delivered after the hand-off.
         self._held: dict[str, RequestOutput] = {}
+        self.nixl: Any = None  # the NIXL agent (it must live as long as the relay)
 
     def route(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         ready: list[RequestOutput] = []
@@ -156,6 +157,14 @@ def build_prefill(
     transports: dict[str, dict[str, Any]] = {"tcp": {}}
     if shm is not None:
         transports["shm"] = shm.descriptor()
+    nixl = None
+    if args.kv_transport == "nixl":
+        # One NIXL agent, the whole cache registered once; its metadata goes to each
+        # decode engine in the HELLO reply.
+        from kvrelay.relay.transports.nixl import NixlTransport
+
+        nixl = NixlTransport()
+        transports["nixl"] = nixl.register(model.kv_cache)
     cfg = RelayServerConfig(
         compat=model.kv_geometry.compat_hash(model.name), host=args.relay_host,
         port=args.relay_port, secret=_secret(args), transports=transports,
@@ -165,7 +174,9 @@ def build_prefill(
     log.info("relay for decode engines on %s (transports: %s)", server.address,
              ", ".join(sorted(transports)))
     engine = Engine(config, model.runner, pool=pool, kv_handoff=server.kv_handoff)
-    return engine, PrefillHooks(server)
+    hooks = PrefillHooks(server)
+    hooks.nixl = nixl
+    return engine, hooks
 
 
 def build_decode(
@@ -189,8 +200,13 @@ def build_decode(
     else:
         only = client(args.kv_transport)
         link, clients = only, [only]
-        transport = (ShmTransport(model.kv_cache) if args.kv_transport == "shm"
-                     else TcpTransport(model.kv_cache, connect=only.open_data))
+        if args.kv_transport == "nixl":
+            from kvrelay.relay.transports.nixl import NixlTransport
+
+            transport = NixlTransport(model.kv_cache)
+        else:
+            transport = (ShmTransport(model.kv_cache) if args.kv_transport == "shm"
+                         else TcpTransport(model.kv_cache, connect=only.open_data))
     receiver = Receiver(
         engine, link, transport, holder=engine_id, compat=compat,
         config=ReceiverConfig(
