@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import fcntl
 import os
 import random
@@ -31,14 +30,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrelay.bench.netns import entered
 from tests.e2e.cluster import Proc, env
 
 TEST_NET = "10.213.7"  # /24 inside our own namespaces only
-CLONE_NEWNET = 0x40000000
 TUNSETIFF = 0x400454CA
 IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
 
@@ -59,31 +57,6 @@ def unavailable() -> str | None:
         return f"cannot create a network namespace: {r.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
-
-
-@contextlib.contextmanager
-def entered(ns: str) -> Iterator[None]:
-    """Run this thread inside network namespace ``ns`` for the block."""
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
-    try:
-        _setns(target)
-        try:
-            yield
-        finally:
-            _setns(own)
-    finally:
-        os.close(own)
-        os.close(target)
 
 
 def open_tap(ns: str, name: str) -> int:
