@@ -18,30 +18,21 @@ import sys
 from typing import Any
 
 
-def _caches(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
-    import numpy as np
+def _source(spec: dict[str, Any]) -> Any:
     import torch
 
     g = torch.Generator().manual_seed(spec["seed"])
-    src = torch.randint(-30000, 30000, tuple(spec["shape"]), generator=g,
-                        dtype=torch.int16).view(torch.bfloat16)
-    ref = np.ones(spec["nbytes"], dtype=np.uint8)
-    return src, ref, torch.zeros_like(src)
+    return torch.randint(-30000, 30000, tuple(spec["shape"]), generator=g,
+                         dtype=torch.int16).view(torch.bfloat16)
 
 
 def prefill_side(spec: dict[str, Any]) -> int:
-    from kvrelay.relay.transports.nixl import NixlAgent, NixlTransport
+    from kvrelay.relay.transports.nixl import NixlTransport
 
-    src, ref_src, _ = _caches(spec)
     p = NixlTransport()
-    desc = p.register(src)
-    ref = NixlAgent(f"{p.agent_name}-ref")
-    ref.register(ref_src.ctypes.data, ref_src.nbytes, 0, "DRAM")
-    print(json.dumps({"desc": {**desc, "metadata": desc["metadata"].hex()},
-                      "ref_metadata": ref.metadata().hex(), "ref_addr": ref_src.ctypes.data}),
-          flush=True)
+    desc = p.register(_source(spec))
+    print(json.dumps({**desc, "metadata": desc["metadata"].hex()}), flush=True)
     sys.stdin.read()  # serve until the bench closes our stdin
-    ref.close()
     p.close()
     return 0
 
@@ -50,44 +41,26 @@ def decode_side(spec: dict[str, Any]) -> int:
     import numpy as np
     import torch
 
-    from kvrelay.bench.transfer import paired
-    from kvrelay.relay.transports.base import PeerInfo, TransferState
-    from kvrelay.relay.transports.nixl import NixlAgent, NixlTransport
+    from kvrelay.bench.transfer import nixl_pair, paired
+    from kvrelay.relay.transports.base import PeerInfo
+    from kvrelay.relay.transports.nixl import NixlTransport
 
     offer = json.loads(sys.stdin.readline())
-    src, _, dst = _caches(spec)
+    src = _source(spec)
+    dst = torch.zeros_like(src)
     ref_dst = np.zeros(spec["nbytes"], dtype=np.uint8)
     d = NixlTransport(dst)
-    ref = NixlAgent(f"{d.agent_name}-ref")
-    ref.register(ref_dst.ctypes.data, ref_dst.nbytes, 0, "DRAM")
-    ref_name = ref.load_remote(bytes.fromhex(offer["ref_metadata"]))
-    desc = {**offer["desc"], "metadata": bytes.fromhex(offer["desc"]["metadata"])}
-    peer = PeerInfo("bench-p:0", "bench-p", desc)
+    peer = PeerInfo("bench-p:0", "bench-p", {**offer, "metadata": bytes.fromhex(offer["metadata"])})
     remote, local = spec["remote"], spec["local"]
-    one_l = np.array([[ref_dst.ctypes.data, ref_dst.nbytes, 0]], dtype=np.uint64)
-    one_r = np.array([[offer["ref_addr"], ref_dst.nbytes, 0]], dtype=np.uint64)
-
-    def once() -> None:
-        h = d.read(peer, "lease", "bench", remote, local)
-        while (st := d.poll(h)).state is TransferState.PENDING:
-            pass
-        assert st.state is TransferState.DONE, st.error
-
-    def ref_once() -> None:
-        x = ref.read(ref_name, one_l, one_r, "DRAM", "DRAM")
-        while (st := ref.state(x)) is TransferState.PENDING:
-            pass
-        ref.release(x)
-        assert st is TransferState.DONE, "NIXL's reference READ failed"
-
+    once, ref_once = nixl_pair(d, peer, remote, local, ref_dst)
     t, r = paired(once, ref_once, spec["repeats"])
     for lb, rb in zip(local, remote, strict=True):
         if not torch.equal(dst[lb].view(torch.int16), src[rb].view(torch.int16)):
             raise AssertionError(f"the nixl transport copied block {rb} -> {lb} wrongly")
-    if not ref_dst.all():
-        raise AssertionError("NIXL's reference READ left bytes unwritten")
+    flat = src.view(torch.uint8).reshape(-1)[: spec["nbytes"]].numpy()
+    if not np.array_equal(ref_dst, flat):
+        raise AssertionError("NIXL's reference READ copied wrongly")
     print(json.dumps({"t": [t.best, t.median], "ref": [r.best, r.median]}), flush=True)
-    ref.close()
     d.close()
     return 0
 

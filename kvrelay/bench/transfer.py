@@ -127,12 +127,14 @@ def run(args: argparse.Namespace) -> int:
         def nixl_row(label: str, tls: str | None) -> None:
             dst.zero_()
             with _ucx_env(UCX_TLS=tls):
-                once, ref_once = nixl_reader(src, dst, remote, local, ref_src, ref_dst, stack)
+                once, ref_once = nixl_reader(src, dst, remote, local, ref_dst, stack)
             t, ref = paired(once, ref_once, reps)
             wire = f" UCX_TLS={tls}" if tls else " (UCX chooses)"
             rows.append(Row(f"nixl transport{wire}{label}", t, f"NIXL raw READ{wire}{label}",
                             ref))
             check(dst, src, local, remote, "nixl")
+            if not np.array_equal(ref_dst, src.view(torch.uint8).reshape(-1)[:nbytes].numpy()):
+                raise AssertionError("NIXL's reference READ copied wrongly")
 
         tcp_row("", None, None, "127.0.0.1")
         if use_nixl:
@@ -336,31 +338,34 @@ def socket_streamer(src: Any, dst: Any, rounds: int, stack: Any,
     return once
 
 
-def nixl_reader(src: Any, dst: Any, remote: list[int], local: list[int], ref_src: Any,
-                ref_dst: Any, stack: Any) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The nixl transport reading the lease's blocks between two agents of this
-    process, and the reference: NIXL's raw READ of one contiguous region between
-    another pair of agents."""
-    import numpy as np
-
-    from kvrelay.relay.transports.base import PeerInfo, TransferState
-    from kvrelay.relay.transports.nixl import NixlAgent, NixlTransport
+def nixl_reader(src: Any, dst: Any, remote: list[int], local: list[int], ref_dst: Any,
+                stack: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The nixl transport reading the lease's scattered blocks out of P's cache, and the
+    reference: NIXL's raw READ, between the same two agents, of the same number of
+    bytes from the same cache as one contiguous region (one descriptor) into a
+    contiguous buffer."""
+    from kvrelay.relay.transports.base import PeerInfo
+    from kvrelay.relay.transports.nixl import NixlTransport
 
     p = NixlTransport()
     stack.callback(p.close)
     desc = p.register(src)
-    ref_p = NixlAgent(f"{p.agent_name}-ref")
-    stack.callback(ref_p.close)
-    ref_p.register(ref_src.ctypes.data, ref_src.nbytes, 0, "DRAM")
     d = NixlTransport(dst)
     stack.callback(d.close)
-    ref_d = NixlAgent(f"{d.agent_name}-ref")
-    stack.callback(ref_d.close)
-    ref_d.register(ref_dst.ctypes.data, ref_dst.nbytes, 0, "DRAM")
-    ref_name = ref_d.load_remote(ref_p.metadata())
-    peer = PeerInfo("bench-p:0", "bench-p", desc)
+    return nixl_pair(d, PeerInfo("bench-p:0", "bench-p", desc), remote, local, ref_dst)
+
+
+def nixl_pair(d: Any, peer: Any, remote: list[int], local: list[int],
+              ref_dst: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    import numpy as np
+
+    from kvrelay.relay.transports.base import TransferState
+
+    assert d.agent is not None
+    d.agent.register(ref_dst.ctypes.data, ref_dst.nbytes, 0, "DRAM")
     one_l = np.array([[ref_dst.ctypes.data, ref_dst.nbytes, 0]], dtype=np.uint64)
-    one_r = np.array([[ref_src.ctypes.data, ref_src.nbytes, 0]], dtype=np.uint64)
+    one_r = np.array([[peer.descriptor["addr"], ref_dst.nbytes, peer.descriptor["dev"]]],
+                     dtype=np.uint64)
 
     def once() -> None:
         h = d.read(peer, "lease", "bench", remote, local)
@@ -369,12 +374,13 @@ def nixl_reader(src: Any, dst: Any, remote: list[int], local: list[int], ref_src
         assert st.state is TransferState.DONE, st.error
 
     def ref_once() -> None:
-        x = ref_d.read(ref_name, one_l, one_r, "DRAM", "DRAM")
-        while (st := ref_d.state(x)) is TransferState.PENDING:
+        x = d.agent.read(d._remotes[peer.relay], one_l, one_r, "DRAM", "DRAM")
+        while (st := d.agent.state(x)) is TransferState.PENDING:
             pass
-        ref_d.release(x)
+        d.agent.release(x)
         assert st is TransferState.DONE, "NIXL's reference READ failed"
 
+    once()  # loads P's agent metadata (and connects) before the reference needs it
     return once, ref_once
 
 
