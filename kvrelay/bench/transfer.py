@@ -214,9 +214,7 @@ def nixl_across(spec: dict[str, Any], ns_p: str, ns_d: str,
     import subprocess
     import sys
 
-    # On one kernel UCX takes the peers for one host and would wire up over loopback,
-    # which the namespaces do not share: name the veth.
-    env = {**os.environ, "UCX_NET_DEVICES": "eth0"}
+    env = dict(os.environ)
     if tls:
         env["UCX_TLS"] = tls
     cmd = [sys.executable, "-m", "kvrelay.bench.nixl_peer"]
