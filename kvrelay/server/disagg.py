@@ -165,6 +165,10 @@ def build_prefill(
 
         nixl = NixlTransport()
         transports["nixl"] = nixl.register(model.kv_cache)
+        if not args.relay_secret:
+            log.warning("--kv-transport nixl without --relay-secret: any peer that reaches "
+                        "the relay port gets the NIXL metadata, with which it can read "
+                        "this engine's whole KV cache")
     cfg = RelayServerConfig(
         compat=model.kv_geometry.compat_hash(model.name), host=args.relay_host,
         port=args.relay_port, secret=_secret(args), transports=transports,
