@@ -310,13 +310,19 @@ def test_relay_secret_checked_across_namespaces(dep: Deployment, model_dir: Path
     settled(dep, [], ["p1"])
 
 
-@pytest.mark.xfail(strict=False, reason="needs relay hardening (issue 9) bounded waits")
+BOUNDED_WAITS = "needs relay hardening (issue 9) bounded waits"
+
+
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_partition_mid_pull_falls_back_within_the_lease_timeout(
         dep: Deployment, model_dir: Path, transport: str) -> None:
     """P's link goes down while D pulls (D waits 1 s before it writes, the link drops
     at 0.3 s) and heals after the lease timeout: D recomputes within --lease-timeout,
-    the answer is still the colocated one, P's pool is free, and everyone serves on."""
+    the answer is still the colocated one, P's pool is free, and everyone serves on.
+
+    Only the time bound waits for issue 9 (today an unanswered heartbeat does not count
+    and D learns of the loss when the healed link delivers P's refusal): it xfails with
+    BOUNDED_WAITS; the outcome (no leak, no wrong text, P serves on) is asserted now."""
     key = f"d_slow_{transport}"
     if key not in dep.procs:
         dep.decode(key, 8120 if transport == "tcp" else 8121, transport, "--lease-max", "8",
@@ -363,6 +369,7 @@ def test_partition_mid_pull_falls_back_within_the_lease_timeout(
     assert counters(dep, "p1")["expired"] > p0["expired"]
     assert counters(dep, key)["fallbacks"] >= 1
     assert not run_through(dep, "proxy_tcp", cases(model_dir.name, 1)), "P serves on"
-    assert result["seconds"] <= LEASE_TIMEOUT + 1.5, (
-        f"D fell back after {result['seconds']:.1f} s, not within --lease-timeout")
+    if result["seconds"] > LEASE_TIMEOUT + 1.5:
+        pytest.xfail(f"{BOUNDED_WAITS}: D fell back after {result['seconds']:.1f} s, "
+                     f"not within --lease-timeout ({LEASE_TIMEOUT} s)")
 
