@@ -111,6 +111,36 @@ def test_cancel_before_the_read_is_posted_never_writes(caches: tuple,
         d.close()
 
 
+def test_a_cancelled_read_in_flight_is_failed_only_once_it_stopped_writing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over UCX tcp a READ is asynchronous: cancelled right after its post, it must stay
+    PENDING until NIXL says it ended. (Releasing it in flight was accepted by NIXL while
+    bytes kept landing: the receiver would have freed blocks still being written.)"""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agents' backends are created
+    src = torch.ones(256, 65536)
+    dst = torch.zeros_like(src)
+    p, d = nixl.NixlTransport(), nixl.NixlTransport(dst)
+    try:
+        peer = PeerInfo("p:1", "p", hello_roundtrip(p.register(src)))
+        assert wait(d, d.read(peer, "L", "d", [0], [0])).state is TransferState.DONE
+        ended_early = 0
+        for _ in range(2):
+            dst.zero_()
+            h = d.read(peer, "L", "d", list(range(1, 256)), list(range(1, 256)))
+            in_flight = d.poll(h).state is TransferState.PENDING
+            d.cancel(h)
+            st = wait(d, h)
+            assert st.state is TransferState.FAILED and "cancelled" in st.error
+            snapshot = dst.clone()
+            time.sleep(0.05)
+            assert torch.equal(snapshot, dst), "the READ wrote after poll said FAILED"
+            ended_early += not in_flight
+        assert ended_early < 2, "the READ was never in flight: nothing was tested"
+    finally:
+        d.close()
+        p.close()
+
+
 def test_a_restarted_prefill_engine_is_a_new_agent_on_the_same_relay() -> None:
     dst = torch.zeros(kv_shape(GEOM, NBLOCKS))
     d = nixl.NixlTransport(dst)

@@ -20,7 +20,8 @@ Like shm, the read is one-sided: P cannot refuse it, and the registered region i
 readable by any agent that has P's metadata, which only an authenticated HELLO gives.
 D reads only the blocks of a lease it holds (the ACQUIRE reply's block ids), and the
 fence at RELEASE (lease.py) decides whether the copy counts. A handle that polls DONE
-or FAILED never writes again: a cancelled READ is FAILED only once NIXL released it.
+or FAILED never writes again: a cancelled READ that was posted is FAILED only once NIXL
+reports it ended (NIXL's release of a READ in flight does not stop its writes).
 
 NIXL's Python wrapper starts its progress thread with no idle delay, which keeps a core
 busy polling; the agent here is built on NIXL's bindings with a progress thread that
@@ -269,7 +270,7 @@ class NixlTransport:
         try:
             if h.xfer is None:
                 if h.cancelled:
-                    return self._end(h, TransferState.FAILED, "transfer cancelled")
+                    return self._end(h, TransferState.FAILED, "nixl transfer cancelled")
                 if time.perf_counter() < h.not_before:
                     return TransferStatus(TransferState.PENDING)
                 self._post(h)
@@ -280,15 +281,17 @@ class NixlTransport:
         except (ConnectionError, RuntimeError, ValueError) as e:
             state, err = TransferState.FAILED, f"nixl transfer failed: {e}"
         else:
-            err = "nixl transfer failed (NIXL reported an error)"
+            err = "nixl transfer failed: NIXL reported an error"
         if state is TransferState.PENDING:
-            if h.cancelled and h.xfer is not None and self.agent.release(h.xfer):
-                h.xfer = None  # cancelled and released: NIXL writes no more
-                return self._end(h, TransferState.FAILED, "transfer cancelled")
+            # Even when cancelled: releasing a READ in flight does not stop it (measured
+            # over UCX tcp: NIXL accepted the release and bytes kept landing for tens of
+            # ms), so a cancelled READ is drained to its end, never cut short.
             return TransferStatus(TransferState.PENDING)
         if h.xfer is not None and not self.agent.release(h.xfer):
             return TransferStatus(TransferState.PENDING)
         h.xfer = None
+        if h.cancelled:
+            return self._end(h, TransferState.FAILED, "nixl transfer cancelled")
         if state is TransferState.DONE:
             return self._end(h, TransferState.DONE)
         return self._end(h, TransferState.FAILED, err)
@@ -364,7 +367,7 @@ class NixlTransport:
 
     def _end(self, h: NixlHandle, state: TransferState, error: str = "") -> TransferStatus:
         h.status = TransferStatus(
-            state, error=f"nixl: {error}" if error else "",
+            state, error=error,
             nbytes=h.nbytes if state is TransferState.DONE else 0,
             seconds=time.perf_counter() - h.started)
         return h.status
