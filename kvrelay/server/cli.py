@@ -45,9 +45,10 @@ def add_role_args(p: argparse.ArgumentParser) -> None:
                    help="prefill: address of the relay port decode engines connect to")
     g.add_argument("--relay-port", type=int, default=0,
                    help="prefill: relay port (default: any free port, logged at start)")
-    g.add_argument("--kv-transport", choices=("auto", "shm", "tcp"), default="auto",
-                   help="prefill: what to offer (auto: shm and tcp); decode: what to use "
-                   "(auto: shm for a prefill engine on this host, tcp otherwise)")
+    g.add_argument("--kv-transport", choices=("auto", "shm", "tcp", "nixl"), default="auto",
+                   help="prefill: what to offer (auto: shm and tcp; nixl: nixl and tcp); "
+                   "decode: what to use (auto: shm for a prefill engine on this host, tcp "
+                   "otherwise; nixl needs kvrelay[nixl])")
     g.add_argument("--lease-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="prefill: a lease nobody acquires (or heartbeats) is freed after this; "
                    "decode: how long to wait for a prefill engine's answer")

@@ -54,6 +54,7 @@ class PrefillHooks(LoopHooks):
         # Finished (remote_decode) outputs whose blocks are not handed over yet: an
         # in-flight step still referenced them. Delivered after the hand-off.
         self._held: dict[str, RequestOutput] = {}
+        self.nixl: Any = None  # the NIXL agent (it must live as long as the relay)
 
     def route(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         ready: list[RequestOutput] = []
@@ -162,6 +163,18 @@ def build_prefill(
     transports: dict[str, dict[str, Any]] = {"tcp": {}}
     if shm is not None:
         transports["shm"] = shm.descriptor()
+    nixl = None
+    if args.kv_transport == "nixl":
+        # One NIXL agent, the whole cache registered once; its metadata goes to each
+        # decode engine in the HELLO reply.
+        from kvrelay.relay.transports.nixl import NixlTransport
+
+        nixl = NixlTransport()
+        transports["nixl"] = nixl.register(model.kv_cache)
+        if not args.relay_secret:
+            log.warning("--kv-transport nixl without --relay-secret: any peer that reaches "
+                        "the relay port gets the NIXL metadata, with which it can read "
+                        "this engine's whole KV cache")
     cfg = RelayServerConfig(
         compat=model.kv_geometry.compat_hash(model.name), host=args.relay_host,
         port=args.relay_port, secret=_secret(args), transports=transports,
@@ -176,7 +189,9 @@ def build_prefill(
     log.info("relay for decode engines on %s (transports: %s)", server.address,
              ", ".join(sorted(transports)))
     engine = Engine(config, model.runner, pool=pool, kv_handoff=server.kv_handoff)
-    return engine, PrefillHooks(server)
+    hooks = PrefillHooks(server)
+    hooks.nixl = nixl
+    return engine, hooks
 
 
 def build_decode(
@@ -205,9 +220,14 @@ def build_decode(
     else:
         only = client(args.kv_transport)
         link, clients = only, [only]
-        transport = (ShmTransport(model.kv_cache) if args.kv_transport == "shm"
-                     else TcpTransport(model.kv_cache, connect=only.open_data,
-                                       io_timeout=io_timeout))
+        if args.kv_transport == "nixl":
+            from kvrelay.relay.transports.nixl import NixlTransport
+
+            transport = NixlTransport(model.kv_cache)
+        else:
+            transport = (ShmTransport(model.kv_cache) if args.kv_transport == "shm"
+                         else TcpTransport(model.kv_cache, connect=only.open_data,
+                                           io_timeout=io_timeout))
     receiver = Receiver(
         EngineKvLoads(engine), link, transport, holder=engine_id, compat=compat,
         config=ReceiverConfig(

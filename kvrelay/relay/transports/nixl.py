@@ -1,0 +1,373 @@
+"""The nixl transport: D reads the leased blocks straight out of P's KV cache with NIXL.
+
+NIXL (NVIDIA's inference transfer library, over UCX) moves bytes between registered
+memory regions with one-sided READs; UCX picks the wire (shm/cma on one host, tcp or
+RDMA across hosts; ``UCX_TLS`` narrows it). Both sides register their whole KV cache
+once, as one region (DRAM, or VRAM when the cache is on a GPU).
+
+P side: ``register(kv_cache)`` creates the agent, registers the cache and returns the
+descriptor D receives in the HELLO reply: the agent's metadata (its UCX address and
+the memory keys of the registered region), the region's address and the block size.
+
+D side: ``read`` loads P's agent metadata once per P (a restarted P has a new agent
+name), groups the lease's (remote, local) block pairs into runs of consecutive ids on
+both sides and posts **one** READ with one descriptor per run; ``poll`` asks NIXL.
+Descriptor count is what costs in NIXL (vLLM's per-layer, per-block descriptors were
+its main overhead): a block-major cache makes a block one contiguous piece across all
+layers, and a run of blocks one piece.
+
+Like shm, the read is one-sided: P cannot refuse it, and the registered region is
+readable by any agent that has P's metadata, which only an authenticated HELLO gives.
+D reads only the blocks of a lease it holds (the ACQUIRE reply's block ids), and the
+fence at RELEASE (lease.py) decides whether the copy counts. A handle that polls DONE
+or FAILED never writes again: a cancelled READ that was posted is FAILED only once NIXL
+reports it ended (NIXL's release of a READ in flight does not stop its writes).
+
+NIXL's Python wrapper starts its progress thread with no idle delay, which keeps a core
+busy polling; the agent here is built on NIXL's bindings with a progress thread that
+sleeps ``PROGRESS_DELAY_US`` when idle (measured: ~1 core -> ~2 % of one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvrelay.relay.transports.base import (
+    PeerInfo,
+    TransferState,
+    TransferStatus,
+    injected_delay,
+    runs,
+)
+
+PROGRESS_DELAY_US = int(os.environ.get("KVRELAY_NIXL_PROGRESS_DELAY_US", "200"))
+INSTALL_HINT = (
+    "the nixl transport needs NIXL: pip install 'kvrelay[nixl]' (nixl-cu12, installed "
+    "with --no-deps so that it keeps the pinned torch)"
+)
+
+
+class NixlUnavailable(RuntimeError):
+    pass
+
+
+class NixlError(ConnectionError):
+    """A NIXL call failed (NIXL's own exceptions derive from Exception only)."""
+
+
+def bindings() -> Any:
+    """NIXL's native bindings (``nixl-cu12``, or a ``nixl`` built from source)."""
+    errors = []
+    for module in ("nixl_cu12._bindings", "nixl._bindings"):
+        try:
+            return importlib.import_module(module)
+        except ImportError as e:
+            errors.append(str(e))
+    raise NixlUnavailable(f"{INSTALL_HINT} ({'; '.join(errors)})")
+
+
+def available() -> bool:
+    try:
+        bindings()
+    except NixlUnavailable:
+        return False
+    return True
+
+
+def region_of(kv_cache: Any) -> tuple[int, int, int, str, int]:
+    """(address, bytes, device id, NIXL memory type, block bytes) of a block-major
+    contiguous torch KV cache."""
+    import torch
+
+    if not (isinstance(kv_cache, torch.Tensor) and kv_cache.is_contiguous()):
+        raise TypeError("the nixl transport needs a contiguous block-major KV cache tensor")
+    nbytes = kv_cache.numel() * kv_cache.element_size()
+    dev = kv_cache.get_device()
+    return (kv_cache.data_ptr(), nbytes, max(dev, 0), "VRAM" if dev >= 0 else "DRAM",
+            nbytes // kv_cache.shape[0])
+
+
+class NixlAgent:
+    """One NIXL agent with the UCX backend; every call under one lock (NIXL's agent is
+    built without its own thread synchronisation)."""
+
+    def __init__(self, name: str) -> None:
+        b = self.b = bindings()
+        cfg = b.nixlAgentConfig()
+        cfg.useProgThread = True
+        cfg.useListenThread = False
+        cfg.pthrDelay = PROGRESS_DELAY_US
+        cfg.syncMode = b.NIXL_THREAD_SYNC_NONE
+        self.name = name
+        self.lock = threading.Lock()
+        self.agent = b.nixlAgent(name, cfg)
+        if "UCX" not in self.agent.getAvailPlugins():
+            raise NixlUnavailable("NIXL has no UCX plugin here")
+        self.agent.createBackend("UCX", {})
+        self.mems = {"DRAM": b.DRAM_SEG, "VRAM": b.VRAM_SEG}
+        self._regs: list[Any] = []
+
+    @contextlib.contextmanager
+    def _call(self, what: str) -> Iterator[None]:
+        """Under the lock; NIXL's exceptions become ``NixlError`` naming the call."""
+        with self.lock:
+            try:
+                yield
+            except Exception as e:
+                if type(e).__module__.split(".")[0].startswith("nixl"):
+                    raise NixlError(f"NIXL {what}: {type(e).__name__}: {e}") from None
+                raise
+
+    def register(self, addr: int, nbytes: int, dev: int, mem: str) -> None:
+        descs = self.b.nixlRegDList(self.mems[mem], [(addr, nbytes, dev, "")])
+        with self._call("register"):
+            self.agent.registerMem(descs, [])
+            self._regs.append(descs)
+
+    def metadata(self) -> bytes:
+        with self._call("metadata"):
+            return bytes(self.agent.getLocalMD())
+
+    def load_remote(self, metadata: bytes) -> str:
+        with self._call("loading the prefill engine's metadata"):
+            name = self.agent.loadRemoteMD(metadata)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def forget_remote(self, name: str) -> None:
+        with self.lock, contextlib.suppress(Exception):
+            self.agent.invalidateRemoteMD(name)
+
+    def read(self, remote_agent: str, local: np.ndarray, remote: np.ndarray, mem: str,
+             remote_mem: str) -> int:
+        """Create and post one READ of ``remote`` rows into ``local`` rows (N x 3 uint64:
+        address, bytes, device). Returns the transfer handle."""
+        b = self.b
+        ldl = b.nixlXferDList(self.mems[mem], local)
+        rdl = b.nixlXferDList(self.mems[remote_mem], remote)
+        with self._call("creating the READ"):
+            handle = int(self.agent.createXferReq(b.NIXL_READ, ldl, rdl, remote_agent, b"",
+                                                  []))
+        try:
+            with self._call("posting the READ"):
+                status = self.agent.postXferReq(handle, b"")
+        except NixlError:
+            self.release(handle)
+            raise
+        if status not in (b.NIXL_SUCCESS, b.NIXL_IN_PROG):
+            self.release(handle)
+            raise NixlError(f"NIXL refused the READ (status {status})")
+        return handle
+
+    def state(self, handle: int) -> TransferState:
+        b = self.b
+        try:
+            with self._call("transfer status"):
+                status = self.agent.getXferStatus(handle)
+        except NixlError:
+            return TransferState.FAILED
+        if status == b.NIXL_SUCCESS:
+            return TransferState.DONE
+        if status == b.NIXL_IN_PROG:
+            return TransferState.PENDING
+        return TransferState.FAILED
+
+    def release(self, handle: int) -> bool:
+        """Release a transfer; for one still in progress NIXL tries to cancel it.
+        False when it could not (the READ may still write: try again later)."""
+        with self.lock:
+            try:
+                self.agent.releaseXferReq(handle)
+            except Exception:
+                return False
+        return True
+
+    def close(self) -> None:
+        with self.lock:
+            for descs in self._regs:
+                with contextlib.suppress(Exception):
+                    self.agent.deregisterMem(descs, [])
+            self._regs.clear()
+
+
+@dataclass
+class NixlHandle:
+    lease_id: str
+    remote_agent: str
+    local: np.ndarray
+    remote: np.ndarray
+    remote_mem: str
+    nbytes: int
+    started: float
+    not_before: float = 0.0  # fault injection: post no earlier than this
+    xfer: int | None = None  # NIXL's transfer handle once posted
+    cancelled: bool = False
+    status: TransferStatus | None = None  # final once set
+    descriptors: int = 0
+
+
+class NixlTransport:
+    name = "nixl"
+
+    def __init__(self, kv_cache: Any = None, *, agent_name: str | None = None) -> None:
+        self.agent_name = agent_name or f"kvrelay-{os.getpid()}-{secrets.token_hex(6)}"
+        self.agent: NixlAgent | None = None
+        self.kv_cache = kv_cache
+        self.local: tuple[int, int, int, str, int] | None = None
+        self._remotes: dict[str, str] = {}  # relay address -> loaded agent name
+        self.delay = injected_delay()
+        if kv_cache is not None:
+            self._register(kv_cache)
+
+    def _register(self, kv_cache: Any) -> tuple[int, int, int, str, int]:
+        region = region_of(kv_cache)
+        if self.agent is None:
+            self.agent = NixlAgent(self.agent_name)
+        self.agent.register(*region[:4])
+        self.kv_cache, self.local = kv_cache, region
+        return region
+
+    # -- P side ------------------------------------------------------------------
+    def register(self, kv_cache: Any) -> dict[str, Any]:
+        """Register P's cache once; the descriptor travels in the HELLO reply."""
+        addr, nbytes, dev, mem, block_bytes = (
+            self.local if self.local is not None and kv_cache is self.kv_cache
+            else self._register(kv_cache))
+        assert self.agent is not None
+        return {"agent": self.agent.name, "metadata": self.agent.metadata(), "addr": addr,
+                "nbytes": nbytes, "dev": dev, "mem": mem, "block_bytes": block_bytes}
+
+    # -- D side ------------------------------------------------------------------
+    def read(self, peer: PeerInfo, lease_id: str, holder: str, remote_blocks: Sequence[int],
+             local_blocks: Sequence[int], *, attempt: str = "") -> NixlHandle:
+        now = time.perf_counter()
+        h = NixlHandle(lease_id, "", np.empty((0, 3), np.uint64), np.empty((0, 3), np.uint64),
+                       "DRAM", 0, now, not_before=now + self.delay)
+        try:
+            h.remote_agent, h.remote_mem, h.local, h.remote, h.nbytes = self._plan(
+                peer, remote_blocks, local_blocks)
+            h.descriptors = len(h.local)
+            if not self.delay:
+                self._post(h)
+        except (NixlUnavailable, ConnectionError, KeyError, TypeError, ValueError,
+                RuntimeError) as e:
+            h.status = TransferStatus(TransferState.FAILED, error=f"nixl transfer failed: {e}")
+        return h
+
+    def poll(self, h: NixlHandle) -> TransferStatus:
+        if h.status is not None:
+            return h.status
+        assert self.agent is not None
+        try:
+            if h.xfer is None:
+                if h.cancelled:
+                    return self._end(h, TransferState.FAILED, "nixl transfer cancelled")
+                if time.perf_counter() < h.not_before:
+                    return TransferStatus(TransferState.PENDING)
+                self._post(h)
+                if h.status is not None:
+                    return h.status
+                assert h.xfer is not None
+            state = self.agent.state(h.xfer)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            state, err = TransferState.FAILED, f"nixl transfer failed: {e}"
+        else:
+            err = "nixl transfer failed: NIXL reported an error"
+        if state is TransferState.PENDING:
+            # Even when cancelled: releasing a READ in flight does not stop it (measured
+            # over UCX tcp: NIXL accepted the release and bytes kept landing for tens of
+            # ms), so a cancelled READ is drained to its end, never cut short.
+            return TransferStatus(TransferState.PENDING)
+        if h.xfer is not None and not self.agent.release(h.xfer):
+            return TransferStatus(TransferState.PENDING)
+        h.xfer = None
+        if h.cancelled:
+            return self._end(h, TransferState.FAILED, "nixl transfer cancelled")
+        if state is TransferState.DONE:
+            return self._end(h, TransferState.DONE)
+        return self._end(h, TransferState.FAILED, err)
+
+    def cancel(self, h: NixlHandle) -> None:
+        h.cancelled = True
+        self.poll(h)
+
+    def close(self) -> None:
+        if self.agent is not None:
+            for name in self._remotes.values():
+                self.agent.forget_remote(name)
+            self._remotes.clear()
+            self.agent.close()
+
+    # -- internals -----------------------------------------------------------------
+    def _plan(self, peer: PeerInfo, remote_blocks: Sequence[int], local_blocks: Sequence[int]
+              ) -> tuple[str, str, np.ndarray, np.ndarray, int]:
+        if self.local is None or self.agent is None:
+            raise RuntimeError("the nixl transport has no local KV cache")
+        d = peer.descriptor
+        for key in ("agent", "metadata", "addr", "nbytes", "dev", "mem", "block_bytes"):
+            if key not in d:
+                raise ValueError(f"the prefill engine's nixl descriptor lacks {key!r}")
+        laddr, lbytes, ldev, _, bb = self.local
+        if int(d["block_bytes"]) != bb:
+            raise ValueError(f"block of {d['block_bytes']} bytes on the prefill engine, "
+                             f"{bb} here")
+        if len(remote_blocks) != len(local_blocks):
+            raise ValueError("remote and local block counts differ")
+        rblocks, lblocks = int(d["nbytes"]) // bb, lbytes // bb
+        if any(not 0 <= b < rblocks for b in remote_blocks) or any(
+                not 0 <= b < lblocks for b in local_blocks):
+            raise ValueError("block id outside the KV cache")
+        agent = self._remote_agent(peer.relay, str(d["agent"]), bytes(d["metadata"]))
+        plan = runs(list(remote_blocks), list(local_blocks))
+        n = len(plan)
+        local = np.empty((n, 3), dtype=np.uint64)
+        remote = np.empty((n, 3), dtype=np.uint64)
+        if n:
+            arr = np.asarray(plan, dtype=np.uint64)
+            local[:, 0] = laddr + arr[:, 1] * bb
+            remote[:, 0] = int(d["addr"]) + arr[:, 0] * bb
+            local[:, 1] = remote[:, 1] = arr[:, 2] * bb
+            local[:, 2], remote[:, 2] = ldev, int(d["dev"])
+        return agent, str(d["mem"]), local, remote, len(local_blocks) * bb
+
+    def _remote_agent(self, relay: str, name: str, metadata: bytes) -> str:
+        assert self.agent is not None
+        known = self._remotes.get(relay)
+        if known == name:
+            return name
+        if known is not None:  # the prefill engine restarted: a new agent
+            self.agent.forget_remote(known)
+            del self._remotes[relay]
+        loaded = self.agent.load_remote(metadata)
+        if loaded != name:
+            raise ValueError(f"nixl metadata names agent {loaded!r}, expected {name!r}")
+        self._remotes[relay] = loaded
+        return loaded
+
+    def _post(self, h: NixlHandle) -> None:
+        assert self.agent is not None and self.local is not None
+        if not len(h.local):
+            h.status = TransferStatus(TransferState.DONE, nbytes=0, seconds=0.0)
+            return
+        h.started = time.perf_counter()
+        try:
+            h.xfer = self.agent.read(h.remote_agent, h.local, h.remote, self.local[3],
+                                     h.remote_mem)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            h.status = TransferStatus(TransferState.FAILED, error=f"nixl transfer failed: {e}")
+
+    def _end(self, h: NixlHandle, state: TransferState, error: str = "") -> TransferStatus:
+        h.status = TransferStatus(
+            state, error=error,
+            nbytes=h.nbytes if state is TransferState.DONE else 0,
+            seconds=time.perf_counter() - h.started)
+        return h.status

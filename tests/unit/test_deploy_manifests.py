@@ -1,0 +1,124 @@
+"""docs/deploy.md's Kubernetes manifests parse, and every flag they pass to kvrelay exists.
+
+The YAML blocks of the page are parsed with PyYAML; every container's command and args
+are collected, the kvrelay subcommand (serve or proxy) is found, and each ``--flag``
+is looked up in the real ``kvrelay serve --help`` / ``kvrelay proxy --help`` output
+(the same parsers the CLI uses), so a renamed or removed flag fails here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
+FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+
+
+def yaml_documents() -> list[Any]:
+    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), flags=re.S)
+    assert blocks, "docs/deploy.md has no yaml blocks"
+    return [d for b in blocks for d in yaml.safe_load_all(b) if d is not None]
+
+
+def containers(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        if "name" in node and ("args" in node or "command" in node):
+            yield node
+        for v in node.values():
+            yield from containers(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from containers(v)
+
+
+def help_text(command: str) -> str:
+    from kvrelay.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    return out.getvalue()
+
+
+def known_flags(command: str) -> set[str]:
+    return set(FLAG.findall(help_text(command)))
+
+
+def invocations() -> list[tuple[str, str, list[str]]]:
+    """(container, subcommand, argv after it) for every kvrelay container."""
+    out = []
+    for c in (c for doc in yaml_documents() for c in containers(doc)):
+        argv = [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
+        if argv and argv[0] == "kvrelay":
+            argv = argv[1:]
+        sub = argv[0] if argv and argv[0] in ("serve", "proxy") else "serve"
+        out.append((c["name"], sub, argv[1:] if argv and argv[0] == sub else argv))
+    return out
+
+
+def test_manifests_parse_and_hold_the_deployment_the_docs_describe() -> None:
+    docs = [d for d in yaml_documents() if "kind" in d]
+    kinds = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    for want in [("Secret", "kvrelay-secrets"), ("Deployment", "kvrelay-prefill-0"),
+                 ("Deployment", "kvrelay-decode-0"), ("Deployment", "kvrelay-proxy"),
+                 ("Service", "kvrelay")]:
+        assert want in kinds
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        spec = d["spec"]["template"]["spec"]
+        assert d["spec"]["selector"]["matchLabels"].items() <= \
+            d["spec"]["template"]["metadata"]["labels"].items()
+        for c in spec["containers"]:
+            assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+            assert "requests" in c["resources"] and "limits" in c["resources"]
+            secrets = [e for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+            if "--role=prefill" in c["args"] or "--role=decode" in c["args"]:
+                assert any(e["name"] == "KVRELAY_RELAY_SECRET" for e in secrets)
+                assert not any("--relay-secret" in a for a in c["args"]), "secret in argv"
+
+
+def test_every_flag_in_the_manifests_exists_in_the_cli() -> None:
+    known = {"serve": known_flags("serve"), "proxy": known_flags("proxy")}
+    assert "--relay-host" in known["serve"] and "--decode" in known["proxy"]
+    used = invocations()
+    assert {sub for _, sub, _ in used} == {"serve", "proxy"}
+    unknown = [(name, sub, flag) for name, sub, argv in used for a in argv
+               if a.startswith("--") for flag in [a.split("=", 1)[0]]
+               if flag not in known[sub]]
+    assert not unknown, f"flags the CLI does not have: {unknown}"
+
+
+def test_the_check_catches_a_flag_that_does_not_exist() -> None:
+    known = known_flags("serve")
+    assert "--kv-transport" in known and "--relay-hots" not in known
+    # and the serve parser itself would refuse it
+    from kvrelay.server.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="cmd"))
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        parser.parse_args(["serve", "--relay-hots=1.2.3.4"])
+
+
+def test_every_invocation_parses_with_the_real_parser() -> None:
+    """Values too: choices (--kv-transport=nixl), numbers; $(VAR) as Kubernetes expands it."""
+    from kvrelay.cli import build_parser
+
+    for name, sub, argv in invocations():
+        expanded = [re.sub(r"\$\([A-Z_]+\)", "10.0.0.7", a) for a in argv]
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            try:
+                build_parser().parse_args([sub, *expanded])
+            except SystemExit:
+                pytest.fail(f"{name}: kvrelay {sub} {' '.join(expanded)}: {err.getvalue()}")
