@@ -21,12 +21,19 @@ class RemoteKv:
     num_tokens: int
     first_token: int
     compat: str
+    # Set by the proxy in front of D (not by P): the client already has the first
+    # token's text, so D must not send it again. Without it (vLLM's own proxy, which
+    # discards P's answer) D sends the first token itself.
+    first_token_sent: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RemoteKv:
+        sent = d.get("first_token_sent", False)
+        if not isinstance(sent, bool):
+            raise TypeError(f"first_token_sent must be true or false, got {sent!r}")
         return cls(str(d["lease_id"]), str(d["relay"]), str(d["engine_id"]),
                    [int(b) for b in d["block_ids"]], int(d["num_tokens"]),
-                   int(d["first_token"]), str(d["compat"]))
+                   int(d["first_token"]), str(d["compat"]), sent)
 
     @classmethod
     def from_client(cls, d: dict[str, Any]) -> RemoteKv:

@@ -73,9 +73,11 @@ class Faults:
 
     def decode_direct(self, body: dict[str, Any], params: dict[str, Any],
                       timeout: float = 30, d: Any = None) -> httpx.Response:
+        """D's answer, params marked as kvrelay's proxy marks them: tokens 2..n."""
         d = d or self.d
         return httpx.post(d.url + "/v1/completions", timeout=timeout,
-                          json={**body, "kv_transfer_params": params})
+                          json={**body, "kv_transfer_params": {**params,
+                                                               "first_token_sent": True}})
 
     def wait_proxy_sees(self, timeout: float = 10.0) -> None:
         """After a restart: the proxy's health loop must have found the engine again."""
