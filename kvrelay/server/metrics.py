@@ -10,7 +10,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
@@ -51,6 +58,9 @@ class ServerMetrics:
     """
 
     def __init__(self, engine: Engine, model_name: str) -> None:
+        # One ``_created`` gauge per counter and histogram: series nobody reads (vLLM
+        # turns them off too). Process-wide, as every server in a process wants it.
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
         m = ["model_name"]

@@ -43,6 +43,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 
@@ -107,6 +108,7 @@ class Upstreams:
 
 class ProxyMetrics:
     def __init__(self) -> None:
+        disable_created_metrics()  # as the engines do (kvrelay.server.metrics)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
