@@ -171,6 +171,12 @@ MSG = [{"role": "user", "content": "hi"}]
 BAD_INPUTS = [
     (CMPL, "{not json", 400, None),
     (CMPL, "[1, 2]", 400, None),
+    (CMPL, '{"model": "tiny", "prompt": "a", "temperature": NaN}', 400, None),
+    (CMPL, '{"model": "tiny", "prompt": "a", "unknown": -Infinity}', 400, None),
+    (CMPL, '{"model": "tiny", "prompt": "a\\ud800"}', 400, "prompt"),
+    (CMPL, '{"model": "tiny", "prompt": ["ok", "\\udfff"]}', 400, "prompt[1]"),
+    (CHAT, '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "messages[0].content"),
     (CMPL, {"prompt": "a"}, 400, "model"),
     (CMPL, {"model": "tiny"}, 400, "prompt"),
     (CMPL, {"model": "tiny", "prompt": 5}, 400, "prompt"),
