@@ -430,6 +430,14 @@ def _json_body(r: httpx.Response) -> dict[str, Any]:
 
 
 def json_or_error(r: httpx.Response) -> Response:
+    """An engine's answer passed on: its JSON body, an OpenAI error body for an error
+    that is not one already."""
+    if r.status_code < 400:
+        try:
+            return JSONResponse(r.json(), status_code=r.status_code)
+        except ValueError:
+            return JSONResponse(merge.error_event(f"the engine answered HTTP "
+                                                  f"{r.status_code} without JSON"), 502)
     return JSONResponse(_json_body(r), status_code=r.status_code)
 
 

@@ -217,6 +217,10 @@ def test_errors_are_openai_json_like_serve(cluster: dict[str, Proc], model_dir: 
     assert 400 <= got["proxy"][0] < 500, (name, got)
 
 
+def test_models_through_the_proxy(cluster: dict[str, Proc], model_dir: Path) -> None:
+    assert [m.id for m in client(cluster["proxy"]).models.list().data] == [model_dir.name]
+
+
 def test_framework_errors_are_openai_json(cluster: dict[str, Proc]) -> None:
     for r in (httpx.get(cluster["proxy"].url + "/v1/nothing"),
               httpx.get(cluster["proxy"].url + "/v1/completions")):
