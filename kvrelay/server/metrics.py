@@ -118,6 +118,11 @@ class ServerMetrics:
               registry=r).labels(model_name).set(1)
         r.register(_Preemptions(sched, model_name))
 
+    def register(self, collector: Collector) -> None:
+        """Export another collector's families (the relay's) with ``model_name`` added to
+        every sample, like the engine's own series."""
+        self.registry.register(_WithModelName(collector, self._model))
+
     def finished(self, reason: str) -> None:
         self._finished.labels(self._model, reason).inc()
 
@@ -137,3 +142,15 @@ class _Preemptions(Collector):
             "later) for lack of KV blocks", labels=["model_name"])
         family.add_metric([self.model_name], self.sched.num_preemptions)
         yield family
+
+
+class _WithModelName(Collector):
+    def __init__(self, inner: Collector, model_name: str) -> None:
+        self.inner, self.model_name = inner, model_name
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={"model_name": self.model_name, **s.labels})
+                           for s in family.samples]
+            yield out
