@@ -17,12 +17,24 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def sample(m: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (others, such as
+    model_name, may be present too)."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for key, value in m.items():
+        base, _, rest = key.partition("{")
+        if base == name and all(w in rest[:-1].split(",") for w in want):
+            total += value
+    return total
+
+
 def wait_blocks_back(url: str, timeout: float) -> dict[str, float]:
     """Wait until every KV block is free again; the metrics at that moment."""
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
-        if m["kvrelay_kv_blocks_free"] == m["kvrelay_kv_blocks_total"]:
+        if sample(m, "kvrelay_kv_blocks_free") == sample(m, "kvrelay_kv_blocks_total"):
             return m
         assert time.monotonic() < deadline, f"KV blocks not returned: {m}"
         time.sleep(0.02)

@@ -45,6 +45,8 @@ class RequestOutput:
     # Prefill side, finish reason REMOTE_DECODE: the lease the decode side pulls
     # (set by the server's engine loop once the fence has handed the blocks over).
     kv_transfer_params: dict[str, Any] | None = None
+    # The request's first scheduled step, by the engine's clock (None without one).
+    scheduled_at: float | None = None
 
 
 @dataclass
@@ -78,6 +80,9 @@ class Engine:
         self.scheduler = Scheduler(config, self.pool)
         self.kv_handoff = kv_handoff
         self.stats = EngineStats()
+        # Optional: stamps each request's first scheduled step (a server's queue-time
+        # metric). Set by whoever owns time; the simulators leave it unset.
+        self.clock: Callable[[], float] | None = None
         # Every request not yet FINISHED (released), by id.
         self.requests: dict[str, Request] = {}
         self._in_flight: deque[tuple[Batch, Mapping[str, SampledToken]]] = deque()
@@ -188,6 +193,12 @@ class Engine:
         batch.finished_ids = self._released_since_batch
         self._released_since_batch = []
         self.stats.steps += 1
+        if self.clock is not None:
+            t = self.clock()
+            for sr in batch.requests:
+                req = self.requests[sr.request_id]
+                if req.scheduled_at is None:
+                    req.scheduled_at = t
         return batch
 
     def complete(self, batch: Batch, sampled: Mapping[str, SampledToken]) -> None:
@@ -268,7 +279,7 @@ class Engine:
             self._outputs.append(
                 RequestOutput(
                     req.request_id, [tok.token_id], req.prompt_len, req.num_output_tokens,
-                    logprobs,
+                    logprobs, scheduled_at=req.scheduled_at,
                 )
             )
 
@@ -308,6 +319,7 @@ class Engine:
                 finished=True,
                 finish_reason=reason,
                 error=error,
+                scheduled_at=req.scheduled_at,
             )
         )
         self._release_if_fenced(req)

@@ -35,6 +35,8 @@ class Request:
     in_flight: int = 0
     block_ids: list[int] = field(default_factory=list)
     owner: Owner = ""
+    # When the first step that computes it was scheduled (the engine's clock, if any).
+    scheduled_at: float | None = None
 
     def __post_init__(self) -> None:
         if not self.owner:

@@ -21,6 +21,10 @@ class RemoteKv:
     num_tokens: int
     first_token: int
     compat: str
+    # Set by the proxy in front of D (not by P): the client already has the first
+    # token's text, so D must not send it again. Without it (vLLM's own proxy, which
+    # discards P's answer) D sends the first token itself.
+    first_token_sent: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RemoteKv:
@@ -28,9 +32,12 @@ class RemoteKv:
         wrong type (strict: no coercion of strings or floats into ints)."""
         if not isinstance(d, dict):
             raise ValueError(f"expected an object of lease fields, got {type(d).__name__}")
+        sent = d.get("first_token_sent", False)
+        if not isinstance(sent, bool):
+            raise ValueError(f"first_token_sent must be true or false, got {sent!r}")
         return cls(_str(d, "lease_id"), _str(d, "relay"), _str(d, "engine_id"),
                    _int_list(d, "block_ids"), _int(d, "num_tokens"), _int(d, "first_token"),
-                   _str(d, "compat"))
+                   _str(d, "compat"), sent)
 
     @classmethod
     def from_client(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -24,7 +25,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay import __version__
 from kvrelay.model.interface import Tokenizer
@@ -39,9 +39,11 @@ from kvrelay.server.protocol import (
     CompletionRequest,
     LogprobFormatter,
     bad_request,
+    install_error_handlers,
     new_id,
     now,
     parse_body,
+    read_body,
     usage,
 )
 from kvrelay.server.responses import (
@@ -97,7 +99,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvrelay", version=__version__, lifespan=lifespan)
     app.state.kvrelay = state
-    _install_error_handlers(app)
+    install_error_handlers(app)
     handlers = _Handlers(state)
 
     app.add_api_route("/health", handlers.health, methods=["GET"])
@@ -108,23 +110,6 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
     app.add_api_route("/v1/kv/release", handlers.release_lease, methods=["POST"])
     return app
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
-        return JSONResponse(err.body(), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
-        return JSONResponse(err.body(), status_code=500)
 
 
 class _Handlers:
@@ -164,7 +149,7 @@ class _Handlers:
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         self._check_auth(request)
-        body = parse_body(await _read_body(request), CompletionRequest)
+        body = parse_body(await read_body(request), CompletionRequest)
         self._check_model(body.model)
         body.check()
         prompts = [self._encode_prompt(p) for p in body.prompts()]
@@ -180,7 +165,7 @@ class _Handlers:
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         self._check_auth(request)
-        body = parse_body(await _read_body(request), ChatCompletionRequest)
+        body = parse_body(await read_body(request), ChatCompletionRequest)
         self._check_model(body.model)
         body.check()
         prompt = self._render_chat(body)
@@ -198,7 +183,7 @@ class _Handlers:
         if self.state.release_lease is None:
             raise ApiError(404, "this engine holds no leases (it is not --role prefill)")
         try:
-            params = json.loads(await _read_body(request))["kv_transfer_params"]
+            params = json.loads(await read_body(request))["kv_transfer_params"]
             engine_id, lease_id = str(params["engine_id"]), str(params["lease_id"])
         except (ValueError, KeyError, TypeError) as exc:
             raise bad_request("kv_transfer_params", f"expected {{'kv_transfer_params': "
@@ -224,12 +209,23 @@ class _Handlers:
         bad = next((t for t, _ in specs[0].params.logit_bias if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request("logit_bias", f"logit_bias token id {bad} is outside [0, {vocab})")
+    async def _release_unclaimed(self, gen: Generation) -> None:
+        """Prefill role: leases made for a client that left (the proxy cancels its
+        request when its own client goes): nobody else will ever pull or release them."""
+        release = self.state.release_lease
+        if release is None:
+            return
+        for params in gen.drain_leases():
+            with contextlib.suppress(Exception):  # a lease already gone: nothing to do
+                await asyncio.to_thread(release, str(params["engine_id"]),
+                                        str(params["lease_id"]))
 
     def _kv_mode(self, body: Any, num_prompts: int) -> tuple[bool, RemoteKv | None]:
         """(remote_decode, remote_kv) from the request's kv_transfer_params."""
         params, role = body.kv_transfer_params, self.state.role
-        if not params:
-            return False, None
+        if not params or not (params.get("do_remote_decode") or params.get("do_remote_prefill")
+                              or any(k in params for k in LEASE_FIELDS)):
+            return False, None  # e.g. vLLM's {"do_remote_decode": false, ...}: plain work
         if body.n != 1 or num_prompts != 1:
             raise bad_request("kv_transfer_params", "kv_transfer_params takes one prompt, n=1")
         if params.get("do_remote_decode"):
@@ -242,6 +238,7 @@ class _Handlers:
         if role != "decode":
             raise bad_request("kv_transfer_params", "a KV lease can only be pulled by an "
                               f"engine started with --role decode; this one is --role {role}")
+        _check_lease_fields(params)
         try:
             return False, RemoteKv.from_client(params,
                                                vocab_size=self.model.tokenizer.vocab_size,
@@ -319,22 +316,27 @@ class _Handlers:
         finally:
             gen.abort_unfinished()
         if collected is None:  # the client went away; nobody reads this
+            await self._release_unclaimed(gen)
             return Response(status_code=499)
         return JSONResponse(shape.full(collected, usage(gen.prompt_tokens, gen.completion_tokens)))
 
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
+# The kvrelay lease fields D needs (RemoteKv's required fields); first_token_sent is the
+# proxy's optional mark. vLLM's NixlConnector names a prefill engine's blocks with these
+# instead, which a kvrelay decode engine cannot pull (no relay, no lease).
+LEASE_FIELDS = tuple(f.name for f in dataclasses.fields(RemoteKv)
+                     if f.default is dataclasses.MISSING)
+NIXL_FIELDS = ("do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host",
+               "remote_port")
 
 
-async def _read_body(request: Request) -> bytes:
-    """The request body, refusing more than MAX_BODY_BYTES before reading it all."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _check_lease_fields(params: dict[str, Any]) -> None:
+    missing = [k for k in LEASE_FIELDS if k not in params]
+    if not missing:
+        return
+    nixl = [k for k in NIXL_FIELDS if k in params]
+    hint = (f" These look like vLLM NixlConnector params ({', '.join(nixl)}): a kvrelay "
+            "decode engine pulls only the leases of kvrelay prefill engines (kvrelay serve "
+            "--role prefill), whose answer carries these fields." if nixl else "")
+    raise bad_request("kv_transfer_params", "kv_transfer_params lacks the kvrelay lease "
+                      f"field(s) {', '.join(missing)}.{hint}")

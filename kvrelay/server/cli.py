@@ -171,7 +171,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     )
     metrics = ServerMetrics(engine, names[0])
     if isinstance(hooks, PrefillHooks | DecodeHooks):
-        metrics.registry.register(RelayExport(hooks))
+        metrics.register(RelayExport(hooks))  # with model_name, as every engine series
     return ServerState(EngineLoop(engine, hooks=hooks), served, metrics, args.api_key,
                        role=role, release_lease=release)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import signal
 import socket
@@ -227,6 +228,8 @@ def server_metrics(base_url: str, names: tuple[str, ...]) -> dict[str, float]:
     values: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
+        # Engine series carry model_name; the names asked for leave it out.
+        name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "").replace(",}", "}")
         if name in names:
             values[name] = float(value)
     return values

@@ -15,6 +15,7 @@ behind in the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ class _Choice:
     request_id: str
     detok: Detokenizer
     num_tokens: int = 0
+    queued_at: float = 0.0  # handed to the engine loop
+    queue_observed: bool = False
     first_token_at: float | None = None
     last_token_at: float = 0.0
     finish_reason: str | None = None
@@ -96,6 +99,11 @@ class Generation:
     _queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
     _choices: dict[str, _Choice] = field(default_factory=dict)
     _num_open: int = 0
+    # Deltas produced at admission, before any engine output (see _add).
+    _pending: list[Delta] = field(default_factory=list)
+    # Prefill role: every lease made for a choice, so that a handler whose client left
+    # can give them back (nobody else knows them).
+    _leases: list[dict[str, Any]] = field(default_factory=list)
     prompt_tokens: int = 0
 
     @property
@@ -130,28 +138,62 @@ class Generation:
         detok = self.make_detokenizer(
             spec.prompt_token_ids, spec.params.stop, spec.params.include_stop_str_in_output
         )
+        queued_at = time.monotonic()
         await self.loop.add(
             rid, spec.prompt_token_ids, spec.params, self._queue,
             eos_token_ids=self.eos_token_ids, remote_decode=spec.remote_decode,
             remote_kv=spec.remote_kv,
         )
-        choice = _Choice(spec, rid, detok)
-        if spec.remote_kv is not None:
-            # The prefill engine sampled token 1 and sent its text to the client; the
-            # detokenizer still needs it, to emit the text that follows exactly as a
-            # colocated engine would. It counts in usage: the request is one.
-            detok.add([spec.remote_kv.first_token])
-            choice.num_tokens = 1
+        choice = _Choice(spec, rid, detok, queued_at=queued_at)
         self._choices[rid] = choice
         self._num_open += 1
-        self.metrics.prompt_tokens.inc(len(spec.prompt_token_ids))
+        kv = spec.remote_kv
+        if kv is None:
+            # A pulled prompt was counted by the prefill engine that computed it.
+            self.metrics.prompt_tokens.inc(len(spec.prompt_token_ids))
+            self.metrics.request_prompt_tokens.observe(len(spec.prompt_token_ids))
+            return
+        # The prefill engine sampled token 1 (and counted it). The detokenizer needs it
+        # either way, to emit the text that follows exactly as a colocated engine
+        # would; it counts in usage: the request is one.
+        text = detok.add([kv.first_token])
+        choice.num_tokens = 1
+        if not kv.first_token_sent:
+            self._pending.append(self._first_delta(choice, text, kv.first_token))
+
+    def _first_delta(self, choice: _Choice, text: str, token: int) -> Delta:
+        """Token 1 sent by D itself: the proxy in front did not mark it as sent (vLLM's
+        proxy discards P's answer). D has no logprobs for it: P computed the logits."""
+        choice.first_token_at = choice.last_token_at = time.monotonic()
+        self.metrics.ttft.observe(choice.first_token_at - self.arrival)
+        delta = Delta(choice.spec.index, text, [token], None)
+        if choice.detok.stopped:  # a stop string in the first token: nothing to decode
+            self.loop.abort(choice.request_id, FinishReason.STOP)
+            delta.finish_reason = "stop"
+            self._finish(choice, "stop")
+        return delta
 
     async def deltas(self) -> AsyncIterator[Delta]:
+        pending, self._pending = self._pending, []
+        for delta in pending:
+            yield delta
         while self._num_open:
             out = await self._queue.get()
-            delta = self._apply(out)
-            if delta is not None:
-                yield delta
+            applied = self._apply(out)
+            if applied is not None:
+                yield applied
+
+    def drain_leases(self) -> list[dict[str, Any]]:
+        """Every lease made for this generation's choices (outputs already delivered
+        but not consumed are applied first). For a handler whose client left."""
+        while True:
+            try:
+                out = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            with contextlib.suppress(ApiError):
+                self._apply(out)
+        return list(self._leases)
 
     def abort_unfinished(self) -> None:
         for choice in self._choices.values():
@@ -164,6 +206,11 @@ class Generation:
         choice = self._choices.get(out.request_id)
         if choice is None or choice.finish_reason is not None:
             return None  # e.g. the abort that follows a stop-string match
+        if out.kv_transfer_params is not None:
+            self._leases.append(out.kv_transfer_params)
+        if not choice.queue_observed and out.scheduled_at is not None:
+            choice.queue_observed = True
+            self.metrics.queue_time.observe(max(0.0, out.scheduled_at - choice.queued_at))
         if out.finish_reason is FinishReason.ERROR:
             self._finish(choice, "error")
             if out.error and out.error.startswith(INVALID_PARAMS):
@@ -207,5 +254,7 @@ class Generation:
     def _finish(self, choice: _Choice, reason: str) -> None:
         choice.finish_reason = reason
         self._num_open -= 1
-        self.metrics.requests_finished.labels(reason=reason).inc()
-        self.metrics.e2e.observe(time.monotonic() - self.arrival)
+        self.metrics.finished(reason)
+        if reason != "remote_decode":  # P's part ends here, the request goes on on D
+            self.metrics.e2e.observe(time.monotonic() - self.arrival)
+            self.metrics.request_generation_tokens.observe(choice.num_tokens)

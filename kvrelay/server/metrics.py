@@ -7,10 +7,23 @@ histograms are updated by the request handlers as outputs arrive.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import time
+from collections.abc import Iterable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from kvrelay.core.engine import Engine
+from kvrelay.core.scheduler import Scheduler
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 
@@ -24,53 +37,120 @@ _ITL_BUCKETS = (
 )
 
 
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)
+_QUEUE_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+    160.0, 320.0,
+)
+
+
 class ServerMetrics:
+    """Every series carries ``model_name`` (the first served name), as vLLM's do.
+
+    Per-request counts across a prefill/decode pair: the prompt (``prompt_tokens``,
+    ``request_prompt_tokens``) is counted where it is computed, on P (D does not count
+    a prompt whose KV it pulls, even when it recomputes after a failed pull); the
+    output (``generation_tokens``, ``request_generation_tokens``) where each token is
+    sampled: P's first token on P, the rest on D, and the per-request histogram by
+    the engine that finishes the request for the client (D, with the first token).
+    Summing a cluster's engines therefore counts each request once.
+    """
+
     def __init__(self, engine: Engine, model_name: str) -> None:
+        # One ``_created`` gauge per counter and histogram: series nobody reads (vLLM
+        # turns them off too). Process-wide, as every server in a process wants it.
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
-        labels = {"model_name": model_name}
+        m = ["model_name"]
         pool, sched = engine.pool, engine.scheduler
+        # The queue-time histogram needs the engine to stamp each request's first step
+        # with the clock the request side measures arrivals with.
+        engine.clock = time.monotonic
 
-        self.kv_blocks_total = Gauge(
-            "kvrelay_kv_blocks_total", "KV cache blocks in the pool", registry=r
+        Gauge("kvrelay_kv_blocks_total", "KV cache blocks in the pool", m,
+              registry=r).labels(model_name).set(pool.num_blocks)
+        Gauge("kvrelay_kv_blocks_free", "KV cache blocks free", m,
+              registry=r).labels(model_name).set_function(lambda: pool.num_free)
+        Gauge("kvrelay_requests_running", "requests scheduled in the engine", m,
+              registry=r).labels(model_name).set_function(lambda: len(sched.running))
+        Gauge("kvrelay_requests_waiting", "requests waiting for admission", m,
+              registry=r).labels(model_name).set_function(lambda: len(sched.waiting))
+        self._finished = Counter(
+            "kvrelay_requests_finished", "finished requests by finish reason",
+            [*m, "reason"], registry=r,
         )
-        self.kv_blocks_total.set(pool.num_blocks)
-        self.kv_blocks_free = Gauge("kvrelay_kv_blocks_free", "KV cache blocks free", registry=r)
-        self.kv_blocks_free.set_function(lambda: pool.num_free)
-        self.requests_running = Gauge(
-            "kvrelay_requests_running", "requests scheduled in the engine", registry=r
-        )
-        self.requests_running.set_function(lambda: len(sched.running))
-        self.requests_waiting = Gauge(
-            "kvrelay_requests_waiting", "requests waiting for admission", registry=r
-        )
-        self.requests_waiting.set_function(lambda: len(sched.waiting))
-        self.requests_finished = Counter(
-            "kvrelay_requests_finished", "finished requests by finish reason", ["reason"],
-            registry=r,
-        )
+        self._model = model_name
         self.prompt_tokens = Counter(
-            "kvrelay_prompt_tokens", "prompt tokens of accepted requests", registry=r
-        )
+            "kvrelay_prompt_tokens", "prompt tokens of accepted requests (on P for a "
+            "disaggregated request)", m, registry=r).labels(model_name)
         self.generation_tokens = Counter(
-            "kvrelay_generation_tokens", "generated tokens", registry=r
-        )
+            "kvrelay_generation_tokens", "tokens sampled by this engine", m,
+            registry=r).labels(model_name)
+        self.request_prompt_tokens = Histogram(
+            "kvrelay_request_prompt_tokens", "prompt tokens per accepted request (on P for "
+            "a disaggregated request)", m, buckets=_TOKEN_BUCKETS, registry=r,
+        ).labels(model_name)
+        self.request_generation_tokens = Histogram(
+            "kvrelay_request_generation_tokens", "output tokens per finished request (the "
+            "first token included; on D for a disaggregated request)", m,
+            buckets=_TOKEN_BUCKETS, registry=r,
+        ).labels(model_name)
+        self.queue_time = Histogram(
+            "kvrelay_request_queue_time_seconds", "time from hand-off to the engine to the "
+            "request's first step (on D: includes the KV pull)", m, buckets=_QUEUE_BUCKETS,
+            registry=r,
+        ).labels(model_name)
         self.ttft = Histogram(
             "kvrelay_time_to_first_token_seconds", "time from arrival to the first token",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
+            m, buckets=_LATENCY_BUCKETS, registry=r,
+        ).labels(model_name)
         self.itl = Histogram(
             "kvrelay_inter_token_latency_seconds", "time between two tokens of a request",
-            buckets=_ITL_BUCKETS, registry=r,
-        )
+            m, buckets=_ITL_BUCKETS, registry=r,
+        ).labels(model_name)
         self.e2e = Histogram(
             "kvrelay_e2e_request_latency_seconds", "time from arrival to the last token",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.info = Gauge(
-            "kvrelay_model_info", "the served model (value 1)", list(labels), registry=r
-        )
-        self.info.labels(**labels).set(1)
+            m, buckets=_LATENCY_BUCKETS, registry=r,
+        ).labels(model_name)
+        Gauge("kvrelay_model_info", "the served model (value 1)", m,
+              registry=r).labels(model_name).set(1)
+        r.register(_Preemptions(sched, model_name))
+
+    def register(self, collector: Collector) -> None:
+        """Export another collector's families (the relay's) with ``model_name`` added to
+        every sample, like the engine's own series."""
+        self.registry.register(_WithModelName(collector, self._model))
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self._model, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Preemptions(Collector):
+    """The scheduler's own count, read at scrape time (an int read under the GIL)."""
+
+    def __init__(self, sched: Scheduler, model_name: str) -> None:
+        self.sched, self.model_name = sched, model_name
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "kvrelay_preemptions", "running requests preempted (blocks freed, recomputed "
+            "later) for lack of KV blocks", labels=["model_name"])
+        family.add_metric([self.model_name], self.sched.num_preemptions)
+        yield family
+
+
+class _WithModelName(Collector):
+    def __init__(self, inner: Collector, model_name: str) -> None:
+        self.inner, self.model_name = inner, model_name
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={"model_name": self.model_name, **s.labels})
+                           for s in family.samples]
+            yield out

@@ -8,13 +8,18 @@ body is the OpenAI shape ``{"error": {"message", "type", "param", "code"}}`` wit
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
 
 from kvrelay.core.runner import TokenLogprobs
 from kvrelay.sampling_params import InvalidParameter, SamplingParams, StructuredOutput
@@ -22,6 +27,7 @@ from kvrelay.sampling_params import InvalidParameter, SamplingParams, Structured
 MAX_N = 16
 MAX_CHOICES = 64  # prompts in a batch times n
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger(__name__)
 MAX_TOP_LOGPROBS = 20
 
 
@@ -53,6 +59,26 @@ class ApiError(Exception):
 
 def bad_request(param: str | None, message: str) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error of ``app`` as an OpenAI error body: ours, the framework's (404 for an
+    unknown path, 405), and anything unexpected (500)."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
 
 
 # -- requests -------------------------------------------------------------------------
@@ -270,12 +296,28 @@ class ChatCompletionRequest(_SamplingRequest):
 
 def parse_body(raw: bytes, model: type[M]) -> M:
     """JSON bytes -> a request model, or an ApiError naming the field."""
+    return validate(load_json(raw), model)
+
+
+def load_json(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or a 400. Refused: malformed or too deeply
+    nested JSON, NaN and Infinity (not JSON numbers; nothing downstream can carry
+    them), strings with a lone surrogate (not text: no tokenizer or encoder takes them)."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise bad_request(None, f"the request body is not valid JSON: {exc}") from exc
+    except _NotANumber as exc:
+        raise bad_request(None, f"the request body is not valid JSON: {exc} is not a JSON "
+                          "number (use null or a finite number)") from exc
     if not isinstance(data, dict):
         raise bad_request(None, "the request body must be a JSON object")
+    _check_strings(data)
+    return data
+
+
+def validate(data: dict[str, Any], model: type[M]) -> M:
+    """A parsed JSON object -> a request model, or an ApiError naming the field."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -284,6 +326,58 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         missing = err["type"] == "missing"
         msg = f"{param} is required" if missing else f"{param}: {err['msg']}"
         raise bad_request(param, msg) from exc
+
+
+class _NotANumber(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> Any:
+    raise _NotANumber(name)
+
+
+def _check_strings(data: dict[str, Any]) -> None:
+    """400 naming the first string (or key) that is not valid Unicode text. Iterative:
+    json.loads already bounded the depth, this walk must not hit the recursion limit."""
+    stack: list[tuple[Any, list[int | str]]] = [(data, [])]
+    while stack:
+        value, loc = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, loc)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k, loc)
+                stack.append((v, [*loc, k]))
+        elif isinstance(value, list):
+            stack.extend((v, [*loc, i]) for i, v in enumerate(value))
+
+
+def _check_text(s: str, loc: list[int | str]) -> None:
+    if s.isascii():
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+        raise bad_request(path or None, f"{path or 'the request body'} holds a lone surrogate "
+                          f"({s[exc.start]!r} at offset {exc.start}): not valid text") from exc
+
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refusing more than MAX_BODY_BYTES before reading it all."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none)$|[\[\-]")

@@ -142,6 +142,9 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T 
         watcher.cancel()
         if not task.done():
             task.cancel()
+            # Let ``work`` unwind (its finally blocks give resources back) before the
+            # caller goes on; a cancel only becomes the task's state once it has run.
+            await asyncio.wait({task})
     if task.cancelled():
         return None
     return task.result()

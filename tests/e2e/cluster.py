@@ -9,6 +9,7 @@ entirely free and no lease is held.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.metrics_util import metrics
+from tests.metrics_util import metrics, sample
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_ARGS = ("--num-blocks", "256", "--block-size", "4")
@@ -145,9 +146,12 @@ class Cluster:
         return "\n".join(f"==== {p.name} ====\n{p.tail()}" for p in self.procs)
 
 
-def metric(m: dict[str, float], prefix: str) -> float:
-    """Sum of every sample whose name (with labels) starts with ``prefix``."""
-    return sum(v for k, v in m.items() if k == prefix or k.startswith(prefix + "{"))
+def metric(m: dict[str, float], query: str) -> float:
+    """Sum of the samples of ``query`` (a name, or a name with some labels such as
+    'x_total{reason="done"}': samples may carry others, model_name for one)."""
+    name, _, labels = query.partition("{")
+    pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    return sample(m, name, **pairs)
 
 
 def held_leases(m: dict[str, float]) -> float:
@@ -162,8 +166,9 @@ def pools_free(*engines: Proc, prefill: tuple[Proc, ...] = (), timeout: float = 
         bad = {}
         for e in (*engines, *prefill):
             m = metrics(e.url)
-            if m["kvrelay_kv_blocks_free"] != m["kvrelay_kv_blocks_total"]:
-                bad[e.name] = (m["kvrelay_kv_blocks_free"], m["kvrelay_kv_blocks_total"])
+            free, total = sample(m, "kvrelay_kv_blocks_free"), sample(m, "kvrelay_kv_blocks_total")
+            if free != total:
+                bad[e.name] = (free, total)
         for p in prefill:
             h = held_leases(metrics(p.url))
             if h:

@@ -11,6 +11,7 @@ kills are restarted on the same port so the proxy finds them again.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -22,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, metric, metrics, pools_free, write_fat_model
+from tests.e2e.cluster import Cluster, metric, metrics, pools_free, sample, write_fat_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
@@ -73,9 +74,11 @@ class Faults:
 
     def decode_direct(self, body: dict[str, Any], params: dict[str, Any],
                       timeout: float = 30, d: Any = None) -> httpx.Response:
+        """D's answer, params marked as kvrelay's proxy marks them: tokens 2..n."""
         d = d or self.d
         return httpx.post(d.url + "/v1/completions", timeout=timeout,
-                          json={**body, "kv_transfer_params": params})
+                          json={**body, "kv_transfer_params": {**params,
+                                                               "first_token_sent": True}})
 
     def wait_proxy_sees(self, timeout: float = 10.0) -> None:
         """After a restart: the proxy's health loop must have found the engine again."""
@@ -145,7 +148,7 @@ def test_kill_decode_during_transfer(f: Faults, transport: str) -> None:
     m0 = released(f.p)
     pools_free(prefill=(f.p,), timeout=FREE_WAIT)
     m1 = released(f.p)
-    delta = {k.split('"')[1]: m1[k] - m0.get(k, 0) for k in m1}
+    delta = {k: m1[k] - m0[k] for k in m1}
     print(f"kill D ({transport}) mid-pull:", delta)
     assert sum(delta.values()) >= 1, "the lease was not released after D died"
     d = f.c.restart(d)
@@ -197,7 +200,7 @@ def test_kill_prefill_after_answer_decode_recomputes(f: Faults) -> None:
 
 
 def pulling(p: Any) -> bool:
-    return metrics(p.url).get('kvrelay_leases{state="pulling"}', 0) > 0
+    return sample(metrics(p.url), "kvrelay_leases", state="pulling") > 0
 
 
 def _stream_and_close(url: str, body: dict[str, Any], after_chunks: int,
@@ -226,11 +229,7 @@ def _stream_and_close(url: str, body: dict[str, Any], after_chunks: int,
 def test_client_disconnect(f: Faults, stage: str) -> None:
     before = released(f.p)
     if stage == "waiting_for_prefill":
-        # A huge prompt: the client gives up long before the prefill answers.
-        for i in range(3):
-            with pytest.raises(httpx.TimeoutException):
-                httpx.post(f.proxy.url + "/v1/completions",
-                           json=f.body(HUGE + str(i), 4), timeout=0.02)
+        _give_up_while_waiting_for_prefill(f)
     elif stage == "between_prefill_and_decode":
         # The proxy streams P's first token at once: close right after it.
         for i in range(3):
@@ -244,11 +243,94 @@ def test_client_disconnect(f: Faults, stage: str) -> None:
         assert _stream_and_close(f.proxy.url, f.body("decode a while", 200), 3) == 3
     f.free()
     after = released(f.p)
-    delta = {k.split('"')[1]: after[k] - before.get(k, 0) for k in after}
+    delta = {k: after[k] - before[k] for k in after}
     print(stage, delta)
     # A disconnect is reported (proxy release or D abort), never left to the deadline.
     assert delta["expired"] == 0, delta
     f.serves()
+
+
+def _give_up_while_waiting_for_prefill(f: Faults) -> None:
+    """A blocker holds most of P's KV pool, so three huge prompts cannot be admitted:
+    they wait in P's queue while their clients give up. The proxy must cancel them on
+    P: P's queue empties while the blocker still runs, they end as aborts, and no
+    first token is sampled and no lease made for them (asserted by the caller too:
+    no lease expired)."""
+    p0 = metrics(f.p.url)
+    stop, started = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=_hold_stream, daemon=True,
+                               args=(f.p.url, f.body(LONG, 400), started, stop))
+    blocker.start()
+    try:
+        assert started.wait(30), "the blocker never started"
+        t0 = time.monotonic()
+        url = f.proxy.url + "/v1/completions"
+        clients = [threading.Thread(target=_swallow, args=(
+            lambda b: httpx.post(url, json=b, timeout=0.3), f.body(HUGE + str(i), 4)))
+            for i in range(3)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(10)
+        def queued() -> float:
+            return sample(metrics(f.p.url), "kvrelay_requests_waiting")
+
+        _wait_for(lambda: not blocker.is_alive() or queued() == 0, 10)
+        print(f"P's queue: {queued()} after {time.monotonic() - t0:.2f} s")
+        assert blocker.is_alive(), "P still queued the prefills of clients that had left " \
+            "when the blocker ended: the proxy did not cancel them"
+    finally:
+        stop.set()
+        blocker.join(30)
+    f.free()
+    p1 = metrics(f.p.url)
+
+    def delta(reason: str) -> float:
+        return (sample(p1, "kvrelay_requests_finished_total", reason=reason)
+                - sample(p0, "kvrelay_requests_finished_total", reason=reason))
+
+    assert delta("abort") == 4, "the three prefills and the blocker end as aborts on P"
+    assert delta("remote_decode") == 0, "P prefilled for a client that had left"
+
+
+def _hold_stream(url: str, body: dict[str, Any], started: threading.Event,
+                 stop: threading.Event) -> None:
+    """Stream a completion from ``url`` until ``stop`` (the request holds its blocks)."""
+    with httpx.Client(timeout=60) as cl, cl.stream("POST", url + "/v1/completions",
+                                                    json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                started.set()
+                if stop.is_set():
+                    return
+
+
+def _wait_for(cond: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_decode_dies_mid_stream_ends_with_an_error_event(f: Faults) -> None:
+    """kill -9 D while it streams through the proxy: the client gets an error event and
+    [DONE], never a stream cut short without a word."""
+    events: list[str] = []
+    body = {**f.body("decode a while", 200), "stream": True}
+    with httpx.stream("POST", f.proxy.url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                events.append(line[5:].strip())
+                if len(events) == 3:
+                    f.d.kill()
+    assert events[-1] == "[DONE]", events[-3:]
+    assert "error" in json.loads(events[-2]), events[-3:]
+    assert len(events) < 150, "D was not killed mid-stream"
+    f.d = f.c.restart(f.d)
+    f.wait_proxy_sees()
+    f.free()
 
 
 def test_prefill_stopped_decode_falls_back(f: Faults) -> None:
@@ -274,8 +356,10 @@ def test_prefill_stopped_decode_falls_back(f: Faults) -> None:
 
 
 def released(p: Any) -> dict[str, float]:
-    return {k: v for k, v in metrics(p.url).items()
-            if k.startswith("kvrelay_leases_released_total{")}
+    """P's released leases by reason."""
+    m = metrics(p.url)
+    return {r: sample(m, "kvrelay_leases_released_total", reason=r)
+            for r in ("done", "failed", "aborted", "expired")}
 
 
 def _error_param(r: httpx.Response) -> Any:

@@ -62,7 +62,9 @@ def post(proc: Proc, payload: dict[str, Any]) -> httpx.Response:
 def lease(p: Proc) -> tuple[str, dict[str, Any]]:
     r = post(p, body(max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"], r.json()["kv_transfer_params"]
+    # Marked as kvrelay's proxy does: the first token's text is the caller's to send.
+    return r.json()["choices"][0]["text"], {**r.json()["kv_transfer_params"],
+                                            "first_token_sent": True}
 
 
 def test_the_right_secret_pulls(procs: dict[str, Proc]) -> None:

@@ -350,7 +350,8 @@ def test_partition_mid_pull_falls_back_within_the_lease_timeout(
         with dep.net.entered("px"):
             t0 = time.monotonic()
             r = httpx.post(dep.procs[key].url + "/v1/completions", timeout=60,
-                           json={**body, "kv_transfer_params": first["kv_transfer_params"]})
+                           json={**body, "kv_transfer_params": {
+                               **first["kv_transfer_params"], "first_token_sent": True}})
             result.update(seconds=time.monotonic() - t0, body=r.json())
 
     t = threading.Thread(target=pull)

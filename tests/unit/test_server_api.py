@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.metrics_util import metrics, wait_blocks_back
+from tests.metrics_util import metrics, sample, wait_blocks_back
 from tests.unit.test_server_fakes import (
     ByteTokenizer,
     expected_letters,
@@ -142,25 +142,26 @@ def test_sixteen_concurrent_requests(client: openai.OpenAI, url: str) -> None:
 
 # -- abort on disconnect -------------------------------------------------------------------
 def test_streaming_disconnect_aborts_and_frees_blocks(url: str) -> None:
-    before = metrics(url).get('kvrelay_requests_finished_total{reason="abort"}', 0.0)
+    before = sample(metrics(url), "kvrelay_requests_finished_total", reason="abort")
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 200, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data")]
         assert len(got) >= 3
-        assert metrics(url)["kvrelay_kv_blocks_free"] < metrics(url)["kvrelay_kv_blocks_total"]
+        m = metrics(url)
+        assert sample(m, "kvrelay_kv_blocks_free") < sample(m, "kvrelay_kv_blocks_total")
     m = wait_blocks_back(url, 5.0)
-    assert m['kvrelay_requests_finished_total{reason="abort"}'] == before + 1
-    assert m["kvrelay_requests_running"] == 0
+    assert sample(m, "kvrelay_requests_finished_total", reason="abort") == before + 1
+    assert sample(m, "kvrelay_requests_running") == 0
 
 
 def test_non_streaming_disconnect_aborts(url: str) -> None:
-    before = metrics(url).get('kvrelay_requests_finished_total{reason="abort"}', 0.0)
+    before = sample(metrics(url), "kvrelay_requests_finished_total", reason="abort")
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 200}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=body, timeout=0.15)
     m = wait_blocks_back(url, 5.0)
-    assert m['kvrelay_requests_finished_total{reason="abort"}'] == before + 1
+    assert sample(m, "kvrelay_requests_finished_total", reason="abort") == before + 1
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -170,6 +171,12 @@ MSG = [{"role": "user", "content": "hi"}]
 BAD_INPUTS = [
     (CMPL, "{not json", 400, None),
     (CMPL, "[1, 2]", 400, None),
+    (CMPL, '{"model": "tiny", "prompt": "a", "temperature": NaN}', 400, None),
+    (CMPL, '{"model": "tiny", "prompt": "a", "unknown": -Infinity}', 400, None),
+    (CMPL, '{"model": "tiny", "prompt": "a\\ud800"}', 400, "prompt"),
+    (CMPL, '{"model": "tiny", "prompt": ["ok", "\\udfff"]}', 400, "prompt[1]"),
+    (CHAT, '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "messages[0].content"),
     (CMPL, {"prompt": "a"}, 400, "model"),
     (CMPL, {"model": "tiny"}, 400, "prompt"),
     (CMPL, {"model": "tiny", "prompt": 5}, 400, "prompt"),

@@ -1,0 +1,445 @@
+"""The proxy's routing: upstream engines, legs through P and D, streams (see
+kvrelay.server.proxy for the flow, kvrelay.server.proxy_merge for the merging)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
+
+from kvrelay.server import proxy_merge as merge
+from kvrelay.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    load_json,
+    read_body,
+    sse,
+    validate,
+)
+from kvrelay.server.proxy_merge import Frame, Leg
+from kvrelay.server.responses import EventStream, until_disconnect
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RELEASE_PATH = "/v1/kv/release"  # on the prefill engine
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+
+
+class UpstreamDown(Exception):
+    """An engine did not answer (connection refused, reset, timeout, 5xx)."""
+
+
+class Refused(Exception):
+    """An engine refused the request itself (4xx): the client gets its answer."""
+
+    def __init__(self, r: httpx.Response) -> None:
+        super().__init__(r.status_code)
+        self.response = json_or_error(r)
+
+
+@dataclass(eq=False)
+class Upstream:
+    url: str
+    role: str
+    outstanding: int = 0
+    healthy: bool = True
+
+
+class Upstreams:
+    def __init__(self, role: str, urls: list[str]) -> None:
+        if not urls:
+            raise ValueError(f"at least one --{role} URL is required")
+        self.all = [Upstream(u.rstrip("/"), role) for u in urls]
+
+    def candidates(self) -> list[Upstream]:
+        """The healthy by outstanding requests, then the rest: a failed health check is
+        a hint (the engine may be back since), not a verdict. A handful of engines:
+        sorting them per request is fine."""
+        return sorted(self.all, key=lambda u: (not u.healthy, u.outstanding))
+
+    def pick(self) -> Upstream | None:
+        """Least outstanding among the healthy; None when none is healthy."""
+        best = self.candidates()[0]
+        return best if best.healthy else None
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        disable_created_metrics()  # as the engines do (kvrelay.server.metrics)
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvrelay_proxy_requests", "Choices (one per prompt and n) by the path they took",
+            ["path"], registry=r,
+        )
+        self.prefill_failures = Counter(
+            "kvrelay_proxy_prefill_failures", "Prefill engines that failed a request", registry=r
+        )
+        self.client_disconnects = Counter(
+            "kvrelay_proxy_client_disconnects", "Clients that went away mid-request", registry=r
+        )
+        self.outstanding = Gauge(
+            "kvrelay_proxy_outstanding", "Requests in flight per engine", ["role", "url"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "kvrelay_proxy_engine_healthy", "1 if the engine answers /health", ["role", "url"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvrelay_proxy_time_to_first_token_seconds",
+            "Time to the first token as the client sees it", registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+
+
+class Proxy:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        *,
+        api_key: str | None = None,
+        health_interval: float = 2.0,
+        timeout: float = 600.0,
+    ) -> None:
+        self.prefill = Upstreams("prefill", prefill)
+        self.decode = Upstreams("decode", decode)
+        self.api_key = api_key
+        self.health_interval = health_interval
+        self.timeout = timeout
+        self.metrics = ProxyMetrics()
+        self.client: httpx.AsyncClient | None = None
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    # -- plumbing ------------------------------------------------------------------
+    def _background(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _http(self) -> httpx.AsyncClient:
+        assert self.client is not None, "the proxy app is not running"
+        return self.client
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    async def health_loop(self) -> None:
+        """Each poll is logged at debug; a change of an engine's health at info."""
+        while True:
+            for up in self.prefill.all + self.decode.all:
+                try:
+                    r = await self._http().get(f"{up.url}/health", timeout=2.0)
+                    healthy, why = r.status_code == 200, f"HTTP {r.status_code}"
+                except Exception as exc:  # any failure: unhealthy, and the loop goes on
+                    healthy, why = False, f"{type(exc).__name__}: {exc}"
+                log.debug("health %s %s: %s", up.role, up.url, why)
+                if healthy != up.healthy:
+                    log.info("%s engine %s is %s (%s)", up.role, up.url,
+                             "healthy" if healthy else "unhealthy", why)
+                up.healthy = healthy
+                self.metrics.healthy.labels(up.role, up.url).set(1 if healthy else 0)
+            await asyncio.sleep(self.health_interval)
+
+    @contextlib.asynccontextmanager
+    async def _outstanding(self, up: Upstream) -> AsyncIterator[None]:
+        up.outstanding += 1
+        self.metrics.outstanding.labels(up.role, up.url).set(up.outstanding)
+        try:
+            yield
+        finally:
+            up.outstanding -= 1
+            self.metrics.outstanding.labels(up.role, up.url).set(up.outstanding)
+
+    async def _unless_gone(self, request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+        """``work``, or None (``work`` cancelled) when the client goes away first."""
+        result = await until_disconnect(request, work)
+        if result is None:
+            self.metrics.client_disconnects.inc()
+        return result
+
+    # -- the request path ----------------------------------------------------------
+    async def handle(self, request: Request, path: str) -> Response:
+        data = load_json(await read_body(request))
+        chat = path == CHAT_PATH
+        req: ChatCompletionRequest | CompletionRequest = (
+            validate(data, ChatCompletionRequest) if chat else validate(data, CompletionRequest))
+        req.check()
+        frame = Frame(chat, include_usage=req.include_usage_in_stream())
+        legs = _split(data, req, chat)
+        t0 = asyncio.get_running_loop().time()
+        streaming = False
+        try:
+            if await self._unless_gone(request, _all(
+                    self._prefill_leg(path, leg) for leg in legs)) is None:
+                return Response(status_code=499)  # P's requests were cancelled: P aborts
+            if req.stream:
+                streaming = True  # from here the stream gives back what D never got
+                return EventStream(self._stream(path, legs, frame, t0),
+                                   on_close=lambda: self._release_all(legs))
+            choices = await self._unless_gone(request, _all(
+                self._decode_leg(path, leg, frame) for leg in legs))
+            if choices is None:
+                return Response(status_code=499)
+        except Refused as exc:
+            return exc.response
+        finally:
+            if not streaming:
+                self._release_all(legs)
+        frame.model = frame.model or req.model
+        self.metrics.ttft.observe(asyncio.get_running_loop().time() - t0)
+        return JSONResponse(merge.full_body(frame, legs, choices))
+
+    def _release_all(self, legs: list[Leg]) -> None:
+        """Every lease still the proxy's (D never got it): back to its prefill engine."""
+        for leg in legs:
+            self._release(leg)
+
+    def _release(self, leg: Leg) -> None:
+        params, leg.params = leg.params, None
+        if params is not None and leg.prefill_url is not None:
+            self._background(self._post_release(leg.prefill_url, params))
+
+    async def _post_release(self, prefill_url: str, params: dict[str, Any]) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await self._http().post(
+                f"{prefill_url}{RELEASE_PATH}", json={"kv_transfer_params": params},
+                headers=self._headers(), timeout=5.0,
+            )
+
+    # -- prefill -----------------------------------------------------------------------
+    async def _prefill_leg(self, path: str, leg: Leg) -> None:
+        for attempt, up in enumerate(self.prefill.candidates()):
+            try:
+                first = await self._prefill(up, path, leg.body)
+            except UpstreamDown as exc:
+                self.metrics.prefill_failures.inc()
+                up.healthy = False
+                log.warning("prefill engine %s failed (attempt %d): %s", up.url, attempt + 1, exc)
+                continue
+            up.healthy = True
+            leg.prefilled(first, up.url)
+            self.metrics.requests.labels("disaggregated").inc()
+            if leg.ended_at_prefill:
+                self._release(leg)  # e.g. max_tokens 1: the lease is not needed
+            return
+        self.metrics.requests.labels("prefill_unavailable").inc()
+
+    async def _prefill(self, up: Upstream, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        p_body = dict(body, max_tokens=1, stream=False,
+                      kv_transfer_params={"do_remote_decode": True})
+        p_body.pop("stream_options", None)
+        p_body.pop("max_completion_tokens", None)
+        async with self._outstanding(up):
+            try:
+                r = await self._http().post(f"{up.url}{path}", json=p_body,
+                                            headers=self._headers(), timeout=self.timeout)
+            except httpx.HTTPError as exc:
+                raise UpstreamDown(f"{type(exc).__name__}: {exc}") from exc
+        if r.status_code >= 500:
+            raise UpstreamDown(f"HTTP {r.status_code}: {r.text[:200]}")
+        if r.status_code != 200:
+            raise Refused(r)
+        try:
+            first = r.json()
+            first["choices"][0]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise UpstreamDown(f"not an OpenAI answer: {r.text[:200]}") from exc
+        return dict(first)
+
+    def _decode_body(self, leg: Leg, stream: bool) -> dict[str, Any]:
+        body = dict(leg.body, stream=stream)
+        if stream:
+            body["stream_options"] = {"include_usage": True}  # the proxy sums usage
+        if leg.params is not None:
+            # The client has token 1 from P already: D must not send it again.
+            body["kv_transfer_params"] = dict(leg.params, first_token_sent=True)
+        return body
+
+    # -- whole answers ---------------------------------------------------------------
+    async def _decode_leg(self, path: str, leg: Leg, frame: Frame) -> dict[str, Any]:
+        frame.saw(leg.first or {})
+        if leg.ended_at_prefill:
+            return merge.leg_choice(leg, None)
+        up = self.decode.candidates()[0]
+        body = self._decode_body(leg, stream=False)
+        async with self._outstanding(up):
+            try:
+                r = await self._http().post(f"{up.url}{path}", json=body,
+                                            headers=self._headers(), timeout=self.timeout)
+            except httpx.HTTPError as exc:
+                self._release(leg)  # D may never have seen it; a second release is stale
+                raise Refused(_error(502, f"the decode engine {up.url} failed: "
+                                     f"{type(exc).__name__}: {exc}")) from exc
+        if r.status_code != 200:
+            self._release(leg)
+            raise Refused(r)
+        leg.params = None  # D pulled (or gave back) the lease
+        decoded = r.json()
+        frame.saw(decoded)
+        return merge.leg_choice(leg, decoded)
+
+    # -- streams -----------------------------------------------------------------------
+    async def _stream(
+        self, path: str, legs: list[Leg], frame: Frame, t0: float
+    ) -> AsyncIterator[bytes]:
+        events: asyncio.Queue[tuple[Leg, str, Any]] = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._stream_leg(path, leg, frame, events))
+                 for leg in legs]
+        first_out = False
+        try:
+            open_legs = len(legs)
+            while open_legs:
+                leg, kind, payload = await events.get()
+                if kind == "end":
+                    open_legs -= 1
+                elif kind == "error":
+                    yield sse(payload)
+                    break
+                else:  # "p": P's first token, "d": D's after it, "c": D's colocated
+                    shift = leg.shift if kind == "d" else 0
+                    for chunk in merge.reframe(frame, leg, payload, shift):
+                        if not first_out:
+                            first_out = True
+                            self.metrics.ttft.observe(asyncio.get_running_loop().time() - t0)
+                        yield sse(chunk)
+            else:
+                if frame.include_usage:
+                    yield sse(merge.usage_chunk(frame, legs))
+        except (asyncio.CancelledError, GeneratorExit):
+            self.metrics.client_disconnects.inc()
+            raise
+        finally:
+            for t in tasks:
+                t.cancel()
+            self._release_all(legs)
+        yield sse("[DONE]")
+
+    async def _stream_leg(
+        self, path: str, leg: Leg, frame: Frame, events: asyncio.Queue[tuple[Leg, str, Any]]
+    ) -> None:
+        """Put the leg's chunk choices on ``events`` ("p": P's token, "d": D's), then
+        "end", or one "error" event."""
+        try:
+            if leg.first is not None:
+                frame.saw(leg.first)
+                events.put_nowait((leg, "p", merge.seed_chunk(leg)))
+                if leg.ended_at_prefill:
+                    leg.usage = leg.first.get("usage")
+                    events.put_nowait((leg, "end", None))
+                    return
+            error = await self._stream_decode(path, leg, frame, events)
+        except Exception as exc:  # never leave the client's stream waiting
+            log.exception("leg %d failed", leg.index)
+            error = merge.error_event(f"the proxy failed: {type(exc).__name__}: {exc}", 500)
+        if error is not None:
+            self._release(leg)
+            events.put_nowait((leg, "error", error))
+        else:
+            events.put_nowait((leg, "end", None))
+
+    async def _stream_decode(
+        self, path: str, leg: Leg, frame: Frame, events: asyncio.Queue[tuple[Leg, str, Any]]
+    ) -> dict[str, Any] | None:
+        """D's chunks for the leg; returns the error event that ended it, if any."""
+        up = self.decode.candidates()[0]
+        body = self._decode_body(leg, stream=True)
+        kind = "d" if leg.first is not None else "c"
+        async with self._outstanding(up):
+            try:
+                async with self._http().stream("POST", f"{up.url}{path}", json=body,
+                                               headers=self._headers(),
+                                               timeout=self.timeout) as r:
+                    if r.status_code != 200:
+                        await r.aread()
+                        return dict(_json_body(r))
+                    leg.params = None  # D has the lease: it pulls or gives it back
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            return None
+                        chunk = json.loads(data)
+                        if "error" in chunk:
+                            return dict(chunk)
+                        frame.saw(chunk)
+                        if chunk.get("usage") and not chunk.get("choices"):
+                            leg.usage = chunk["usage"]
+                        for choice in chunk.get("choices") or []:
+                            events.put_nowait((leg, kind, choice))
+            except httpx.HTTPError as exc:
+                return merge.error_event(f"the decode engine {up.url} failed mid-stream: "
+                                         f"{type(exc).__name__}: {exc}")
+        return merge.error_event(f"the decode engine {up.url} ended the stream early")
+
+
+async def _all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run ``coros`` at once; the first failure cancels the rest and is raised as is."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(c) for c in coros]
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+def _split(data: dict[str, Any], req: Any, chat: bool) -> list[Leg]:
+    """One leg per prompt and choice; choice j of a prompt samples with seed + j."""
+    base = {k: v for k, v in data.items() if k != "kv_transfer_params"}
+    base["n"] = 1
+    prompts: list[Any] = [None] if chat else req.prompts()
+    legs = []
+    for p_index, prompt in enumerate(prompts):
+        for j in range(req.n):
+            body = dict(base)
+            if not chat:
+                body["prompt"] = prompt
+            if req.seed is not None:
+                body["seed"] = req.seed + j
+            legs.append(Leg(p_index * req.n + j, j == 0, body))
+    return legs
+
+
+def _json_body(r: httpx.Response) -> dict[str, Any]:
+    try:
+        body = r.json()
+        if isinstance(body, dict) and "error" in body:
+            return body
+    except ValueError:
+        pass
+    text = r.text[:500]
+    return merge.error_event(f"the engine answered HTTP {r.status_code}: {text}", r.status_code)
+
+
+def json_or_error(r: httpx.Response) -> Response:
+    """An engine's answer passed on: its JSON body, an OpenAI error body for an error
+    that is not one already."""
+    if r.status_code < 400:
+        try:
+            return JSONResponse(r.json(), status_code=r.status_code)
+        except ValueError:
+            return JSONResponse(merge.error_event(f"the engine answered HTTP "
+                                                  f"{r.status_code} without JSON"), 502)
+    return JSONResponse(_json_body(r), status_code=r.status_code)
+
+
+def _error(status: int, message: str) -> httpx.Response:
+    return httpx.Response(status, json=merge.error_event(message, status))
