@@ -456,10 +456,16 @@ class Receiver:
 
     # -- helpers -------------------------------------------------------------------
     def _stop_copy(self, load: Load, reason: str, now: float) -> None:
+        """The copy failed (lease lost, timeout, P unreachable). The request does not
+        wait for the transport to stop writing: if it has not stopped at once, its
+        blocks are quarantined now and the request falls back on fresh blocks."""
         load.fail_reason = reason
         self.transport.cancel(load.handle)
         self._drain(load, now)
-        self._poll(load, now)
+        if self.transport.poll(load.handle).state is TransferState.PENDING:
+            self._quarantine_blocks(load, now)
+        else:
+            self._poll(load, now)
 
     def _drain(self, load: Load, now: float) -> None:
         self._set_phase(load, Phase.DRAINING)
