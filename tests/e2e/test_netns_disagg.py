@@ -310,8 +310,6 @@ def test_relay_secret_checked_across_namespaces(dep: Deployment, model_dir: Path
     settled(dep, [], ["p1"])
 
 
-
-
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_partition_mid_pull_falls_back_within_the_lease_timeout(
         dep: Deployment, model_dir: Path, transport: str) -> None:
