@@ -252,3 +252,14 @@ def test_cuda_ipc_between_two_processes_on_one_gpu() -> None:
         proc.stdin.flush()
     finally:
         proc.wait(timeout=30)
+
+
+def test_transports_that_cannot_serve_the_cache_are_refused_by_name() -> None:
+    from kvrelay.server.disagg import check_transport
+
+    with pytest.raises(ValueError, match="--kv-transport cuda_ipc needs a KV cache on a CUDA"):
+        check_transport("cuda_ipc", torch.zeros(SHAPE))
+    with pytest.raises(ValueError, match="--kv-transport shm needs a KV cache in host memory"):
+        check_transport("shm", torch.empty(SHAPE, device="meta"))
+    for ok in ("auto", "tcp", "shm"):
+        check_transport(ok, torch.zeros(SHAPE))
