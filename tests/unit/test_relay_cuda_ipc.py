@@ -234,18 +234,20 @@ def test_cuda_ipc_between_two_processes_on_one_gpu() -> None:
         assert st.state is TransferState.DONE, st.error
         assert torch.equal(dst[dst_ids], expect[src_ids])
         # Bandwidth against a local device-to-device copy of the same bytes.
+        # Each figure the best of 10, read() and its Python included.
         dst_runs = list(range(128))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        h = tr.read(peer, "L", "d", src_ids, dst_runs)
-        torch.cuda.synchronize()
-        ipc_s = time.perf_counter() - t0
-        assert settle(tr, h).state is TransferState.DONE
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst[:128].copy_(expect[100:228])
-        torch.cuda.synchronize()
-        local_s = time.perf_counter() - t0
+        ipc_s = local_s = float("inf")
+        for _ in range(10):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            h = tr.read(peer, "L", "d", src_ids, dst_runs)
+            torch.cuda.synchronize()
+            ipc_s = min(ipc_s, time.perf_counter() - t0)
+            assert settle(tr, h).state is TransferState.DONE
+            t0 = time.perf_counter()
+            dst[:128].copy_(expect[100:228])
+            torch.cuda.synchronize()
+            local_s = min(local_s, time.perf_counter() - t0)
         print(f"cuda_ipc 2,048 tokens: {ipc_s * 1e3:.3f} ms, local copy {local_s * 1e3:.3f} "
               f"ms, ratio {local_s / ipc_s:.2f}")
         proc.stdin.write("\n")

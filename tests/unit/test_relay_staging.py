@@ -43,8 +43,8 @@ def test_chunks_keep_the_order_and_group_runs() -> None:
 
 
 class Prefill:
-    def __init__(self, staged: bool) -> None:
-        self.kv = torch.randn(NBLOCKS, BLOCK_FLOATS)
+    def __init__(self, staged: bool, device: str = "cpu") -> None:
+        self.kv = torch.randn(NBLOCKS, BLOCK_FLOATS, device=device)
         self.pool = BlockPool(NBLOCKS)
         self.lock = threading.Lock()
         self.table = LeaseTable(PoolLeaseBlocks(self.pool), engine_id="p-1",
@@ -91,6 +91,26 @@ def test_staged_reads_land_every_byte_in_scattered_blocks(p_staged: bool, d_stag
         assert torch.equal(dst[local], p.kv[remote])
         untouched = sorted(set(range(NBLOCKS)) - set(local))
         assert not dst[untouched].any()
+    finally:
+        tr.close()
+        p.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_caches_on_a_gpu_stage_through_pinned_memory_on_both_sides() -> None:
+    p = Prefill(staged=True, device="cuda")  # a CUDA cache: CudaCopier, pinned buffers
+    dst = torch.zeros(NBLOCKS, BLOCK_FLOATS, device="cuda")
+    tr = TcpTransport(dst, connect=p.client.open_data, io_timeout=5.0)  # staged: on a GPU
+    try:
+        assert isinstance(tr.blocks, StagedBlocks) and tr.blocks.on_cuda
+        local = [20, 21, 3, 9, 10, 11, 30]
+        lease_id = p.lease("r", local)
+        remote = list(range(len(local)))
+        h = tr.read(PeerInfo(p.server.address, "p-1"), lease_id, "d-1", remote, local,
+                    attempt="a")
+        wait_for(lambda: h.status.state is not TransferState.PENDING, "the read")
+        assert h.status.state is TransferState.DONE, h.status.error
+        assert torch.equal(dst[local], p.kv[remote])
     finally:
         tr.close()
         p.close()

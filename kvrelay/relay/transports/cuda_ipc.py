@@ -185,6 +185,13 @@ class IpcHandle:
 
 
 @dataclass
+class FallbackHandle:
+    """A read that went to the fallback transport (IPC refused for its prefill engine)."""
+
+    handle: Any
+
+
+@dataclass
 class _Peer:
     remote: torch.Tensor | None  # P's cache opened here, or None: use the fallback
     why: str = ""
@@ -210,14 +217,14 @@ class CudaIpcTransport:
         if p.remote is None:
             if self.fallback is None:
                 return self._failed(f"cuda_ipc refused and no fallback: {p.why}")
-            return ("fallback", self.fallback.read(peer, lease_id, holder, remote_blocks,
-                                                   local_blocks, attempt=attempt))
+            return FallbackHandle(self.fallback.read(peer, lease_id, holder, remote_blocks,
+                                                     local_blocks, attempt=attempt))
         return self._copy(p.remote, list(remote_blocks), list(local_blocks))
 
     def poll(self, handle: Any) -> TransferStatus:
-        if isinstance(handle, tuple):
+        if isinstance(handle, FallbackHandle):
             assert self.fallback is not None
-            return self.fallback.poll(handle[1])
+            return self.fallback.poll(handle.handle)
         h: IpcHandle = handle
         if h.status.state is TransferState.PENDING and self.ipc.done(h.mark):
             h.status = (TransferStatus(TransferState.FAILED, error="cuda_ipc transfer cancelled")
@@ -228,9 +235,9 @@ class CudaIpcTransport:
 
     def cancel(self, handle: Any) -> None:
         """Enqueued copies run to their end: poll says FAILED once they did."""
-        if isinstance(handle, tuple):
+        if isinstance(handle, FallbackHandle):
             assert self.fallback is not None
-            self.fallback.cancel(handle[1])
+            self.fallback.cancel(handle.handle)
         else:
             handle.cancelled = True
 
