@@ -162,11 +162,6 @@ class TcpTransport:
         self._seq = 0
         self.delay = injected_delay()
 
-    @property
-    def kv_bytes(self) -> np.ndarray | None:
-        """The host byte view of the cache (None when staged)."""
-        return self.blocks.kv_bytes if isinstance(self.blocks, HostBlocks) else None
-
     def register(self, kv_cache: Any) -> dict[str, Any]:
         self.blocks = block_io(kv_cache, self.staging)
         return {"block_bytes": self.blocks.block_bytes}
