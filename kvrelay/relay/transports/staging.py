@@ -24,6 +24,7 @@ cache (its ``finally`` waits for them): a handle that polls DONE or FAILED never
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -33,6 +34,8 @@ from typing import Any, Protocol
 import torch
 
 from kvrelay.relay.transports.base import runs
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20  # per staging buffer; two per transfer in flight
 
@@ -108,6 +111,7 @@ class StagedBlocks:
         self.copier: Copier = copier or (CudaCopier(self.blocks.device) if self.on_cuda
                                          else HostCopier())
         self._free: list[tuple[torch.Tensor, torch.Tensor]] = []  # reused buffer pairs
+        self.pinned = True  # until the allocator refuses
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -117,14 +121,23 @@ class StagedBlocks:
         with self._lock:
             pair = self._free.pop() if self._free else None
         if pair is None:
-            shape = (self.per_chunk, self.block_bytes)
-            pair = (torch.empty(shape, dtype=torch.uint8, pin_memory=self.on_cuda),
-                    torch.empty(shape, dtype=torch.uint8, pin_memory=self.on_cuda))
+            pair = (self._buffer(), self._buffer())
         try:
             yield pair
         finally:
             with self._lock:
                 self._free.append(pair)
+
+    def _buffer(self) -> torch.Tensor:
+        shape = (self.per_chunk, self.block_bytes)
+        if self.on_cuda and self.pinned:
+            try:
+                return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as e:  # a sandbox that refuses page-locked memory
+                log.warning("staging: page-locked host memory refused (%s); staging "
+                            "through pageable memory (copies are then synchronous)", e)
+                self.pinned = False
+        return torch.empty(shape, dtype=torch.uint8)
 
     def _to_host(self, buf: torch.Tensor, chunk: list[tuple[int, int, int]]) -> Any:
         for c0, b0, n in chunk:
