@@ -36,7 +36,7 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, record rc and secon
   return "$rc"
 }
 
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [ "$DEVICE" != cpu ] && compgen -G ".whl/*.whl" >/dev/null; then  # cp312 wheels
   step wheels 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl
 fi

@@ -182,12 +182,14 @@ def pd(model: Path, device: str, out: Path, transport: str, max_tokens: int,
             "leases_not_done": sum(metric(pm, f'kvrelay_leases_released_total{{reason="{r}"}}')
                                    for r in ("failed", "aborted", "expired")),
             "fallbacks": metric(dm, "kvrelay_kv_load_fallbacks_total"),
+            "transfer_bytes": metric(dm, "kvrelay_kv_transfer_bytes_total"),
             "fence_failures": metric(dm, "kvrelay_kv_fence_failures_total"),
             "transport_warnings": [ln for ln in d.tail(20000).splitlines()
                                    if "cuda_ipc" in ln and "WARNING" in ln][:3],
         }
         ok = (not mismatches and all(texts) and summary["leases_done"] == len(PROMPTS)
-              and not summary["leases_not_done"] and not summary["fallbacks"])
+              and not summary["leases_not_done"] and not summary["fallbacks"]
+              and summary["transfer_bytes"] > 0)
         summary["ok"] = ok
         return 0 if ok else 1
     except Exception:
@@ -200,7 +202,8 @@ def pd(model: Path, device: str, out: Path, transport: str, max_tokens: int,
             pr.kill()
         out.write_text(json.dumps(summary, indent=1))
         print(json.dumps({k: summary.get(k) for k in
-                          ("ok", "requests", "leases_done", "fallbacks", "seconds")}))
+                          ("ok", "requests", "leases_done", "fallbacks", "transfer_bytes",
+                           "seconds")}))
 
 
 def main() -> int:
