@@ -44,7 +44,8 @@ from kvrelay.core.request import Request
 from kvrelay.relay import protocol as P
 from kvrelay.relay.lease import Answer, LeaseTable, Status
 from kvrelay.relay.prefill import KvTransferParams, PrefillRelay, answer_reply
-from kvrelay.relay.transports.tcp import send_blocks
+from kvrelay.relay.transports.staging import StagedBlocks
+from kvrelay.relay.transports.tcp import HostBlocks
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +126,17 @@ class RelayServer:
         config: RelayServerConfig,
         *,
         kv_bytes: np.ndarray | None = None,
+        kv_blocks: HostBlocks | StagedBlocks | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.table = table
         self.lock = lock
         self.config = config
-        # (num_blocks, block_bytes) uint8 view of the KV cache, for the tcp transport.
-        self.kv_bytes = kv_bytes
+        # The KV cache's blocks for the tcp transport: ``kv_bytes``, a (num_blocks,
+        # block_bytes) uint8 view of a cache in host memory, or ``kv_blocks``
+        # (tcp.block_io: a cache in device memory is staged through host buffers).
+        self.kv_blocks = kv_blocks if kv_blocks is not None else (
+            HostBlocks(kv_bytes) if kv_bytes is not None else None)
         self.clock = clock
         self.stats = ServerStats()
         self.relay = PrefillRelay(table, address="", compat=config.compat, clock=clock)
@@ -403,7 +408,7 @@ class RelayServer:
         conn.sendall(P.encode(reply))
 
     def _serve_read(self, conn: socket.socket, msg: P.Read) -> None:
-        if self.kv_bytes is None:
+        if self.kv_blocks is None:
             ans = Answer(Status.ERROR, error="this relay does not serve tcp reads",
                          code=P.ErrorCode.READ_DENIED)
         else:
@@ -415,14 +420,14 @@ class RelayServer:
                 self._bump("reads_denied")
             conn.sendall(P.encode(answer_reply(msg.seq, ans)))
             return
-        assert self.kv_bytes is not None
-        nbytes = len(msg.block_ids) * self.kv_bytes.shape[1]
+        assert self.kv_blocks is not None
+        nbytes = len(msg.block_ids) * self.kv_blocks.block_bytes
         conn.sendall(P.encode(P.Reply(msg.seq, "ok", nbytes=nbytes)))
         # The stream must be taken within send_timeout (checked between system calls,
         # each bounded by it too): a peer that asks and does not read cannot pin this
         # thread (and its slot) for longer.
-        send_blocks(conn, self.kv_bytes, msg.block_ids,
-                    deadline=time.monotonic() + self.config.send_timeout)
+        self.kv_blocks.send(conn, msg.block_ids,
+                            deadline=time.monotonic() + self.config.send_timeout)
         self._bump("bytes_sent", nbytes)
 
     def _bump(self, counter: str, n: int = 1) -> None:

@@ -45,10 +45,12 @@ def add_role_args(p: argparse.ArgumentParser) -> None:
                    help="prefill: address of the relay port decode engines connect to")
     g.add_argument("--relay-port", type=int, default=0,
                    help="prefill: relay port (default: any free port, logged at start)")
-    g.add_argument("--kv-transport", choices=("auto", "shm", "tcp", "nixl"), default="auto",
-                   help="prefill: what to offer (auto: shm and tcp; nixl: nixl and tcp); "
-                   "decode: what to use (auto: shm for a prefill engine on this host, tcp "
-                   "otherwise; nixl needs kvrelay[nixl])")
+    g.add_argument("--kv-transport", choices=("auto", "shm", "tcp", "cuda_ipc", "nixl"),
+                   default="auto",
+                   help="prefill: what to offer besides tcp (auto: shm, or cuda_ipc for a KV "
+                   "cache on a GPU); decode: what to use (auto: shm, or cuda_ipc on a GPU, for "
+                   "a prefill engine on this host, tcp otherwise; a GPU cache's tcp stages "
+                   "through pinned host memory; nixl needs kvrelay[nixl])")
     g.add_argument("--lease-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="prefill: a lease nobody acquires (or heartbeats) is freed after this; "
                    "decode: how long to wait for a prefill engine's answer")
@@ -129,7 +131,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         torch.set_num_threads(args.threads)
     role = getattr(args, "role", "both")
     shm = None
-    if role == "prefill" and args.kv_transport in ("auto", "shm"):
+    on_cpu = str(args.device).startswith("cpu")
+    if role == "prefill" and args.kv_transport in ("auto", "shm") and on_cpu:
         from kvrelay.relay.transports.shm import ShmKvCache
 
         shm = ShmKvCache()  # decode engines on this host copy blocks straight out of it

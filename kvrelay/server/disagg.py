@@ -1,7 +1,8 @@
 """The prefill and decode roles: what each adds to the engine loop.
 
 Prefill (``--role prefill``): the KV cache lives in shared memory (for the shm
-transport) and a relay server answers decode engines. A request with
+transport; a cache on a GPU is exported through CUDA IPC instead) and a relay server
+answers decode engines. A request with
 ``kv_transfer_params: {"do_remote_decode": true}`` is prefilled, samples its first
 token and finishes with ``remote_decode``; once the in-flight fence has moved its
 blocks to a lease, its output carries the lease as ``kv_transfer_params``.
@@ -39,9 +40,10 @@ from kvrelay.relay.metrics import Family, decode_metrics, prefill_metrics
 from kvrelay.relay.receiver import Policy, Receiver, ReceiverConfig
 from kvrelay.relay.server import RelayServer, RelayServerConfig
 from kvrelay.relay.transports.auto import AutoLink, AutoTransport
-from kvrelay.relay.transports.base import byte_view
+from kvrelay.relay.transports.base import on_device
+from kvrelay.relay.transports.cuda_ipc import CudaIpcTransport
 from kvrelay.relay.transports.shm import ShmKvCache, ShmTransport
-from kvrelay.relay.transports.tcp import TcpTransport
+from kvrelay.relay.transports.tcp import TcpTransport, block_io
 from kvrelay.server.engine_loop import LoopHooks, _Add
 
 log = logging.getLogger(__name__)
@@ -163,6 +165,11 @@ def build_prefill(
     transports: dict[str, dict[str, Any]] = {"tcp": {}}
     if shm is not None:
         transports["shm"] = shm.descriptor()
+    check_transport(args.kv_transport, model.kv_cache)
+    if on_device(model.kv_cache) and args.kv_transport in ("auto", "cuda_ipc"):
+        # Exported once; where CUDA IPC is refused the descriptor says why and decode
+        # engines use tcp (staged through host memory) instead.
+        transports["cuda_ipc"] = CudaIpcTransport().register(model.kv_cache)
     nixl = None
     if args.kv_transport == "nixl":
         # One NIXL agent, the whole cache registered once; its metadata goes to each
@@ -182,7 +189,7 @@ def build_prefill(
         # a stream has lost the lease anyway; idle connections outlive its heartbeats.
         send_timeout=args.lease_timeout, idle_timeout=max(120.0, 2 * args.lease_timeout),
     )
-    server = RelayServer(table, threading.Lock(), cfg, kv_bytes=byte_view(model.kv_cache))
+    server = RelayServer(table, threading.Lock(), cfg, kv_blocks=block_io(model.kv_cache))
     server.start()
     # Registered after the CLI's shm.close, so it runs first: no read outlives the cache.
     atexit.register(server.close)
@@ -209,14 +216,25 @@ def build_decode(
         return RelayClient(compat=compat, transport=transport, client_id=engine_id,
                            secret=_secret(args), io_timeout=io_timeout)
 
+    def tcp(c: RelayClient) -> TcpTransport:
+        # A cache on a GPU is staged through pinned host buffers (staging.py).
+        return TcpTransport(model.kv_cache, connect=c.open_data, io_timeout=io_timeout)
+
+    def ipc(c: RelayClient) -> CudaIpcTransport:
+        return CudaIpcTransport(model.kv_cache, fallback=tcp(c))
+
+    check_transport(args.kv_transport, model.kv_cache)
     transport: Any
     if args.kv_transport == "auto":
-        shm_client, tcp_client = client("shm"), client("tcp")
-        link: Any = AutoLink(shm_client, tcp_client)
-        clients = [shm_client, tcp_client]
-        transport = AutoTransport(ShmTransport(model.kv_cache),
-                                  TcpTransport(model.kv_cache, connect=tcp_client.open_data,
-                                               io_timeout=io_timeout))
+        # A local prefill engine: shm for a cache in host memory, cuda_ipc for one on a
+        # GPU (tcp where IPC is refused); a remote one: tcp.
+        local = "cuda_ipc" if on_device(model.kv_cache) else "shm"
+        local_client, tcp_client = client(local), client("tcp")
+        link: Any = AutoLink(local_client, tcp_client)
+        clients = [local_client, tcp_client]
+        transport = AutoTransport(
+            ipc(local_client) if local == "cuda_ipc" else ShmTransport(model.kv_cache),
+            tcp(tcp_client))
     else:
         only = client(args.kv_transport)
         link, clients = only, [only]
@@ -224,10 +242,11 @@ def build_decode(
             from kvrelay.relay.transports.nixl import NixlTransport
 
             transport = NixlTransport(model.kv_cache)
+        elif args.kv_transport == "cuda_ipc":
+            transport = ipc(only)
         else:
             transport = (ShmTransport(model.kv_cache) if args.kv_transport == "shm"
-                         else TcpTransport(model.kv_cache, connect=only.open_data,
-                                           io_timeout=io_timeout))
+                         else tcp(only))
     receiver = Receiver(
         EngineKvLoads(engine), link, transport, holder=engine_id, compat=compat,
         config=ReceiverConfig(
@@ -237,6 +256,16 @@ def build_decode(
         ),
     )
     return engine, DecodeHooks(receiver, clients)
+
+
+def check_transport(kv_transport: str, kv_cache: Any) -> None:
+    """A transport that cannot serve this cache: an error naming the flag."""
+    if kv_transport == "shm" and on_device(kv_cache):
+        raise ValueError(f"--kv-transport shm needs a KV cache in host memory (--device "
+                         f"cpu); this one is on {kv_cache.device}: use auto, cuda_ipc or tcp")
+    if kv_transport == "cuda_ipc" and not on_device(kv_cache):
+        raise ValueError("--kv-transport cuda_ipc needs a KV cache on a CUDA device "
+                         "(--device cuda); use auto, shm or tcp")
 
 
 def _secret(args: Any) -> bytes | None:

@@ -72,10 +72,12 @@ class Decode:
         self.engine = Engine(SchedulerConfig(num_blocks=NBLOCKS, block_size=GEOM.block_size),
                              TensorFakeRunner(self.kv, pool=self.pool, vocab_size=VOCAB),
                              pool=self.pool)
-        self.client = RelayClient(compat=COMPAT, transport=transport, client_id="d-1",
-                                  secret=secret)
+        self.client = RelayClient(compat=COMPAT, transport=transport.split("_")[0],
+                                  client_id="d-1", secret=secret)
+        # tcp_staged: the path of a cache on a GPU (staging.py), on CPU tensors.
         tr = (ShmTransport(self.kv) if transport == "shm"
-              else TcpTransport(self.kv, connect=self.client.open_data))
+              else TcpTransport(self.kv, connect=self.client.open_data,
+                                staging=transport == "tcp_staged"))
         self.transport = tr
         self.receiver = Receiver(EngineKvLoads(self.engine), self.client, tr, holder="d-1",
                                  compat=COMPAT,
@@ -104,7 +106,7 @@ def prefill() -> Iterator[Prefill]:
     p.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "tcp_staged"])
 def test_handover_matches_colocated_and_frees_everything(prefill: Prefill, transport: str) -> None:
     d = Decode(transport)
     try:

@@ -1,5 +1,6 @@
-"""``--kv-transport auto`` on the decode side: shm for a prefill engine on this host,
-tcp for one elsewhere, chosen per prefill engine by its relay address."""
+"""``--kv-transport auto`` on the decode side: a same-host transport (shm for a KV cache
+in host memory, cuda_ipc for one on a GPU) for a prefill engine on this host, tcp for
+one elsewhere, chosen per prefill engine by its relay address."""
 
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ def is_local(relay: str) -> bool:
 class AutoLink:
     """A RelayLink that talks to each relay through the client of its transport."""
 
-    def __init__(self, shm: RelayClient, tcp: RelayClient) -> None:
-        self.shm, self.tcp = shm, tcp
+    def __init__(self, local: RelayClient, remote: RelayClient) -> None:
+        self.local, self.remote = local, remote
 
     def client_for(self, relay: str) -> RelayClient:
-        return self.shm if is_local(relay) else self.tcp
+        return self.local if is_local(relay) else self.remote
 
     def send(self, relay: str, msg: P.Request) -> None:
         self.client_for(relay).send(relay, msg)
@@ -42,15 +43,15 @@ class AutoLink:
 class AutoTransport:
     name = "auto"
 
-    def __init__(self, shm: Transport, tcp: Transport) -> None:
-        self.shm, self.tcp = shm, tcp
+    def __init__(self, local: Transport, remote: Transport) -> None:
+        self.local, self.remote = local, remote
 
     def register(self, kv_cache: Any) -> dict[str, Any]:
         raise NotImplementedError("auto chooses on the decode side; prefill offers both")
 
     def read(self, peer: PeerInfo, lease_id: str, holder: str, remote_blocks: Sequence[int],
              local_blocks: Sequence[int], *, attempt: str = "") -> tuple[Transport, Any]:
-        t = self.shm if is_local(peer.relay) else self.tcp
+        t = self.local if is_local(peer.relay) else self.remote
         return t, t.read(peer, lease_id, holder, remote_blocks, local_blocks, attempt=attempt)
 
     def poll(self, handle: tuple[Transport, Any]) -> TransferStatus:

@@ -87,8 +87,20 @@ def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 def byte_view(kv_cache: Any) -> Any:
-    """(num_blocks, block_bytes) uint8 numpy view of a block-major torch KV cache."""
+    """(num_blocks, block_bytes) uint8 numpy view of a block-major torch KV cache in
+    host memory. A cache in device memory has none: its transports stage (staging.py)
+    or copy device to device (cuda_ipc.py)."""
     import torch
 
-    assert isinstance(kv_cache, torch.Tensor) and kv_cache.is_contiguous()
+    if not (isinstance(kv_cache, torch.Tensor) and kv_cache.is_contiguous()):
+        raise TypeError("the KV cache must be a contiguous block-major tensor")
+    if kv_cache.device.type != "cpu":
+        raise TypeError(f"a KV cache on {kv_cache.device} has no host byte view; its tcp "
+                        "transport stages through host buffers (staging.StagedBlocks)")
     return kv_cache.view(torch.uint8).reshape(kv_cache.shape[0], -1).numpy()
+
+
+def on_device(kv_cache: Any) -> bool:
+    """True for a KV cache outside host memory (CUDA)."""
+    device = getattr(kv_cache, "device", None)
+    return device is not None and device.type != "cpu"

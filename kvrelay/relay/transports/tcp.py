@@ -2,7 +2,10 @@
 
 Bytes go from P's cache memory to the socket (``sendall`` on a numpy view of a run
 of blocks) and from the socket into D's cache memory (``recv_into`` on a view of
-the destination run): no intermediate copy, no per-block Python object.
+the destination run): no intermediate copy, no per-block Python object. A cache in
+device memory (CUDA) has no host view: it is staged through pinned host buffers with
+the copies overlapped with the socket (staging.py), on either side, independently
+(``staging=True`` forces it for a CPU cache, for tests).
 
 D reads on a data connection of its own (never the control connection, so a
 heartbeat is not stuck behind megabytes), taken from a per-peer pool.
@@ -35,8 +38,10 @@ from kvrelay.relay.transports.base import (
     TransferStatus,
     byte_view,
     injected_delay,
+    on_device,
     runs,
 )
+from kvrelay.relay.transports.staging import StagedBlocks
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +99,30 @@ def recv_blocks(
         i = _advance(bufs, i, k)
 
 
+class HostBlocks:
+    """A cache in host memory: the socket reads and writes the blocks' own bytes."""
+
+    def __init__(self, kv_bytes: np.ndarray) -> None:
+        self.kv_bytes = kv_bytes
+        self.block_bytes = int(kv_bytes.shape[1])
+
+    def send(self, sock: socket.socket, block_ids: Sequence[int],
+             deadline: float | None = None) -> None:
+        send_blocks(sock, self.kv_bytes, block_ids, deadline)
+
+    def recv(self, sock: socket.socket, block_ids: Sequence[int],
+             cancelled: threading.Event) -> None:
+        recv_blocks(sock, self.kv_bytes, block_ids, cancelled)
+
+
+def block_io(kv_cache: Any, staging: bool | None = None) -> HostBlocks | StagedBlocks:
+    """How a cache's blocks meet a socket: in place in host memory, or staged (a cache
+    in device memory; any cache with ``staging=True``)."""
+    if staging is None:
+        staging = on_device(kv_cache)
+    return StagedBlocks(kv_cache) if staging else HostBlocks(byte_view(kv_cache))
+
+
 @dataclass
 class TcpHandle:
     thread: threading.Thread | None = None
@@ -111,13 +140,16 @@ class TcpTransport:
     name = "tcp"
 
     def __init__(self, kv_cache: Any = None, connect: Connector | None = None, *,
-                 io_timeout: float = 30.0, max_per_relay: int = 16) -> None:
+                 io_timeout: float = 30.0, max_per_relay: int = 16,
+                 staging: bool | None = None) -> None:
         """``io_timeout``: the longest a data socket waits for any progress (a reply, a
         byte of the stream, room to send); the server wires it from --lease-timeout so
-        a P frozen mid-copy fails the transfer well within the lease timeout."""
+        a P frozen mid-copy fails the transfer well within the lease timeout.
+        ``staging``: stage through host buffers (default: for a cache on a device)."""
         if not io_timeout > 0:
             raise ValueError(f"io_timeout must be > 0, got {io_timeout}")
-        self.kv_bytes = byte_view(kv_cache) if kv_cache is not None else None
+        self.staging = staging
+        self.blocks = block_io(kv_cache, staging) if kv_cache is not None else None
         self.connect = connect
         self.io_timeout = io_timeout
         self._idle: dict[str, list[socket.socket]] = {}
@@ -131,8 +163,8 @@ class TcpTransport:
         self.delay = injected_delay()
 
     def register(self, kv_cache: Any) -> dict[str, Any]:
-        self.kv_bytes = byte_view(kv_cache)
-        return {"block_bytes": int(self.kv_bytes.shape[1])}
+        self.blocks = block_io(kv_cache, self.staging)
+        return {"block_bytes": self.blocks.block_bytes}
 
     def read(
         self,
@@ -176,7 +208,7 @@ class TcpTransport:
                                           threading.BoundedSemaphore(self.max_per_relay))
         slotted = False
         try:
-            assert self.kv_bytes is not None and self.connect is not None
+            assert self.blocks is not None and self.connect is not None
             if self.delay:
                 h.cancelled.wait(self.delay)
             while not (slotted := slot.acquire(timeout=0.05)):
@@ -209,7 +241,7 @@ class TcpTransport:
             if not isinstance(reply, P.Reply) or reply.status != "ok":
                 err = reply.error if isinstance(reply, P.Reply) else "unexpected frame"
                 raise ConnectionError(f"read refused: {err} {getattr(reply, 'reason', '')}")
-            if reply.nbytes != len(local) * self.kv_bytes.shape[1]:
+            if reply.nbytes != len(local) * self.blocks.block_bytes:
                 raise ConnectionError(
                     f"read of {reply.nbytes} bytes does not fit {len(local)} blocks"
                 )
@@ -241,8 +273,8 @@ class TcpTransport:
     def _recv_scattered(self, sock: socket.socket, remote: list[int], local: list[int],
                         cancelled: threading.Event) -> None:
         # P sends the remote blocks in request order: local[i] receives remote[i].
-        assert self.kv_bytes is not None
-        recv_blocks(sock, self.kv_bytes, local, cancelled)
+        assert self.blocks is not None
+        self.blocks.recv(sock, local, cancelled)
 
     def _take(self, relay: str, fresh: bool = False) -> tuple[socket.socket, bool]:
         """A data connection to ``relay`` and whether it came from the pool. Pooled
