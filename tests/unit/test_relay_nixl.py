@@ -131,7 +131,10 @@ def test_a_cancelled_read_in_flight_is_failed_only_once_it_stopped_writing(
             in_flight = d.poll(h).state is TransferState.PENDING
             d.cancel(h)
             st = wait(d, h)
-            assert st.state is TransferState.FAILED and "cancelled" in st.error
+            # A READ that completed between the poll and the cancel is DONE; either way
+            # the handle no longer writes once it is not PENDING.
+            assert st.state is TransferState.DONE or (
+                st.state is TransferState.FAILED and "cancelled" in st.error), st
             snapshot = dst.clone()
             time.sleep(0.05)
             assert torch.equal(snapshot, dst), "the READ wrote after poll said FAILED"
