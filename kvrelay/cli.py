@@ -30,6 +30,18 @@ BENCH_COMMANDS: list[str] = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
+    # Process-wide settings that must be in place before torch is imported (libgomp
+    # reads its wait policy once), hence before the command runs: see docs/model.md.
+    parser.add_argument(
+        "--kernels", choices=["auto", "native", "torch"], default=None,
+        help="layer kernels: native C++ (default where built) or pure torch "
+        "(env KVRELAY_KERNELS)",
+    )
+    parser.add_argument(
+        "--omp-wait-policy", choices=["active", "passive", "auto"], default=None,
+        help="how idle OpenMP threads wait: spin (active), sleep (passive, the default) or "
+        "chosen from the CPUs free for --threads (auto) (env KVRELAY_OMP_WAIT_POLICY)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         _register(name, sub)
@@ -46,7 +58,19 @@ def _register(module_name: str, subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _apply_process_settings(args)
     return int(args.func(args) or 0)
+
+
+def _apply_process_settings(args: argparse.Namespace) -> None:
+    import os
+
+    from kvrelay.model import kernel_choice
+
+    if args.kernels:
+        os.environ["KVRELAY_KERNELS"] = args.kernels
+    if args.omp_wait_policy:
+        kernel_choice.apply_wait_policy(args.omp_wait_policy, getattr(args, "threads", None))
 
 
 if __name__ == "__main__":

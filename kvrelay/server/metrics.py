@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvrelay.core.engine import Engine
+from kvrelay.model import kernel_choice
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 
@@ -71,6 +72,12 @@ class ServerMetrics:
             "kvrelay_model_info", "the served model (value 1)", list(labels), registry=r
         )
         self.info.labels(**labels).set(1)
+        kernels = kernel_choice.info()
+        self.kernels = Gauge(
+            "kvrelay_kernels_info", "layer kernels and OpenMP wait policy in use (value 1)",
+            list(kernels), registry=r,
+        )
+        self.kernels.labels(**kernels).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
