@@ -42,7 +42,7 @@ struct Kernels {
 };
 
 inline int64_t attend_scratch_floats(int rows, int ctx, int D) {
-  return int64_t(rows) * (ctx + 2 * D) + 16 * D + 64;
+  return int64_t(rows) * (ctx + 2 * D) + 32 * D + 64;
 }
 
 const Kernels* kernels_avx512(DType dt);

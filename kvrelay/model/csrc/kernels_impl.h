@@ -143,14 +143,46 @@ static inline void load_f32(const T* __restrict src, float* __restrict dst, int 
   for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]);
 }
 
-// Scores of query rows [r0, rows) against a chunk of `nk` key rows kf (float32, D
-// each): row r sees the chunk's keys [0, lim(r)). DT: head_dim known at compile time
-// (64, 128) or 0 (runtime, a multiple of 16). The query row stays in registers.
+// Scores of query rows [r0, rows) against a chunk of `nk` <= 16 key rows kf (float32,
+// D each): row r sees the chunk's keys [0, lim(r)). DT: head_dim known at compile time
+// (64, 128) or 0 (runtime, a multiple of 16). Few rows (decode: the G heads of one
+// token): a dot product per key, reduced once. Many rows (prefill tiles): the chunk is
+// transposed once (kT, D x 16) and each row accumulates its 16 scores in one vector,
+// with no reduction at all.
 template <int DT>
 static inline void scores_chunk(const float* __restrict q, const float* __restrict kf, int nk,
                                 int r0, int rows, int G, int first_pos_minus_pos0, int Drt,
-                                float* __restrict s, int s_stride) {
+                                float* __restrict s, int s_stride, float* __restrict kT) {
   const int D = DT ? DT : Drt;
+  if (rows - r0 >= 8) {
+    for (int d = 0; d < D; ++d)
+      for (int j = 0; j < 16; ++j) kT[d * 16 + j] = j < nk ? kf[j * D + d] : 0.f;
+    // Four rows at a time: four independent FMA chains share each kT load.
+    for (int r = r0; r < rows; r += 4) {
+      const int nr = rows - r < 4 ? rows - r : 4;
+      const float* q0 = q + r * D;
+      const float* q1 = q + (r + (nr > 1 ? 1 : 0)) * D;
+      const float* q2 = q + (r + (nr > 2 ? 2 : 0)) * D;
+      const float* q3 = q + (r + (nr > 3 ? 3 : 0)) * D;
+      v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int d = 0; d < D; ++d) {
+        v16 k;
+        __builtin_memcpy(&k, kT + d * 16, 64);
+        a0 += q0[d] * k;
+        a1 += q1[d] * k;
+        a2 += q2[d] * k;
+        a3 += q3[d] * k;
+      }
+      const v16 acc[4] = {a0, a1, a2, a3};
+      for (int i = 0; i < nr; ++i) {
+        int lim = (r + i) / G - first_pos_minus_pos0 + 1;
+        lim = lim < nk ? lim : nk;
+        float* sr = s + (r + i) * s_stride;
+        for (int j = 0; j < lim; ++j) sr[j] = acc[i][j];
+      }
+    }
+    return;
+  }
   for (int r = r0; r < rows; ++r) {
     // query token r / G sees positions <= pos0 + r / G, i.e. chunk keys j <= lim
     int lim = r / G - first_pos_minus_pos0 + 1;
@@ -171,7 +203,8 @@ static inline void scores_chunk(const float* __restrict q, const float* __restri
   }
 }
 
-// acc[r] += sum_j w[r][j] * vf[j] for the chunk, the accumulator row in registers.
+// acc[r] += sum_j w[r][j] * vf[j] for the chunk. With head_dim known at compile time
+// the accumulator row lives in DT / 16 vector registers (independent FMA chains).
 template <int DT>
 static inline void weighted_sum_chunk(const float* __restrict w, int w_stride,
                                       const float* __restrict vf, int nk, int r0, int rows,
@@ -182,19 +215,27 @@ static inline void weighted_sum_chunk(const float* __restrict w, int w_stride,
     int lim = r / G - first_pos_minus_pos0 + 1;
     lim = lim < nk ? lim : nk;
     const float* wr = w + r * w_stride;
-    for (int d0 = 0; d0 < D; d0 += 64) {
-      const int dn = D - d0 < 64 ? D - d0 : 64;
-      float a[64];
-#pragma omp simd
-      for (int d = 0; d < dn; ++d) a[d] = acc[r * D + d0 + d];
+    if constexpr (DT != 0) {
+      constexpr int NV = DT / 16;
+      v16 a[NV];
+      for (int v = 0; v < NV; ++v) __builtin_memcpy(&a[v], acc + r * D + v * 16, 64);
       for (int j = 0; j < lim; ++j) {
         const float x = wr[j];
-        const float* vj = vf + j * D + d0;
-#pragma omp simd
-        for (int d = 0; d < dn; ++d) a[d] += x * vj[d];
+        for (int v = 0; v < NV; ++v) {
+          v16 b;
+          __builtin_memcpy(&b, vf + j * D + v * 16, 64);
+          a[v] += x * b;
+        }
       }
+      for (int v = 0; v < NV; ++v) __builtin_memcpy(acc + r * D + v * 16, &a[v], 64);
+    } else {
+      float* ar = acc + r * D;
+      for (int j = 0; j < lim; ++j) {
+        const float x = wr[j];
+        const float* vj = vf + j * D;
 #pragma omp simd
-      for (int d = 0; d < dn; ++d) acc[r * D + d0 + d] = a[d];
+        for (int d = 0; d < D; ++d) ar[d] += x * vj[d];
+      }
     }
   }
 }
@@ -215,7 +256,8 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
   float* q = scratch;                  // rows x D, scaled
   float* acc = q + rows * D;           // rows x D
   float* kf = acc + rows * D;          // kChunk x D
-  float* s = kf + kChunk * D;          // rows x ctx
+  float* kT = kf + kChunk * D;         // D x kChunk
+  float* s = kT + kChunk * D;          // rows x ctx
   const T* qb = (const T*)qv;
   for (int i = 0; i < t.n; ++i)
     for (int j = 0; j < G; ++j) {
@@ -247,7 +289,7 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
       const int rel = p - t.pos0;  // token i sees chunk key j iff j <= i - rel
       const int r0 = (rel > 0 ? rel : 0) * G;
       if (pass == 0)
-        scores_chunk<DT>(q, kf, nk, r0, rows, G, rel, D, s + p, ctx);
+        scores_chunk<DT>(q, kf, nk, r0, rows, G, rel, D, s + p, ctx, kT);
       else
         weighted_sum_chunk<DT>(s + p, ctx, kf, nk, r0, rows, G, rel, D, acc);
       p += nk;
