@@ -25,7 +25,7 @@ if os.environ.get("KVRELAY_BUILD_NATIVE") == "1":
             # assume int indices do not overflow); no-math-errno and no-trapping-math
             # let it vectorize floorf and selects. No -ffast-math: no reassociation.
             extra_compile_args=[
-                "-O3", "-fno-wrapv", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+                "-O3", "-fno-wrapv", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi",
             ],
             extra_link_args=["-fopenmp"],
         )
