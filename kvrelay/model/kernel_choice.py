@@ -48,12 +48,10 @@ def decide_wait_policy(
         )
     if requested != "auto":
         return WaitChoice(requested.upper(), requested, "requested")
-    busy = float(max(other_engines, round(load)))
-    free = cpus - busy
-    if free >= threads:
-        why = f"{cpus} CPUs in the affinity mask, ~{busy:.1f} busy, {threads} threads"
+    busy = max(other_engines, round(load))
+    why = f"{cpus} CPUs in the affinity mask, ~{busy} busy, {threads} threads"
+    if cpus - busy >= threads:
         return WaitChoice("ACTIVE", "auto", why + ": a core per thread")
-    why = f"{cpus} CPUs in the affinity mask, ~{busy:.1f} busy, {threads} threads"
     return WaitChoice("PASSIVE", "auto", why + ": cores are shared, threads sleep")
 
 

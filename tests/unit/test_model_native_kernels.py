@@ -203,3 +203,15 @@ def test_fallback_when_extension_missing(monkeypatch: pytest.MonkeyPatch) -> Non
     b = backend_mod.select_backend(cfg, rope, torch.float32, torch.device("cpu"), "native")
     assert b.name == "torch"
     assert kernel_choice.info()["backend"] == "torch"
+
+
+def test_attention_refuses_block_ids_outside_the_cache() -> None:
+    cfg = _cfg(4, 2, 16)
+    _, nat = _backends(cfg, torch.float32)
+    cache = torch.zeros(4, cfg.num_layers, 2, 4, 2, 16)
+    qkv = torch.randn(2, 8 * 16)
+    pos = torch.tensor([0, 1])
+    meta = nat.build_metadata([ChunkSpec(0, 2, [9])], pos, 4)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        nat.attention(qkv, cache, 0, meta)
+    assert cache.abs().sum() == 0  # nothing written

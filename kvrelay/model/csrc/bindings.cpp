@@ -159,8 +159,14 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   const int64_t* sq = seqs.data_ptr<int64_t>();
   const int64_t S = seqs.size(0), W = tables.size(1);
   const int64_t max_pos = cos.size(0);
-  for (int64_t t = 0; t < T; ++t)
+  // Bounds, so that a bad block table is an error and never a read or write outside
+  // the cache: O(tokens + blocks) per layer, nothing next to the attention itself.
+  const int64_t n_blocks = cache.size(0), total_rows = cache.numel() / row;
+  for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rope table");
+    TORCH_CHECK(kr[t] >= 0 && kr[t] + layer * 2 * bs + bs < total_rows, "KV row ", kr[t],
+                " of token ", t, " is outside the cache");
+  }
   // Tiles: up to 64 query rows (tokens x the G heads sharing a KV head) each.
   const int G = int(H / KVH), tile_tokens = G >= 64 ? 1 : 64 / G;
   std::vector<AttnTile> tiles;
@@ -171,6 +177,10 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
     TORCH_CHECK(tok0 >= 0 && n >= 1 && tok0 + n <= T && pos0 >= 0 && (pos0 + n + bs - 1) / bs <= W,
                 "seqs row ", s, " does not fit the step or its block table");
     max_ctx = std::max(max_ctx, pos0 + n);
+    const int64_t* row_table = tables.data_ptr<int64_t>() + s * W;
+    for (int64_t b = 0; b < (pos0 + n + bs - 1) / bs; ++b)
+      TORCH_CHECK(row_table[b] >= 0 && row_table[b] < n_blocks, "block id ", row_table[b],
+                  " of seqs row ", s, " is outside the cache (", n_blocks, " blocks)");
     work += double(n) * (pos0 + n) * H * D;
     for (int i = 0; i < n; i += tile_tokens)
       for (int h = 0; h < KVH; ++h)
