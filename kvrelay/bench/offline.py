@@ -34,6 +34,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--skip-transformers", action="store_true",
                    help="only kvrelay's run (no reference, no ratio)")
+    p.add_argument(
+        "--kernels-vs-torch", type=int, default=0, metavar="ROUNDS",
+        help="also run kvrelay on its pure-torch kernels, alternating with the native ones "
+        "ROUNDS times, and print native/torch (best round of each)",
+    )
     p.set_defaults(func=run)
 
 
@@ -68,31 +73,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvrelay.model.llm import LLM
-    from kvrelay.sampling_params import SamplingParams
-
-    per_seq = args.prompt_len + args.output_len
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        num_blocks=args.num_prompts * (-(-per_seq // 16)) + 16,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-    prompts = make_prompts(llm.tokenizer, args.num_prompts, args.prompt_len)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    ours_s = time.perf_counter() - start
+    llm, prompts, outs, ours_s = _kvrelay_run(args, None)
     ours_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(
         f"workload: {args.num_prompts} prompts x {args.prompt_len} tokens, "
         f"{args.output_len} output tokens, greedy, ignore_eos; model {llm.model.name}; "
-        f"{args.dtype}; {args.device}; {args.threads} threads"
+        f"{args.dtype}; {args.device}; {args.threads} threads; "
+        f"kernels {llm.model.runner.model.backend.name}"
     )
     print(f"{'engine':<14}{'seconds':>10}{'output tok/s':>15}")
     print(f"{'kvrelay':<14}{ours_s:>10.2f}{ours_tokens / ours_s:>15.1f}")
+    if args.kernels_vs_torch:
+        _kernels_vs_torch(args, ours_tokens)
     if args.skip_transformers:
         return 0
     ref_s, ref_out = _transformers_run(llm, prompts, args)
@@ -105,6 +97,58 @@ def _run(args: argparse.Namespace) -> int:
     ratio = (ours_tokens / ours_s) / (ref_tokens / ref_s)
     print(f"throughput ratio kvrelay/transformers: {ratio:.2f}")
     return 0
+
+
+def _kvrelay_run(args: argparse.Namespace, kernels: str | None) -> tuple[Any, Any, Any, float]:
+    """One kvrelay run of the workload; ``kernels`` as KVRELAY_KERNELS (read at load)."""
+    import os
+
+    from kvrelay.model.llm import LLM
+    from kvrelay.sampling_params import SamplingParams
+
+    previous = os.environ.get("KVRELAY_KERNELS")
+    if kernels is not None:
+        os.environ["KVRELAY_KERNELS"] = kernels
+    try:
+        per_seq = args.prompt_len + args.output_len
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            num_blocks=args.num_prompts * (-(-per_seq // 16)) + 16,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    finally:
+        if previous is None:
+            os.environ.pop("KVRELAY_KERNELS", None)
+        else:
+            os.environ["KVRELAY_KERNELS"] = previous
+    prompts = make_prompts(llm.tokenizer, args.num_prompts, args.prompt_len)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return llm, prompts, outs, time.perf_counter() - start
+
+
+def _kernels_vs_torch(args: argparse.Namespace, tokens: int) -> None:
+    """Native and torch kernels alternately, best round of each: the machine's load
+    moves single runs by 2x, alternation spreads it over both."""
+    best = {"native": float("inf"), "torch": float("inf")}
+    texts: dict[str, list[list[int]]] = {}
+    for _ in range(args.kernels_vs_torch):
+        for kernels in ("torch", "native"):
+            llm, _, outs, seconds = _kvrelay_run(args, kernels)
+            name = llm.model.runner.model.backend.name
+            best[name] = min(best.get(name, float("inf")), seconds)
+            texts[name] = [o.outputs[0].token_ids for o in outs]
+            print(f"{'kvrelay ' + name:<14}{seconds:>10.2f}{tokens / seconds:>15.1f}")
+    if "native" not in texts:
+        print("native kernels unavailable: nothing to compare")
+        return
+    same = sum(a == b for a, b in zip(texts["native"], texts["torch"], strict=True))
+    print(f"identical outputs native/torch: {same}/{len(texts['torch'])}")
+    print(f"throughput ratio native/torch kernels: {best['torch'] / best['native']:.2f}")
 
 
 def _transformers_run(

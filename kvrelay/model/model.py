@@ -8,13 +8,14 @@ layer is four matmuls.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kvrelay.model.attention import AttnMetadata, paged_attention
+from kvrelay.model.attention import ChunkSpec
+from kvrelay.model.backend import KernelBackend, StepMetadata, select_backend
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.rope import RotaryTable
 
@@ -80,8 +81,10 @@ class LlamaModel:
         device: torch.device,
         max_len: int,
         rope_freq_factors: torch.Tensor | None = None,
+        kernels: str | None = None,
     ) -> None:
-        """``state`` uses Hugging Face parameter names and layout."""
+        """``state`` uses Hugging Face parameter names and layout; ``kernels``: see
+        backend.select_backend."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -126,46 +129,34 @@ class LlamaModel:
                 )
             )
         self.rope = RotaryTable(cfg, max_len, dtype, device, rope_freq_factors)
-        self._split = [
-            (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim,
-            cfg.num_kv_heads * cfg.head_dim,
-        ]
+        self.backend: KernelBackend = select_backend(cfg, self.rope, dtype, device, kernels)
+
+    def build_metadata(
+        self, chunks: Sequence[ChunkSpec], positions: torch.Tensor, block_size: int
+    ) -> StepMetadata:
+        return self.backend.build_metadata(chunks, positions, block_size)
 
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttnMetadata,
+        meta: StepMetadata,
         logit_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Run every token, write its K/V, return float32 logits of ``logit_rows``."""
-        cfg = self.cfg
-        T = input_ids.shape[0]
-        kv_rows = kv_cache.view(-1, cfg.num_kv_heads * cfg.head_dim)
-        cos, sin = self.rope.lookup(positions)
-        heads_qk = cfg.num_heads + cfg.num_kv_heads
+        k = self.backend
+        # The residual stream: a fresh tensor (the gather copies), updated in place by
+        # add_rms_norm, which fuses each residual add with the norm that follows it.
         h = self.embed[input_ids]
+        x = k.rms_norm(h, self.layers[0].attn_norm)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = self._rms_norm(h, layer.attn_norm)
-            qk, v = layer.qkv(x).split(self._split, dim=-1)
-            # q and k are adjacent in the fused projection: rotate them together.
-            qk = self.rope.apply(qk.view(T, heads_qk, cfg.head_dim), cos, sin)
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-            o = paged_attention(q, k, v, kv_rows, i, meta)
-            h = h + layer.o(o)
-            x = self._rms_norm(h, layer.ffn_norm)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        h = self._rms_norm(h[logit_rows], self.norm)
+            o = k.attention(layer.qkv(x), kv_cache, i, meta)
+            x = k.add_rms_norm(h, layer.o(o), layer.ffn_norm)
+            mlp = layer.down(k.silu_mul(layer.gate_up(x)))
+            if i < last:
+                x = k.add_rms_norm(h, mlp, self.layers[i + 1].attn_norm)
+            else:
+                h += mlp
+        h = k.rms_norm(h[logit_rows], self.norm)
         return self.lm_head(h).float()
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # As in transformers: normalize in float32, cast back, then scale. rms_norm of
-        # a bfloat16 tensor computes in float32 inside and rounds once, which is the
-        # same as casting around it, without two copies.
-        shape, eps = (x.shape[-1],), self.cfg.rms_norm_eps
-        if x.dtype is torch.float32:
-            return F.rms_norm(x, shape, weight, eps)
-        return weight * F.rms_norm(x, shape, None, eps)

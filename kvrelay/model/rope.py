@@ -59,6 +59,11 @@ class RotaryTable:
         # negation and a concatenation per application.
         signed = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
         self.signed_sin = signed.to(dtype=dtype, device=device)
+        self._f32 = (emb.cos().contiguous(), signed.contiguous())
+
+    def float32_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin as float32 (max_len, D) on the CPU, for native kernels."""
+        return self._f32
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for (T,) positions, shaped (T, 1, D): once per step."""

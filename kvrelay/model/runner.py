@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvrelay.core.runner import PLACEHOLDER, Batch, SampledToken, ScheduledRequest
-from kvrelay.model.attention import ChunkSpec, build_metadata
+from kvrelay.model.attention import ChunkSpec
 from kvrelay.model.model import LlamaModel
 from kvrelay.model.sampler import Sampler
 from kvrelay.sampling_params import SamplingParams
@@ -84,13 +84,10 @@ class ModelRunner:
         logit_rows: list[int],
     ) -> torch.Tensor:
         dev = self.device
-        cfg = self.model.cfg
-        meta = build_metadata(
-            chunks, self.block_size, cfg.num_layers, cfg.num_kv_heads, dev, self.model.dtype
-        )
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        meta = self.model.build_metadata(chunks, pos, self.block_size)
         return self.model.forward(
             torch.tensor(token_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv_cache,
             meta,
             torch.tensor(logit_rows, dtype=torch.long, device=dev),

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from kvrelay.core.engine import Engine
 from kvrelay.core.scheduler import Scheduler
+from kvrelay.model import kernel_choice
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 
@@ -116,6 +117,9 @@ class ServerMetrics:
         ).labels(model_name)
         Gauge("kvrelay_model_info", "the served model (value 1)", m,
               registry=r).labels(model_name).set(1)
+        kernels = kernel_choice.info()
+        Gauge("kvrelay_kernels_info", "layer kernels and OpenMP wait policy in use (value 1)",
+              [*m, *kernels], registry=r).labels(model_name, *kernels.values()).set(1)
         r.register(_Preemptions(sched, model_name))
 
     def register(self, collector: Collector) -> None:

@@ -1,0 +1,161 @@
+"""The kernel seam: one interface, with the pure-torch kernels and the native CPU
+kernels (native.py) as peers behind it; a CUDA backend plugs in the same way.
+
+A backend owns what differs between implementations of a layer's non-GEMM work:
+the step's attention metadata, rope + KV write + paged attention, RMSNorm (fused
+with the residual add) and silu * mul. The GEMMs stay in model.py (oneDNN on CPU).
+
+Chosen once per model at load (``select_backend``): ``KVRELAY_KERNELS`` = ``auto``
+(native where it loads and supports the dtype and device, else torch), ``native``
+(the same, but a warning when it cannot) or ``torch``. The choice is logged and
+exported on /metrics (``kvrelay_kernels_info``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvrelay.model import kernel_choice
+from kvrelay.model.attention import AttnMetadata, ChunkSpec, build_metadata, paged_attention
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.rope import RotaryTable
+
+log = logging.getLogger("kvrelay.model")
+
+KERNEL_CHOICES = ("auto", "native", "torch")
+
+
+class StepMetadata(Protocol):
+    """What a backend precomputes once per step for every layer's attention."""
+
+
+class KernelBackend(Protocol):
+    name: str  # "torch" | "native" (| "cuda")
+    isa: str  # the instruction set the kernels run with; "" when not applicable
+
+    def build_metadata(
+        self, chunks: Sequence[ChunkSpec], positions: torch.Tensor, block_size: int
+    ) -> StepMetadata: ...
+
+    def attention(
+        self, qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: StepMetadata
+    ) -> torch.Tensor:
+        """qkv: (T, (H + 2 KVH) D), the fused projection (the backend may overwrite
+        it). Applies rope to q and k, writes k and v into ``layer`` of the block-major
+        cache, returns attention output (T, H D)."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """``h += r`` in place (the residual stream), then returns rms_norm(h)."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(T, 2I) -> (T, I): silu(gate) * up."""
+        ...
+
+
+class TorchStep:
+    __slots__ = ("attn", "cos", "sin")
+
+    def __init__(self, attn: AttnMetadata, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.attn = attn
+        self.cos = cos
+        self.sin = sin
+
+
+class TorchBackend:
+    """The reference: ATen ops only, runs on any device and dtype."""
+
+    name = "torch"
+    isa = ""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryTable, dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.rope = rope
+        self.dtype = dtype
+        self._split = [(cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim,
+                       cfg.num_kv_heads * cfg.head_dim]
+
+    def build_metadata(
+        self, chunks: Sequence[ChunkSpec], positions: torch.Tensor, block_size: int
+    ) -> TorchStep:
+        cfg = self.cfg
+        attn = build_metadata(
+            chunks, block_size, cfg.num_layers, cfg.num_kv_heads, positions.device, self.dtype
+        )
+        cos, sin = self.rope.lookup(positions)
+        return TorchStep(attn, cos, sin)
+
+    def attention(
+        self, qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: StepMetadata
+    ) -> torch.Tensor:
+        assert isinstance(meta, TorchStep)
+        cfg = self.cfg
+        T, D = qkv.shape[0], cfg.head_dim
+        qk, v = qkv.split(self._split, dim=-1)
+        # q and k are adjacent in the fused projection: rotate them together.
+        qk = self.rope.apply(qk.view(T, cfg.num_heads + cfg.num_kv_heads, D), meta.cos, meta.sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = v.view(T, cfg.num_kv_heads, D)
+        kv_rows = kv_cache.view(-1, cfg.num_kv_heads * D)
+        return paged_attention(q, k, v, kv_rows, layer, meta.attn)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # As in transformers: normalize in float32, cast back, then scale. rms_norm of
+        # a bfloat16 tensor computes in float32 inside and rounds once, which is the
+        # same as casting around it, without two copies.
+        shape, eps = (x.shape[-1],), self.cfg.rms_norm_eps
+        if x.dtype is torch.float32:
+            return F.rms_norm(x, shape, weight, eps)
+        return weight * F.rms_norm(x, shape, None, eps)
+
+    def add_rms_norm(
+        self, h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        h += r
+        return self.rms_norm(h, weight)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def select_backend(
+    cfg: ModelConfig,
+    rope: RotaryTable,
+    dtype: torch.dtype,
+    device: torch.device,
+    requested: str | None = None,
+) -> KernelBackend:
+    """The backend for this model, by ``requested`` or ``KVRELAY_KERNELS`` (default
+    ``auto``); recorded for the log and /metrics."""
+    choice = (requested or os.environ.get("KVRELAY_KERNELS") or "auto").lower()
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(
+            f"kernels {choice!r} (KVRELAY_KERNELS or --kernels) is not one of "
+            f"{', '.join(KERNEL_CHOICES)}"
+        )
+    reason = "requested"
+    if choice != "torch":
+        from kvrelay.model import native
+
+        why_not = native.unavailable(cfg, dtype, device)
+        if why_not is None:
+            backend: KernelBackend = native.NativeBackend(cfg, rope, dtype)
+            kernel_choice.record_kernels(backend.name, backend.isa, "")
+            return backend
+        reason = why_not
+        if choice == "native":
+            log.warning("native kernels requested but unavailable: %s; using torch", why_not)
+    kernel_choice.record_kernels("torch", "", reason)
+    return TorchBackend(cfg, rope, dtype)

@@ -1,0 +1,224 @@
+// Python bindings and the parallel regions. Each entry point is one OpenMP
+// parallel region (attention: rope + KV write, then the tiles, in one region), so
+// a layer wakes the thread pool a few times instead of once per ATen op. Small
+// inputs run on the calling thread: waking a sleeping thread costs more than they do.
+#include <omp.h>
+#include <torch/extension.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace kvr {
+namespace {
+
+bool env_is(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, value) == 0;
+}
+
+// The widest kernels this CPU runs; KVRELAY_NATIVE_ISA=avx2 forces the AVX2 path
+// (tests run every path the machine has).
+std::string detect_isa() {
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx512 && !env_is("KVRELAY_NATIVE_ISA", "avx2")) return "avx512";
+  if (avx2) return "avx2";
+  return "none";
+}
+
+std::string& isa_slot() {
+  static std::string name = detect_isa();
+  return name;
+}
+
+const std::string& isa() { return isa_slot(); }
+
+// Tests run every path the CPU has: "avx2" on an AVX-512 machine is allowed, a path
+// the CPU lacks is refused. Not thread-safe: call between steps, not during one.
+bool set_isa(const std::string& name) {
+  const std::string best = detect_isa();
+  const bool ok = name == best || (name == "avx2" && best == "avx512");
+  if (ok) isa_slot() = name;
+  return ok;
+}
+
+const Kernels* kernels_for(const torch::Tensor& t) {
+  DType dt;
+  if (t.scalar_type() == torch::kFloat32) {
+    dt = DType::F32;
+  } else if (t.scalar_type() == torch::kBFloat16) {
+    dt = DType::BF16;
+  } else {
+    TORCH_CHECK(false, "kvrelay native kernels take float32 or bfloat16, got ", t.scalar_type());
+  }
+  if (isa() == "avx512") return kernels_avx512(dt);
+  TORCH_CHECK(isa() == "avx2", "kvrelay native kernels need AVX2 or AVX-512");
+  return kernels_avx2(dt);
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
+              " must be a CPU matrix with contiguous rows");
+}
+
+constexpr int64_t kParallelElems = 1 << 16;  // below this, one thread
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.dtype() == x.dtype(),
+              "weight must match x's last dimension and dtype");
+  const Kernels* k = kernels_for(x);
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t T = x.size(0), n = x.size(1), es = x.element_size();
+  const char* xp = (const char*)x.data_ptr();
+  char* op = (char*)out.data_ptr();
+#pragma omp parallel for if (T * n >= kParallelElems)
+  for (int64_t t = 0; t < T; ++t)
+    k->rms_norm_row(xp + t * x.stride(0) * es, w.data_ptr(), op + t * n * es, int(n), float(eps));
+  return out;
+}
+
+// h += r in place, returns rms_norm(h) * w.
+torch::Tensor add_rms_norm(torch::Tensor& h, const torch::Tensor& r, const torch::Tensor& w,
+                           double eps) {
+  check_rows(h, "h");
+  check_rows(r, "r");
+  TORCH_CHECK(h.sizes() == r.sizes() && h.dtype() == r.dtype(), "h and r must match");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == h.size(1) && w.dtype() == h.dtype(),
+              "weight must match h's last dimension and dtype");
+  const Kernels* k = kernels_for(h);
+  auto out = torch::empty({h.size(0), h.size(1)}, h.options());
+  const int64_t T = h.size(0), n = h.size(1), es = h.element_size();
+  char* hp = (char*)h.data_ptr();
+  const char* rp = (const char*)r.data_ptr();
+  char* op = (char*)out.data_ptr();
+#pragma omp parallel for if (T * n >= kParallelElems)
+  for (int64_t t = 0; t < T; ++t)
+    k->add_rms_norm_row(hp + t * h.stride(0) * es, rp + t * r.stride(0) * es, w.data_ptr(),
+                        op + t * n * es, int(n), float(eps));
+  return out;
+}
+
+torch::Tensor silu_mul(const torch::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_mul needs an even last dimension (gate, up)");
+  const Kernels* k = kernels_for(x);
+  const int64_t T = x.size(0), n = x.size(1) / 2, es = x.element_size();
+  auto out = torch::empty({T, n}, x.options());
+  const char* xp = (const char*)x.data_ptr();
+  char* op = (char*)out.data_ptr();
+#pragma omp parallel for if (T * n >= kParallelElems)
+  for (int64_t t = 0; t < T; ++t) k->silu_mul_row(xp + t * x.stride(0) * es, op + t * n * es, int(n));
+  return out;
+}
+
+std::vector<float>& scratch(int64_t floats) {
+  thread_local std::vector<float> buf;
+  if (int64_t(buf.size()) < floats) buf.resize(floats);
+  return buf;
+}
+
+// One layer's attention. qkv (T, (H + 2 KVH) D): q and k are rotated in place, k and v
+// written to the cache at k_rows (layer-0 K rows of KVH * D values, as
+// attention.AttnMetadata.write_rows), then every query token attends to its
+// sequence's context read in place from the blocks. seqs (S, 3): first token, token
+// count, position of the first token; tables (S, W) block ids.
+torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
+                        const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& k_rows, const torch::Tensor& seqs,
+                        const torch::Tensor& tables, torch::Tensor& cache, int64_t layer,
+                        int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t layers) {
+  check_rows(qkv, "qkv");
+  const int64_t T = qkv.size(0);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv width must be (H + 2 KVH) * D");
+  TORCH_CHECK(H % KVH == 0 && D % 16 == 0 && D <= 512,
+              "native attention needs head_dim a multiple of 16, at most 512");
+  TORCH_CHECK(cache.is_contiguous() && cache.dtype() == qkv.dtype(), "cache: contiguous, qkv's dtype");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == torch::kFloat32 &&
+                  sin.dtype() == torch::kFloat32 && cos.size(1) == D,
+              "cos/sin: contiguous float32 (max_len, D)");
+  TORCH_CHECK(positions.dtype() == torch::kInt64 && k_rows.dtype() == torch::kInt64 &&
+                  seqs.dtype() == torch::kInt64 && tables.dtype() == torch::kInt64,
+              "positions, k_rows, seqs and tables must be int64");
+  TORCH_CHECK(positions.is_contiguous() && k_rows.is_contiguous() && seqs.is_contiguous() &&
+                  tables.is_contiguous() && positions.numel() == T && k_rows.numel() >= T,
+              "positions, k_rows, seqs, tables: contiguous, one position and row per token");
+  const Kernels* k = kernels_for(qkv);
+  auto out = torch::empty({T, H * D}, qkv.options());
+  const int64_t es = qkv.element_size(), row = KVH * D;
+  AttnGeom g{int(H), int(KVH), int(D), int(bs), qkv.stride(0), H * D,
+             layers * 2 * bs * row, layer * 2 * bs * row, float(1.0 / std::sqrt(double(D)))};
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* kr = k_rows.data_ptr<int64_t>();
+  const int64_t* sq = seqs.data_ptr<int64_t>();
+  const int64_t S = seqs.size(0), W = tables.size(1);
+  const int64_t max_pos = cos.size(0);
+  // Bounds, so that a bad block table is an error and never a read or write outside
+  // the cache: O(tokens + blocks) per layer, nothing next to the attention itself.
+  const int64_t n_blocks = cache.size(0), total_rows = cache.numel() / row;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rope table");
+    TORCH_CHECK(kr[t] >= 0 && kr[t] + layer * 2 * bs + bs < total_rows, "KV row ", kr[t],
+                " of token ", t, " is outside the cache");
+  }
+  // Tiles: up to 64 query rows (tokens x the G heads sharing a KV head) each.
+  const int G = int(H / KVH), tile_tokens = G >= 64 ? 1 : 64 / G;
+  std::vector<AttnTile> tiles;
+  int max_ctx = 1;
+  double work = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int tok0 = int(sq[3 * s]), n = int(sq[3 * s + 1]), pos0 = int(sq[3 * s + 2]);
+    TORCH_CHECK(tok0 >= 0 && n >= 1 && tok0 + n <= T && pos0 >= 0 && (pos0 + n + bs - 1) / bs <= W,
+                "seqs row ", s, " does not fit the step or its block table");
+    max_ctx = std::max(max_ctx, pos0 + n);
+    const int64_t* row_table = tables.data_ptr<int64_t>() + s * W;
+    for (int64_t b = 0; b < (pos0 + n + bs - 1) / bs; ++b)
+      TORCH_CHECK(row_table[b] >= 0 && row_table[b] < n_blocks, "block id ", row_table[b],
+                  " of seqs row ", s, " is outside the cache (", n_blocks, " blocks)");
+    work += double(n) * (pos0 + n) * H * D;
+    for (int i = 0; i < n; i += tile_tokens)
+      for (int h = 0; h < KVH; ++h)
+        tiles.push_back({tok0 + i, std::min(tile_tokens, n - i), pos0 + i, h,
+                         tables.data_ptr<int64_t>() + s * W});
+  }
+  const int64_t n_tiles = int64_t(tiles.size());
+  const int64_t need = attend_scratch_floats(tile_tokens * G, max_ctx, int(D));
+  char* qp = (char*)qkv.data_ptr();
+  char* cp = (char*)cache.data_ptr();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+#pragma omp parallel if (work >= 4.0 * kParallelElems)
+  {
+#pragma omp for
+    for (int64_t t = 0; t < T; ++t) {
+      char* kd = cp + ((kr[t] + layer * 2 * bs) * row) * es;
+      k->rope_write_token(qp + t * qkv.stride(0) * es, cs + pos[t] * D, sn + pos[t] * D, int(H),
+                          int(KVH), int(D), kd, kd + bs * row * es);
+    }
+    float* buf = scratch(need).data();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_tiles; ++i)
+      k->attend(qkv.data_ptr(), out.data_ptr(), cache.data_ptr(), g, tiles[i], buf);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace kvr
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvrelay native CPU kernels (see kvrelay/model/native.py)";
+  m.def("isa", &kvr::isa, "the instruction set the kernels run with");
+  m.def("set_isa", &kvr::set_isa, "use the kernels of an instruction set this CPU has");
+  m.def("max_threads", []() { return omp_get_max_threads(); });
+  m.def("rms_norm", &kvr::rms_norm);
+  m.def("add_rms_norm", &kvr::add_rms_norm);
+  m.def("silu_mul", &kvr::silu_mul);
+  m.def("attention", &kvr::attention);
+}

@@ -1,0 +1,51 @@
+// Per-work-item kernels, compiled once per ISA (isa_avx512.cpp, isa_avx2.cpp).
+// No OpenMP and no torch here: the parallel regions live in bindings.cpp, which
+// calls these for one row, one token or one attention tile at a time.
+#pragma once
+#include <cstdint>
+
+namespace kvr {
+
+// Element types: float32 and bfloat16 (stored as uint16_t bits).
+enum class DType : int { F32 = 0, BF16 = 1 };
+
+struct AttnGeom {
+  int H, KVH, D, bs;
+  int64_t q_stride;      // elements between tokens in q (heads contiguous, D each)
+  int64_t out_stride;    // elements between tokens in out
+  int64_t block_stride;  // elements per cache block: layers * 2 * bs * KVH * D
+  int64_t layer_off;     // elements from a block's start to this layer's K rows
+  float scale;
+};
+
+// One attention tile: `n` consecutive query tokens of one sequence (token index
+// tok0 in q/out, position pos0) against KV head `kvh`, reading K/V in place from
+// the blocks of `table`. Query i attends to positions [0, pos0 + i].
+struct AttnTile {
+  int tok0, n, pos0, kvh;
+  const int64_t* table;
+};
+
+struct Kernels {
+  void (*rms_norm_row)(const void* x, const void* w, void* out, int n, float eps);
+  // h += r (rounded to the dtype), then out = rms_norm(h) * w.
+  void (*add_rms_norm_row)(void* h, const void* r, const void* w, void* out, int n, float eps);
+  // out[i] = silu(x[i]) * x[n + i]
+  void (*silu_mul_row)(const void* x, void* out, int n);
+  // Rotates the q and k heads of one token's qkv row in place (rotate-half), then
+  // copies k and v to their cache rows.
+  void (*rope_write_token)(void* qkv, const float* cos, const float* sin, int H, int KVH,
+                           int D, void* k_dst, void* v_dst);
+  // `scratch` holds attend_scratch_floats(...) floats owned by the calling thread.
+  void (*attend)(const void* q, void* out, const void* cache, const AttnGeom& g,
+                 const AttnTile& t, float* scratch);
+};
+
+inline int64_t attend_scratch_floats(int rows, int ctx, int D) {
+  return int64_t(rows) * (ctx + 2 * D) + 32 * D + 64;
+}
+
+const Kernels* kernels_avx512(DType dt);
+const Kernels* kernels_avx2(DType dt);
+
+}  // namespace kvr

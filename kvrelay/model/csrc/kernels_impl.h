@@ -1,0 +1,346 @@
+// Kernel bodies, included once per ISA after a `#pragma GCC target`: plain loops
+// that gcc vectorizes for that target. Deliberately no standard-library templates
+// here: their instantiations would be merged across translation units by the
+// linker and could carry this TU's ISA into code that runs everywhere.
+#ifndef KVR_ISA
+#error "define KVR_ISA before including kernels_impl.h"
+#endif
+
+namespace kvr {
+namespace KVR_ISA {
+
+typedef uint16_t bf16;
+
+static inline float to_f(float x) { return x; }
+static inline float to_f(bf16 x) {
+  return __builtin_bit_cast(float, uint32_t(x) << 16);
+}
+template <typename T> static inline T from_f(float x);
+template <> inline float from_f<float>(float x) { return x; }
+template <> inline bf16 from_f<bf16>(float x) {
+  // Round to nearest even, as torch does; NaN stays a (quiet) NaN.
+  uint32_t u = __builtin_bit_cast(uint32_t, x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16(u >> 16);
+}
+// What the torch path rounds to between ops: identity for float32.
+template <typename T> static inline float round_t(float x) { return to_f(from_f<T>(x)); }
+
+// exp for x <= 0 (softmax after subtracting the max), Cephes' polynomial:
+// about 1 ulp, vectorizes (no libm call).
+static inline float exp_neg(float x) {
+  float xc = x < -87.0f ? -87.0f : x;
+  float n = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * r * r + r + 1.0f;
+  float scale = __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
+  return x < -87.0f ? 0.0f : y * scale;
+}
+
+template <typename T>
+static float sum_squares(const T* __restrict x, int n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int i = 0; i < n; ++i) acc += to_f(x[i]) * to_f(x[i]);
+  return acc;
+}
+
+// As transformers' LlamaRMSNorm: normalize in float32, round to the dtype, then
+// multiply by the weight (rounded again).
+template <typename T>
+static void normalize(const T* __restrict x, const T* __restrict w, T* __restrict out, int n,
+                      float eps) {
+  float inv = 1.0f / __builtin_sqrtf(sum_squares(x, n) / float(n) + eps);
+#pragma omp simd
+  for (int i = 0; i < n; ++i) out[i] = from_f<T>(to_f(w[i]) * round_t<T>(to_f(x[i]) * inv));
+}
+
+template <typename T>
+static void rms_norm_row(const void* x, const void* w, void* out, int n, float eps) {
+  normalize((const T*)x, (const T*)w, (T*)out, n, eps);
+}
+
+template <typename T>
+static void add_rms_norm_row(void* hv, const void* rv, const void* w, void* out, int n,
+                             float eps) {
+  T* __restrict h = (T*)hv;
+  const T* __restrict r = (const T*)rv;
+#pragma omp simd
+  for (int i = 0; i < n; ++i) h[i] = from_f<T>(to_f(h[i]) + to_f(r[i]));
+  normalize((const T*)h, (const T*)w, (T*)out, n, eps);
+}
+
+template <typename T>
+static void silu_mul_row(const void* xv, void* outv, int n) {
+  const T* g = (const T*)xv;
+  const T* u = g + n;
+  T* out = (T*)outv;
+  float a[256], e[256];
+  for (int i0 = 0; i0 < n; i0 += 256) {
+    const int m = n - i0 < 256 ? n - i0 : 256;
+#pragma omp simd
+    for (int i = 0; i < m; ++i) a[i] = to_f(g[i0 + i]);
+    // silu(a) = a * sigmoid(a), from exp(-|a|) (exp_neg needs a non-positive argument).
+#pragma omp simd
+    for (int i = 0; i < m; ++i) e[i] = exp_neg(-__builtin_fabsf(a[i]));
+#pragma omp simd
+    for (int i = 0; i < m; ++i) {
+      float s = a[i] > 0 ? a[i] / (1.0f + e[i]) : a[i] * e[i] / (1.0f + e[i]);
+      out[i0 + i] = from_f<T>(round_t<T>(s) * to_f(u[i0 + i]));
+    }
+  }
+}
+
+// x * cos + swap_halves(x) * signed_sin, as RotaryTable.apply (sin arrives signed).
+template <typename T>
+static void rotate(const T* x, T* out, const float* __restrict cos,
+                   const float* __restrict sin, int D) {
+  const int h = D / 2;
+  float tmp[512];
+#pragma omp simd
+  for (int i = 0; i < h; ++i) {
+    float a = to_f(x[i]), b = to_f(x[i + h]);
+    tmp[i] = round_t<T>(a * cos[i]) + round_t<T>(b * sin[i]);
+    tmp[i + h] = round_t<T>(b * cos[i + h]) + round_t<T>(a * sin[i + h]);
+  }
+#pragma omp simd
+  for (int i = 0; i < D; ++i) out[i] = from_f<T>(tmp[i]);
+}
+
+template <typename T>
+static void rope_write_token(void* qkvv, const float* cos, const float* sin, int H, int KVH,
+                             int D, void* kd, void* vd) {
+  T* qkv = (T*)qkvv;
+  for (int h = 0; h < H; ++h) rotate(qkv + h * D, qkv + h * D, cos, sin, D);
+  T* k = qkv + H * D;
+  for (int h = 0; h < KVH; ++h) rotate(k + h * D, (T*)kd + h * D, cos, sin, D);
+  __builtin_memcpy(vd, k + KVH * D, sizeof(T) * KVH * D);
+}
+
+// Vectors of 16 floats (one zmm; two ymm under AVX2), for dot products reduced once.
+typedef float v16 __attribute__((vector_size(64)));
+
+// A tree of shuffles (4 dependent adds); a plain loop over the lanes is 16 dependent
+// scalar adds, which made the score loop latency-bound.
+static inline float hsum(v16 v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+template <typename T>
+static inline void load_f32(const T* __restrict src, float* __restrict dst, int D) {
+#pragma omp simd
+  for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]);
+}
+
+// Scores of query rows [r0, rows) against a chunk of `nk` <= 16 key rows kf (float32,
+// D each): row r sees the chunk's keys [0, lim(r)). DT: head_dim known at compile time
+// (64, 128) or 0 (runtime, a multiple of 16). Few rows (decode: the G heads of one
+// token): a dot product per key, reduced once. Many rows (prefill tiles): the chunk is
+// transposed once (kT, D x 16) and each row accumulates its 16 scores in one vector,
+// with no reduction at all.
+template <int DT>
+static inline void scores_chunk(const float* __restrict q, const float* __restrict kf, int nk,
+                                int r0, int rows, int G, int first_pos_minus_pos0, int Drt,
+                                float* __restrict s, int s_stride, float* __restrict kT) {
+  const int D = DT ? DT : Drt;
+  if (rows - r0 >= 8) {
+    for (int d = 0; d < D; ++d)
+      for (int j = 0; j < 16; ++j) kT[d * 16 + j] = j < nk ? kf[j * D + d] : 0.f;
+    // Four rows at a time: four independent FMA chains share each kT load.
+    for (int r = r0; r < rows; r += 4) {
+      const int nr = rows - r < 4 ? rows - r : 4;
+      const float* q0 = q + r * D;
+      const float* q1 = q + (r + (nr > 1 ? 1 : 0)) * D;
+      const float* q2 = q + (r + (nr > 2 ? 2 : 0)) * D;
+      const float* q3 = q + (r + (nr > 3 ? 3 : 0)) * D;
+      v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int d = 0; d < D; ++d) {
+        v16 k;
+        __builtin_memcpy(&k, kT + d * 16, 64);
+        a0 += q0[d] * k;
+        a1 += q1[d] * k;
+        a2 += q2[d] * k;
+        a3 += q3[d] * k;
+      }
+      const v16 acc[4] = {a0, a1, a2, a3};
+      for (int i = 0; i < nr; ++i) {
+        int lim = (r + i) / G - first_pos_minus_pos0 + 1;
+        lim = lim < nk ? lim : nk;
+        float* sr = s + (r + i) * s_stride;
+        for (int j = 0; j < lim; ++j) sr[j] = acc[i][j];
+      }
+    }
+    return;
+  }
+  for (int r = r0; r < rows; ++r) {
+    // query token r / G sees positions <= pos0 + r / G, i.e. chunk keys j <= lim
+    int lim = r / G - first_pos_minus_pos0 + 1;
+    lim = lim < nk ? lim : nk;
+    const float* qr = q + r * D;
+    float* sr = s + r * s_stride;
+    for (int j = 0; j < lim; ++j) {
+      v16 acc = {};
+      const float* kj = kf + j * D;
+      for (int d = 0; d < D; d += 16) {
+        v16 a, b;
+        __builtin_memcpy(&a, qr + d, 64);
+        __builtin_memcpy(&b, kj + d, 64);
+        acc += a * b;
+      }
+      sr[j] = hsum(acc);
+    }
+  }
+}
+
+// acc[r] += sum_j w[r][j] * vf[j] for the chunk. With head_dim known at compile time
+// the accumulator row lives in DT / 16 vector registers (independent FMA chains).
+template <int DT>
+static inline void weighted_sum_chunk(const float* __restrict w, int w_stride,
+                                      const float* __restrict vf, int nk, int r0, int rows,
+                                      int G, int first_pos_minus_pos0, int Drt,
+                                      float* __restrict acc) {
+  const int D = DT ? DT : Drt;
+  for (int r = r0; r < rows; ++r) {
+    int lim = r / G - first_pos_minus_pos0 + 1;
+    lim = lim < nk ? lim : nk;
+    const float* wr = w + r * w_stride;
+    if constexpr (DT != 0) {
+      constexpr int NV = DT / 16;
+      v16 a[NV];
+      for (int v = 0; v < NV; ++v) __builtin_memcpy(&a[v], acc + r * D + v * 16, 64);
+      for (int j = 0; j < lim; ++j) {
+        const float x = wr[j];
+        for (int v = 0; v < NV; ++v) {
+          v16 b;
+          __builtin_memcpy(&b, vf + j * D + v * 16, 64);
+          a[v] += x * b;
+        }
+      }
+      for (int v = 0; v < NV; ++v) __builtin_memcpy(acc + r * D + v * 16, &a[v], 64);
+    } else {
+      float* ar = acc + r * D;
+      for (int j = 0; j < lim; ++j) {
+        const float x = wr[j];
+        const float* vj = vf + j * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) ar[d] += x * vj[d];
+      }
+    }
+  }
+}
+
+constexpr int kChunk = 16;  // key/value rows converted to float32 at a time
+
+// Scores, softmax and the weighted sum for one tile: rows r = i * G + j are query
+// token i, head kvh * G + j. Two passes over the context in chunks of up to 16
+// positions within a block (scores of every row, then V); each K or V row is read
+// from the cache once, converted to float32 once, and used by all query rows of the
+// tile that see it.
+template <typename T, int DT>
+static void attend_d(const void* qv, void* outv, const void* cachev, const AttnGeom& g,
+                     const AttnTile& t, float* scratch) {
+  const int G = g.H / g.KVH, D = DT ? DT : g.D, rows = t.n * G;
+  const int ctx = t.pos0 + t.n;  // context of the tile's last query
+  const int64_t row_elems = int64_t(g.KVH) * D;
+  float* q = scratch;                  // rows x D, scaled
+  float* acc = q + rows * D;           // rows x D
+  float* kf = acc + rows * D;          // kChunk x D
+  float* kT = kf + kChunk * D;         // D x kChunk
+  float* s = kT + kChunk * D;          // rows x ctx
+  const T* qb = (const T*)qv;
+  for (int i = 0; i < t.n; ++i)
+    for (int j = 0; j < G; ++j) {
+      const T* src = qb + int64_t(t.tok0 + i) * g.q_stride + int64_t(t.kvh * G + j) * D;
+      float* dst = q + (i * G + j) * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]) * g.scale;
+    }
+  const T* cache = (const T*)cachev + g.layer_off + int64_t(t.kvh) * D;
+  const int64_t v_off = int64_t(g.bs) * row_elems;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int p = 0; p < ctx;) {
+      const int b = p / g.bs, off = p - b * g.bs;
+      int nk = g.bs - off < kChunk ? g.bs - off : kChunk;
+      nk = ctx - p < nk ? ctx - p : nk;
+      const T* src = cache + t.table[b] * g.block_stride + (pass ? v_off : 0) + off * row_elems;
+      if (p + nk < ctx) {
+        // The next chunk sits in another block whose address the hardware prefetcher
+        // cannot guess: ask for its rows now, they arrive while this chunk computes.
+        const int pn = p + nk, bn = pn / g.bs, offn = pn - bn * g.bs;
+        const char* nxt = (const char*)(cache + t.table[bn] * g.block_stride +
+                                        (pass ? v_off : 0) + offn * row_elems);
+        const int lines = int(D * sizeof(T) + 63) / 64;
+        for (int j = 0; j < kChunk && pn + j < ctx && offn + j < g.bs; ++j)
+          for (int l = 0; l < lines; ++l)
+            __builtin_prefetch(nxt + (j * row_elems) * int64_t(sizeof(T)) + l * 64);
+      }
+      for (int j = 0; j < nk; ++j) load_f32(src + j * row_elems, kf + j * D, D);
+      const int rel = p - t.pos0;  // token i sees chunk key j iff j <= i - rel
+      const int r0 = (rel > 0 ? rel : 0) * G;
+      if (pass == 0)
+        scores_chunk<DT>(q, kf, nk, r0, rows, G, rel, D, s + p, ctx, kT);
+      else
+        weighted_sum_chunk<DT>(s + p, ctx, kf, nk, r0, rows, G, rel, D, acc);
+      p += nk;
+    }
+    if (pass == 1) break;
+    for (int r = 0; r < rows; ++r) {
+      const int len = t.pos0 + r / G + 1;
+      float* sr = s + r * ctx;
+      float m = sr[0];
+      for (int p = 1; p < len; ++p) m = sr[p] > m ? sr[p] : m;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int p = 0; p < len; ++p) {
+        sr[p] = exp_neg(sr[p] - m);
+        sum += sr[p];
+      }
+      const float inv = 1.0f / sum;
+#pragma omp simd
+      for (int p = 0; p < len; ++p) sr[p] *= inv;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[r * D + d] = 0.f;
+    }
+  }
+  T* ob = (T*)outv;
+  for (int i = 0; i < t.n; ++i)
+    for (int j = 0; j < G; ++j) {
+      T* dst = ob + int64_t(t.tok0 + i) * g.out_stride + int64_t(t.kvh * G + j) * D;
+      const float* a = acc + (i * G + j) * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) dst[d] = from_f<T>(a[d]);
+    }
+}
+
+template <typename T>
+static void attend(const void* q, void* out, const void* cache, const AttnGeom& g,
+                   const AttnTile& t, float* scratch) {
+  if (g.D == 64) return attend_d<T, 64>(q, out, cache, g, t, scratch);
+  if (g.D == 128) return attend_d<T, 128>(q, out, cache, g, t, scratch);
+  attend_d<T, 0>(q, out, cache, g, t, scratch);
+}
+
+template <typename T>
+static const Kernels* make_table() {
+  static const Kernels k = {rms_norm_row<T>, add_rms_norm_row<T>, silu_mul_row<T>,
+                            rope_write_token<T>, attend<T>};
+  return &k;
+}
+
+static const Kernels* table(DType dt) {
+  return dt == DType::BF16 ? make_table<bf16>() : make_table<float>();
+}
+
+}  // namespace KVR_ISA
+}  // namespace kvr

@@ -1,0 +1,156 @@
+"""The native CPU backend: kvrelay/model/csrc (C++, OpenMP), built ahead of time by
+``make`` into ``kvrelay/model/_native*.so`` against the installed torch.
+
+Per layer it runs three parallel regions besides the GEMMs: rope + KV write +
+paged attention (K/V read in place from the block-major cache, GQA, decode rows and
+prefill chunks in one call), residual add + RMSNorm, silu * mul. The pure-torch
+path runs wherever this one cannot: extension missing or built for another torch
+(import fails), a CPU without AVX2, a dtype other than float32/bfloat16, a device
+other than the CPU, or a self-check at load that disagrees with torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kvrelay.model.attention import ChunkSpec
+from kvrelay.model.backend import StepMetadata
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.rope import RotaryTable
+
+_module: ModuleType | None = None
+_load_error: str | None = None
+
+
+def load() -> ModuleType | None:
+    """The extension module, imported once; None (with ``load_error()``) if it fails."""
+    global _module, _load_error
+    if _module is None and _load_error is None:
+        try:
+            _native = importlib.import_module("kvrelay.model._native")
+            if _native.isa() == "none":
+                _load_error = "the CPU has neither AVX2 nor AVX-512"
+            else:
+                _module = _native
+        except ImportError as e:  # not built, or built against another torch
+            _load_error = f"extension not loadable ({e}); build it with `make`"
+    return _module
+
+
+def load_error() -> str | None:
+    load()
+    return _load_error
+
+
+def unavailable(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the native kernels cannot run this model, or None when they can."""
+    if cfg.head_dim % 16 or cfg.head_dim > 512:
+        return f"native attention needs head_dim a multiple of 16 up to 512, not {cfg.head_dim}"
+    if device.type != "cpu":
+        return f"native kernels are CPU-only, the model is on {device}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"native kernels take float32 or bfloat16, not {dtype}"
+    mod = load()
+    if mod is None:
+        return _load_error
+    return _self_check(mod, dtype)
+
+
+def _self_check(mod: Any, dtype: torch.dtype) -> str | None:
+    """A tiny RMSNorm and silu * mul against torch: catches a broken build at load."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g).to(dtype)
+    w = torch.rand(64, generator=g).to(dtype)
+    ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) * w
+    silu = torch.nn.functional.silu(x[:, :32]) * x[:, 32:]
+    tol = 1e-5 if dtype is torch.float32 else 2e-2
+    if not torch.allclose(mod.rms_norm(x, w, 1e-6), ref, rtol=tol, atol=tol):
+        return "native RMSNorm disagrees with torch at load"
+    if not torch.allclose(mod.silu_mul(x), silu, rtol=tol, atol=tol):
+        return "native silu * mul disagrees with torch at load"
+    return None
+
+
+class NativeStep:
+    """Per-step inputs of the attention kernel, built once for every layer."""
+
+    __slots__ = ("k_rows", "positions", "seqs", "tables")
+
+    def __init__(
+        self, positions: torch.Tensor, k_rows: torch.Tensor, seqs: torch.Tensor,
+        tables: torch.Tensor,
+    ) -> None:
+        self.positions = positions
+        self.k_rows = k_rows  # (T,) layer-0 K rows (of KVH * D values) of each token's slot
+        self.seqs = seqs  # (S, 3): first token in the step, token count, first position
+        self.tables = tables  # (S, W) block ids, padded with 0
+
+
+class NativeBackend:
+    name = "native"
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryTable, dtype: torch.dtype) -> None:
+        mod = load()
+        assert mod is not None
+        self._ops: Any = mod
+        self.isa: str = mod.isa()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.cos, self.sin = rope.float32_tables()
+        self.eps = cfg.rms_norm_eps
+
+    def build_metadata(
+        self, chunks: Sequence[ChunkSpec], positions: torch.Tensor, block_size: int
+    ) -> NativeStep:
+        block_rows = self.cfg.num_layers * 2 * block_size
+        k_rows: list[int] = []
+        seqs: list[tuple[int, int, int]] = []
+        tables: list[Sequence[int]] = []
+        t = 0
+        for c in chunks:
+            bt = c.block_ids
+            end = c.start + c.length
+            k_rows.extend(bt[p // block_size] * block_rows + p % block_size
+                          for p in range(c.start, end))
+            seqs.append((t, c.length, c.start))
+            tables.append(bt[: -(-end // block_size)])
+            t += c.length
+        width = max(len(b) for b in tables)
+        padded = [list(b) + [0] * (width - len(b)) for b in tables]
+        return NativeStep(
+            positions.contiguous(),
+            torch.tensor(k_rows, dtype=torch.long),
+            torch.tensor(seqs, dtype=torch.long).view(-1, 3),
+            torch.tensor(padded, dtype=torch.long),
+        )
+
+    def attention(
+        self, qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: StepMetadata
+    ) -> torch.Tensor:
+        assert isinstance(meta, NativeStep)
+        cfg = self.cfg
+        out: torch.Tensor = self._ops.attention(
+            qkv, meta.positions, self.cos, self.sin, meta.k_rows, meta.seqs, meta.tables,
+            kv_cache, layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            kv_cache.shape[3], cfg.num_layers,
+        )
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self._ops.rms_norm(x, weight, self.eps)
+        return out
+
+    def add_rms_norm(
+        self, h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        out: torch.Tensor = self._ops.add_rms_norm(h, r, weight, self.eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self._ops.silu_mul(gate_up)
+        return out

@@ -1,0 +1,217 @@
+"""The native CPU kernels against the torch backend (the reference, itself checked
+against contiguous attention and transformers), on every instruction-set path this
+CPU has, over head dims, GQA ratios, block sizes, ragged contexts, chunked prefill
+and batch sizes; plus the fallback to torch when the extension cannot run.
+
+``KVRELAY_REQUIRE_NATIVE=1`` (set by ``make test``) turns a missing extension into a
+failure instead of a skip, so CI cannot pass without building it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvrelay.model import backend as backend_mod
+from kvrelay.model import kernel_choice, native
+from kvrelay.model.attention import ChunkSpec
+from kvrelay.model.backend import TorchBackend, select_backend
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.rope import RotaryTable
+
+_mod = native.load()
+if _mod is None:
+    if os.environ.get("KVRELAY_REQUIRE_NATIVE") == "1":
+        raise RuntimeError(f"KVRELAY_REQUIRE_NATIVE=1 but {native.load_error()}")
+    pytestmark = pytest.mark.skip(reason=f"native kernels unavailable: {native.load_error()}")
+
+_best = _mod.isa() if _mod is not None else "none"
+ISAS = ["avx512", "avx2"] if _best == "avx512" else [_best]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    assert _mod is not None
+    assert _mod.set_isa(request.param)
+    yield request.param
+    _mod.set_isa(_best)
+
+
+def _cfg(heads: int, kv_heads: int, head_dim: int, layers: int = 2) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama", vocab_size=32, hidden_size=heads * head_dim,
+        intermediate_size=64, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )
+
+
+def _backends(
+    cfg: ModelConfig, dtype: torch.dtype
+) -> tuple[TorchBackend, native.NativeBackend]:
+    rope = RotaryTable(cfg, 512, dtype, torch.device("cpu"))
+    return TorchBackend(cfg, rope, dtype), native.NativeBackend(cfg, rope, dtype)
+
+
+def _random_step(
+    rng: random.Random, batch: int, block_size: int, num_blocks: int
+) -> list[ChunkSpec]:
+    """A mixed step: decode rows at ragged contexts, fresh prompts, later chunks."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    chunks = []
+    for _ in range(batch):
+        kind = rng.random()
+        if kind < 0.6:
+            start, length = rng.randint(0, 150), 1  # a decode row
+        elif kind < 0.8:
+            start, length = 0, rng.randint(2, 40)  # a prompt's first chunk
+        else:
+            start, length = rng.randint(1, 100), rng.randint(2, 40)  # a later chunk
+        n_blocks = -(-(start + length) // block_size)
+        chunks.append(ChunkSpec(start, length, [free.pop() for _ in range(n_blocks)]))
+    return chunks
+
+
+def _attend_both(
+    cfg: ModelConfig, dtype: torch.dtype, chunks: list[ChunkSpec], block_size: int,
+    num_blocks: int, layer: int, seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both backends on one step, with the same history in the cache."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    cache = torch.randn(shape, generator=g).to(dtype)
+    T = sum(c.length for c in chunks)
+    width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    qkv = torch.randn(T, width, generator=g).to(dtype)
+    pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
+    ref_b, nat_b = _backends(cfg, dtype)
+    ref_cache, nat_cache = cache.clone(), cache.clone()
+    ref = ref_b.attention(qkv.clone(), ref_cache, layer,
+                          ref_b.build_metadata(chunks, pos, block_size))
+    out = nat_b.attention(qkv.clone(), nat_cache, layer,
+                          nat_b.build_metadata(chunks, pos, block_size))
+    return ref, out, ref_cache, nat_cache
+
+
+# (head_dim, heads, kv_heads, block_size, batch): head dims 64/128, GQA 1/3/4/8,
+# block sizes 16/32, batch 1 to 64; a lean sample of the product.
+SHAPES = [
+    (64, 9, 3, 16, 8),
+    (64, 8, 8, 32, 1),
+    (64, 32, 4, 16, 64),
+    (128, 8, 1, 32, 5),
+    (128, 16, 2, 16, 16),
+    (128, 12, 4, 32, 3),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-h{}-kv{}-bs{}-b{}".format(*s))
+def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...]) -> None:
+    D, H, KVH, bs, batch = shape
+    cfg = _cfg(H, KVH, D)
+    rng = random.Random(hash(shape) % 1000)
+    nb = batch * (-(-200 // bs)) + 1
+    chunks = _random_step(rng, batch, bs, nb)
+    ref, out, ref_cache, nat_cache = _attend_both(cfg, torch.float32, chunks, bs, nb, 1, 7)
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * scale)
+    # The fused rope + KV write put the same rotated K and the same V in the same slots.
+    torch.testing.assert_close(nat_cache, ref_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_bfloat16_no_worse_than_torch(isa: str) -> None:
+    """bfloat16: against a float32 reference on the same (bf16-representable) inputs,
+    the native error (mean and max over outputs) is no larger than the torch path's,
+    within one bfloat16 rounding of the output for the max."""
+    cfg = _cfg(9, 3, 64)
+    bs, nb = 16, 200
+    chunks = _random_step(random.Random(3), 24, bs, nb)
+    g = torch.Generator().manual_seed(11)
+    shape = (nb, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim)
+    cache = torch.randn(shape, generator=g).to(torch.bfloat16)
+    qkv = torch.randn(sum(c.length for c in chunks), 15 * 64, generator=g).to(torch.bfloat16)
+    pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
+    ref_b = TorchBackend(cfg, RotaryTable(cfg, 512, torch.float32, torch.device("cpu")),
+                         torch.float32)
+    ref = ref_b.attention(qkv.float(), cache.float(), 0, ref_b.build_metadata(chunks, pos, bs))
+    errs = []
+    for b in _backends(cfg, torch.bfloat16):
+        out = b.attention(qkv.clone(), cache.clone(), 0, b.build_metadata(chunks, pos, bs))
+        errs.append((out.float() - ref).abs())
+    t_err, n_err = errs
+    assert n_err.mean() <= t_err.mean(), (n_err.mean(), t_err.mean())
+    assert n_err.max() <= t_err.max() + ref.abs().max() / 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_elementwise_match_torch(isa: str, dtype: torch.dtype) -> None:
+    cfg = _cfg(9, 3, 64)
+    t_b, n_b = _backends(cfg, dtype)
+    g = torch.Generator().manual_seed(5)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype is torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    for rows in (1, 7, 130):  # one thread, and a parallel region (>= 64K elements)
+        h = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+        r = torch.randn(rows, 576, generator=g).to(dtype)
+        w = torch.rand(576, generator=g).to(dtype)
+        torch.testing.assert_close(n_b.rms_norm(h, w), t_b.rms_norm(h, w), **tol)
+        h_t, h_n = h.clone(), h.clone()
+        out_t, out_n = t_b.add_rms_norm(h_t, r, w), n_b.add_rms_norm(h_n, r, w)
+        assert torch.equal(h_n, h_t)  # the residual add rounds exactly like torch's
+        torch.testing.assert_close(out_n, out_t, **tol)
+        gu = (torch.randn(rows, 2 * 1536, generator=g) * 4).to(dtype)
+        torch.testing.assert_close(n_b.silu_mul(gu), t_b.silu_mul(gu), **tol)
+
+
+def test_native_rejects_bad_input() -> None:
+    assert _mod is not None
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        _mod.rms_norm(torch.ones(2, 8, dtype=torch.float16), torch.ones(8, dtype=torch.float16),
+                      1e-5)
+    with pytest.raises(RuntimeError, match="weight must match"):
+        _mod.rms_norm(torch.ones(2, 8), torch.ones(4), 1e-5)
+    assert not _mod.set_isa("avx9000")
+
+
+def test_select_backend_follows_request_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _cfg(4, 2, 16)
+    rope = RotaryTable(cfg, 64, torch.float32, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("KVRELAY_KERNELS", "torch")
+    assert select_backend(cfg, rope, torch.float32, cpu).name == "torch"
+    assert kernel_choice.info()["backend"] == "torch"
+    monkeypatch.delenv("KVRELAY_KERNELS")
+    assert select_backend(cfg, rope, torch.float32, cpu).name == "native"
+    assert kernel_choice.info() | {"omp_wait_policy": ""} == {
+        "backend": "native", "isa": _best, "omp_wait_policy": ""}
+    # float16 and head dims that are not multiples of 16 fall back, never fail.
+    assert select_backend(cfg, rope, torch.float16, cpu).name == "torch"
+    assert select_backend(_cfg(4, 2, 8), rope, torch.float32, cpu, "native").name == "torch"
+    with pytest.raises(ValueError, match="auto, native, torch"):
+        select_backend(cfg, rope, torch.float32, cpu, "fast")
+
+
+def test_fallback_when_extension_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_load_error", "extension not loadable (test)")
+    cfg = _cfg(4, 2, 16)
+    rope = RotaryTable(cfg, 64, torch.float32, torch.device("cpu"))
+    b = backend_mod.select_backend(cfg, rope, torch.float32, torch.device("cpu"), "native")
+    assert b.name == "torch"
+    assert kernel_choice.info()["backend"] == "torch"
+
+
+def test_attention_refuses_block_ids_outside_the_cache() -> None:
+    cfg = _cfg(4, 2, 16)
+    _, nat = _backends(cfg, torch.float32)
+    cache = torch.zeros(4, cfg.num_layers, 2, 4, 2, 16)
+    qkv = torch.randn(2, 8 * 16)
+    pos = torch.tensor([0, 1])
+    meta = nat.build_metadata([ChunkSpec(0, 2, [9])], pos, 4)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        nat.attention(qkv, cache, 0, meta)
+    assert cache.abs().sum() == 0  # nothing written
