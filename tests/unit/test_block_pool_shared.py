@@ -64,7 +64,7 @@ def test_double_release_of_a_shared_block_raises_naming_both_and_changes_nothing
         pool.free(ids, B)  # B released them already; C still holds them
     assert "req:b" in str(err.value) and "req:c" in str(err.value)
     pool.free(ids, C)
-    with pytest.raises(DoubleFree, match="req:c.*already cached"):
+    with pytest.raises(DoubleFree, match=r"req:c.*already cached"):
         pool.free(ids, C)
     assert before == {C: 2} and pool.owners() == {} and pool.num_cached == 2
     pool.check_integrity()
