@@ -26,7 +26,7 @@ import pytest
 from kvrelay.relay import protocol as P
 from kvrelay.relay.client import RelayClient
 from kvrelay.relay.transports import nixl
-from kvrelay.server.proxy import RELEASE_PATH
+from kvrelay.server.proxy_routing import RELEASE_PATH
 from tests.e2e.cluster import BLOCK_ARGS, Proc, metric, metrics, pools_free
 from tests.e2e.netns import Net, NsProc, unavailable
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import torch
-from kvrelay.relay.testing import TINY_GEOMETRY, TensorFakeRunner, drive_decode, kv_shape
+from kvrelay.kv_testing import TINY_GEOMETRY, TensorFakeRunner, drive_decode, kv_shape
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
