@@ -14,13 +14,13 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import torch
-from kvrelay.kv_testing import TINY_GEOMETRY, TensorFakeRunner, drive_decode, kv_shape
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine
 from kvrelay.core.fake_runner import expected_output
 from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
+from kvrelay.kv_testing import TINY_GEOMETRY, TensorFakeRunner, drive_decode, kv_shape
 from kvrelay.relay.client import RelayClient
 from kvrelay.relay.lease import LeaseTable
 from kvrelay.relay.receiver import Receiver, ReceiverConfig, RemoteKv
