@@ -199,8 +199,8 @@ def run_through(dep: Deployment, proxy: str, batch: list[tuple], workers: int = 
 def counters(dep: Deployment, key: str) -> dict[str, float]:
     m = dep.m(key)
     return {"bytes": metric(m, "kvrelay_kv_transfer_bytes_total"),
-            "done": m.get('kvrelay_leases_released_total{reason="done"}', 0.0),
-            "expired": m.get('kvrelay_leases_released_total{reason="expired"}', 0.0),
+            "done": metric(m, 'kvrelay_leases_released_total{reason="done"}'),
+            "expired": metric(m, 'kvrelay_leases_released_total{reason="expired"}'),
             "seconds": metric(m, "kvrelay_kv_transfer_seconds_sum"),
             "pulls": metric(m, "kvrelay_kv_transfer_seconds_count"),
             "fallbacks": metric(m, "kvrelay_kv_load_fallbacks_total")}
