@@ -13,6 +13,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     async_scheduling: bool = False
+    # Share full computed blocks between requests with the same token prefix. Off in
+    # the core's default (its unit tests predate it); on by default in ``kvrelay serve``
+    # and the offline LLM. The salt is the pool's KV compatibility (see prefix_cache).
+    enable_prefix_caching: bool = False
+    prefix_cache_salt: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",

@@ -1,9 +1,11 @@
 """Test helpers for the relay: a fake runner that writes a real KV cache tensor.
 
 ``TensorFakeRunner`` samples like ``FakeRunner`` (token = fake_token(seed, position))
-and also writes, for every computed position, the value ``kv_value(seed, pos)`` into
-every element of that position's slot in a block-major KV tensor. Before sampling
-it verifies every earlier position of the request: KV that arrived torn, from the
+and also writes, for every computed position, ``kv_value(tag)`` into every element
+of that position's slot in a block-major KV tensor, where the tag names the token
+prefix ending there (``KvChains``: like a real model's KV, a function of the
+tokens, so prefix-cached blocks shared between requests verify). Before sampling it
+verifies every earlier position of the request: KV that arrived torn, from the
 wrong blocks or not at all raises ``KvCorruption``. So a decode engine that got its
 prompt's KV from a prefill engine proves the bytes arrived before its first token.
 """
@@ -25,8 +27,8 @@ TINY_GEOMETRY = KvGeometry(
 )
 
 
-def kv_value(seed: int, pos: int) -> float:
-    return float((seed * 7919 + pos * 31 + 1) % 65521)
+def kv_value(tag: int) -> float:
+    return float(tag % 65521 + 1)  # nonzero (a zeroed slot never verifies), exact in float32
 
 
 def kv_shape(geometry: KvGeometry, num_blocks: int) -> tuple[int, ...]:
@@ -47,31 +49,32 @@ class TensorFakeRunner:
         self.inner = FakeRunner(vocab_size, block_size=self.block_size, pool=pool)
 
     def execute(self, batch: Batch) -> Mapping[str, SampledToken]:
+        all_tags = self.inner.prefix_tags(batch)
         out = self.inner.execute(batch)  # checks ownership, samples
         for sr in batch.requests:
-            seed = sr.params.seed if sr.params.seed is not None else 0
+            tags = all_tags[sr.request_id]
             end = sr.start + len(sr.token_ids)
-            self._write(sr.block_ids, seed, sr.start, end)
+            self._write(sr.block_ids, tags, sr.start, end)
             if sr.sample:
-                self.verify(sr.request_id, sr.block_ids, seed, end)
+                self.verify(sr.request_id, sr.block_ids, tags, end)
         return out
 
-    def _write(self, block_ids: list[int], seed: int, start: int, end: int) -> None:
+    def _write(self, block_ids: list[int], tags: list[int], start: int, end: int) -> None:
         bs = self.block_size
         pos = start
         while pos < end:
             b, s0 = divmod(pos, bs)
             s1 = min(bs, s0 + end - pos)
-            vals = torch.tensor([kv_value(seed, p) for p in range(pos, pos + s1 - s0)],
+            vals = torch.tensor([kv_value(tags[p]) for p in range(pos, pos + s1 - s0)],
                                 dtype=self.kv_cache.dtype)
             self.kv_cache[block_ids[b], :, :, s0:s1] = vals.view(1, 1, -1, 1, 1)
             pos += s1 - s0
 
-    def verify(self, request_id: str, block_ids: list[int], seed: int, end: int) -> None:
+    def verify(self, request_id: str, block_ids: list[int], tags: list[int], end: int) -> None:
         nb = -(-end // self.block_size)
         got = self.kv_cache[block_ids[:nb]]  # (nb, layers, 2, bs, heads, dim)
         got = got.permute(0, 3, 1, 2, 4, 5).reshape(nb * self.block_size, -1)[:end]
-        want = torch.tensor([kv_value(seed, p) for p in range(end)], dtype=got.dtype)
+        want = torch.tensor([kv_value(tags[p]) for p in range(end)], dtype=got.dtype)
         bad = (got != want.view(-1, 1)).any(dim=1).nonzero()
         if len(bad):
             pos = int(bad[0])

@@ -29,12 +29,20 @@ def sample(m: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
+def blocks_released(m: dict[str, float]) -> tuple[float, float]:
+    """(free + cached, total): equal when no request or lease holds a block (cached
+    blocks keep a prefix for later hits and are evicted on demand)."""
+    back = sample(m, "kvrelay_kv_blocks_free") + sample(m, "kvrelay_kv_blocks_cached")
+    return back, sample(m, "kvrelay_kv_blocks_total")
+
+
 def wait_blocks_back(url: str, timeout: float) -> dict[str, float]:
-    """Wait until every KV block is free again; the metrics at that moment."""
+    """Wait until every KV block is free or cached again; the metrics at that moment."""
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
-        if sample(m, "kvrelay_kv_blocks_free") == sample(m, "kvrelay_kv_blocks_total"):
+        back, total = blocks_released(m)
+        if back == total:
             return m
         assert time.monotonic() < deadline, f"KV blocks not returned: {m}"
         time.sleep(0.02)

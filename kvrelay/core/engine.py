@@ -117,6 +117,9 @@ class Engine:
             eos_token_ids=frozenset(eos_token_ids),
             remote_decode=remote_decode,
             remote_kv=remote_kv,
+            # Decode side: the prompt's KV comes from a lease; it neither uses nor
+            # publishes the prefix cache (partial pulls are a later step).
+            cacheable=remote_kv is None,
         )
         self.requests[request_id] = req
         if first_token is not None:
@@ -206,6 +209,8 @@ class Engine:
         for sr in batch.requests:
             req = self.requests[sr.request_id]  # the fence keeps it until this point
             req.in_flight -= 1
+            if req.state is RequestState.RUNNING:  # its KV up to here is written
+                self.scheduler.publish_computed(req, sr.start + len(sr.token_ids))
             if sr.sample:
                 req.num_pending_samples -= 1
                 if req.state is RequestState.RUNNING:

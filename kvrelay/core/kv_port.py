@@ -32,7 +32,7 @@ class PoolLeaseBlocks:
     def held(self, lease_id: str, block_ids: Sequence[int]) -> bool:
         owner = lease_owner(lease_id)
         return self.pool.owned_count(owner) == len(block_ids) and all(
-            self.pool.owner_of(b) == owner for b in block_ids
+            self.pool.holds(b, owner) for b in block_ids
         )
 
 

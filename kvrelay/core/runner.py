@@ -13,7 +13,7 @@ request to resolve it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +31,10 @@ class ScheduledRequest:
     sample: bool  # sample a token at position start + len(token_ids)
     params: SamplingParams
     prompt_len: int
+    # The request's known tokens (prompt, then outputs), borrowed read-only; positions
+    # from its length on are samples of in-flight steps. A chunk may start after a
+    # cached prefix the runner never saw: this is where those tokens are.
+    all_token_ids: Sequence[int] = ()
 
 
 @dataclass(slots=True)

@@ -7,6 +7,14 @@ running queues (insertion-ordered dicts: FCFS iteration, O(1) removal by id).
 ``free_blocks`` is the one path from a request's blocks back to the pool; the
 engine calls it for release, the scheduler for preemption.
 
+Prefix caching (``enable_prefix_caching``): at admission a request's known tokens
+are matched, block by block, against published blocks (``pool.match`` on the hash
+chain); the hits are shared (one reference each) and computation starts after them.
+At least one token is always computed, so there are logits to sample from. A block
+is published once it is full and a completed step has written it (``publish_computed``,
+called by the engine as steps complete): published blocks are never written again,
+so sharing them is safe; each holder releases its reference through ``free_blocks``.
+
 Preemption never touches a request that an in-flight step still references
 (async scheduling): such a step may still read or write its blocks. When no
 victim is free to take, the request that needs blocks waits a step instead.
@@ -19,6 +27,7 @@ from collections import OrderedDict
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.lifecycle import Event, RequestState
+from kvrelay.core.prefix_cache import PrefixCacheStats, extend_hashes, root_hash
 from kvrelay.core.request import Request
 from kvrelay.core.runner import PLACEHOLDER, Batch, ScheduledRequest
 
@@ -42,6 +51,9 @@ class Scheduler:
         self.newly_awaiting_kv: list[Request] = []
         self.num_preemptions = 0
         self._next_step_id = 0
+        self.caching = config.enable_prefix_caching
+        self._root = root_hash(config.prefix_cache_salt)
+        self.prefix_stats = PrefixCacheStats()
 
     # -- admission -------------------------------------------------------------
     def check_admissible(self, prompt_len: int, max_tokens: int) -> None:
@@ -81,6 +93,7 @@ class Scheduler:
             # A new list: an in-flight batch may still hold the old one (never
             # mutated after this point, see the fence in the engine).
             req.block_ids = []
+        req.num_published = 0
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.config.blocks_for(num_tokens) - len(req.block_ids)
@@ -144,14 +157,58 @@ class Scheduler:
                 if not self._admit_remote(req):
                     break
                 continue
-            n = min(req.num_tokens_scheduled_to_exist - req.num_computed_tokens, budget)
-            if not self._grow(req, n):
+            n = self._admit_local(req, budget)
+            if n == 0:
                 break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popitem(last=False)
             req.transition(Event.SCHEDULE)
             self.running[req.request_id] = req
             self._add_to_batch(batch, req, n)
             budget -= n
+
+    def _admit_local(self, req: Request, budget: int) -> int:
+        """Give the head of the queue its cached prefix and blocks for its first chunk;
+        the chunk's size, or 0 (nothing changed) when the blocks are not there."""
+        hits = self._prefix_hits(req)
+        start = len(hits) * self.config.block_size
+        n = min(req.num_tokens_scheduled_to_exist - start, budget)
+        need = self.config.blocks_for(start + n) - len(hits)
+        if not self.pool.can_allocate(need, reusing=hits):
+            return 0
+        self.waiting.popitem(last=False)
+        if self.caching and req.cacheable:
+            self.pool.share(hits, req.owner)
+            req.block_ids = list(hits)
+            req.num_published = len(hits)
+            req.num_computed_tokens = start
+            self.prefix_stats.queries += req.num_tokens_scheduled_to_exist
+            self.prefix_stats.hits += start
+        grown = self._grow(req, start + n)
+        assert grown, "can_allocate said the blocks were there"
+        return n
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        """Published blocks holding a prefix of the request's known tokens, leaving at
+        least one token to compute."""
+        if not (self.caching and req.cacheable) or req.block_ids:
+            return []
+        bs = self.config.block_size
+        most = (req.num_tokens_scheduled_to_exist - 1) // bs
+        extend_hashes(req.block_hashes, req.token_ids, bs, most, self._root)
+        return self.pool.match(req.block_hashes[:most])
+
+    def publish_computed(self, req: Request, end: int) -> None:
+        """A completed step wrote the request's KV up to position ``end``: publish its
+        blocks that are now full and computed."""
+        if not (self.caching and req.cacheable):
+            return
+        bs = self.config.block_size
+        full = min(end, len(req.token_ids)) // bs
+        if full <= req.num_published or full > len(req.block_ids):
+            return
+        extend_hashes(req.block_hashes, req.token_ids, bs, full, self._root)
+        for i in range(req.num_published, full):
+            self.pool.publish(req.block_ids[i], req.block_hashes[i], req.owner)
+        req.num_published = full
 
     def _admit_remote(self, req: Request) -> bool:
         """Decode side: allocate the prompt's blocks and wait for the remote KV."""
@@ -210,6 +267,7 @@ class Scheduler:
                 sample=sample,
                 params=req.params,
                 prompt_len=req.prompt_len,
+                all_token_ids=req.token_ids,
             )
         )
         req.num_computed_tokens = end

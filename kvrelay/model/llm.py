@@ -66,6 +66,7 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """``model``: a GGUF file or Hugging Face directory; None = the embedded default."""
         self.model: Model = load_model(
@@ -84,6 +85,8 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.model.max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            prefix_cache_salt=self.model.kv_geometry.compat_hash(self.model.name),
         )
         self.engine = Engine(config, self.model.runner)
         self._ids = itertools.count()

@@ -31,9 +31,17 @@ def register(subparsers: Any) -> None:
         "embedded SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API.",
     )
     add_model_args(p)
+    add_cache_args(p)
     add_server_args(p)
     add_role_args(p)
     p.set_defaults(func=run)
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="share the KV of full blocks between requests with the "
+                   "same token prefix (every role; on the decode role, not for requests whose "
+                   "KV is pulled)")
 
 
 def add_role_args(p: argparse.ArgumentParser) -> None:
@@ -147,6 +155,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         num_blocks=model.num_blocks, block_size=block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=model.max_model_len,
         async_scheduling=args.async_scheduling,
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+        prefix_cache_salt=model.kv_geometry.compat_hash(model.name),
     )
     hooks: LoopHooks | None = None
     release = None

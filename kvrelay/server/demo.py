@@ -239,11 +239,12 @@ def server_args(model: str | None, values: list[str]) -> list[str]:
     """``--server-arg`` values split like a shell line, checked against `kvrelay serve`'s
     own parser here, so a mistake is one line now and not a server that never starts."""
     from kvrelay.cli import UsageError
-    from kvrelay.server.cli import add_model_args, add_role_args, add_server_args
+    from kvrelay.server.cli import add_cache_args, add_model_args, add_role_args, add_server_args
 
     extra = [word for v in values for word in shlex.split(v)]
     serve = argparse.ArgumentParser(prog="kvrelay serve", add_help=False, exit_on_error=False)
     add_model_args(serve)
+    add_cache_args(serve)
     add_server_args(serve)
     add_role_args(serve)
     try:

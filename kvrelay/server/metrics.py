@@ -74,6 +74,9 @@ class ServerMetrics:
               registry=r).labels(model_name).set(pool.num_blocks)
         Gauge("kvrelay_kv_blocks_free", "KV cache blocks free", m,
               registry=r).labels(model_name).set_function(lambda: pool.num_free)
+        Gauge("kvrelay_kv_blocks_cached", "KV cache blocks nobody holds that keep a "
+              "prefix for later hits (evicted on demand); free + cached + in use == total",
+              m, registry=r).labels(model_name).set_function(lambda: pool.num_cached)
         Gauge("kvrelay_requests_running", "requests scheduled in the engine", m,
               registry=r).labels(model_name).set_function(lambda: len(sched.running))
         Gauge("kvrelay_requests_waiting", "requests waiting for admission", m,
@@ -120,7 +123,7 @@ class ServerMetrics:
         kernels = kernel_choice.info()
         Gauge("kvrelay_kernels_info", "layer kernels and OpenMP wait policy in use (value 1)",
               [*m, *kernels], registry=r).labels(model_name, *kernels.values()).set(1)
-        r.register(_Preemptions(sched, model_name))
+        r.register(_SchedulerCounters(sched, model_name))
 
     def register(self, collector: Collector) -> None:
         """Export another collector's families (the relay's) with ``model_name`` added to
@@ -134,18 +137,25 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _Preemptions(Collector):
-    """The scheduler's own count, read at scrape time (an int read under the GIL)."""
+class _SchedulerCounters(Collector):
+    """The scheduler's own counts, read at scrape time (int reads under the GIL)."""
 
     def __init__(self, sched: Scheduler, model_name: str) -> None:
         self.sched, self.model_name = sched, model_name
 
     def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily(
-            "kvrelay_preemptions", "running requests preempted (blocks freed, recomputed "
-            "later) for lack of KV blocks", labels=["model_name"])
-        family.add_metric([self.model_name], self.sched.num_preemptions)
-        yield family
+        prefix = self.sched.prefix_stats
+        for name, doc, value in (
+            ("kvrelay_preemptions", "running requests preempted (blocks freed, recomputed "
+             "later) for lack of KV blocks", self.sched.num_preemptions),
+            ("kvrelay_prefix_cache_queries", "tokens of admitted requests looked up in the "
+             "prefix cache", prefix.queries),
+            ("kvrelay_prefix_cache_hits", "tokens of admitted requests found in the prefix "
+             "cache (not computed again)", prefix.hits),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 class _WithModelName(Collector):

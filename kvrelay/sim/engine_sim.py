@@ -1,20 +1,24 @@
 """Deterministic simulation of one engine: random workloads on a simulated clock.
 
 Each seed draws a configuration (tight pools, small budgets, async scheduling on or
-off) and a workload (arrivals, prompt and output lengths, aborts at random moments,
-including while a request is inside an in-flight step). Steps take simulated time,
-so aborts land between a step's scheduling and its completion. After every event
-the invariants below are checked; the first violation ends the seed.
+off, prefix caching mostly on) and a workload (arrivals, prompts of a few families
+that share prefixes, output lengths, aborts at random moments, including while a
+request is inside an in-flight step). Tight pools keep the prefix cache evicting.
+Steps take simulated time, so aborts land between a step's scheduling and its
+completion. After every event the invariants below are checked; the first violation
+ends the seed.
 
 Invariants:
-- pool integrity (conservation, one owner per block);
+- pool integrity (free + cached + in use == total, each block in one place);
 - every owner in the pool is a live request in a state that holds blocks, owning
   exactly its block table (no block owned by a request past its fence);
-- every block of every in-flight step still belongs to the request it was
-  scheduled for (nobody computes on freed KV), and the fake runner's KV check;
+- every block of every in-flight step is still held by the request it was
+  scheduled for (nobody computes on freed or evicted KV), and the fake runner's KV
+  check (every slot a request samples from holds the KV of its own token prefix,
+  shared cached blocks included);
 - exactly one terminal output per request, nothing after it;
 - finished requests produced exactly the fake runner's tokens (aborted ones a prefix);
-- at quiescence every request is terminal and every block is free.
+- at quiescence every request is terminal and every block is free or cached.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class EngineSim:
             max_num_batched_tokens=rng.choice([1, 3, 8, 16, 64]),
             max_model_len=max_model_len,
             async_scheduling=rng.random() < 0.5,
+            enable_prefix_caching=rng.random() < 0.75,
         )
         self.vocab = rng.choice([8, 50, 1000])
         self.engine = Engine(self.config, runner=_Unused())
@@ -113,20 +118,24 @@ class EngineSim:
             rid = f"r{i}"
             prompt_len = rng.randint(0 if rng.random() < 0.03 else 1, cfg.max_model_len)
             max_tokens = rng.randint(1, max(1, cfg.max_model_len - prompt_len + 2))
-            self.events.at(t, partial(self.arrive, rid, prompt_len, max_tokens))
+            # A family's prompts share a prefix of random length, then differ.
+            family, shared = rng.randrange(3), rng.randint(0, prompt_len)
+            prompt = [1 + (5 * family + i) % 11 for i in range(shared)]
+            prompt += [20 + rng.randrange(40) for _ in range(prompt_len - shared)]
+            self.events.at(t, partial(self.arrive, rid, prompt, max_tokens))
             if rng.random() < 0.3:
                 self.events.at(t + rng.expovariate(0.3), partial(self.abort, rid))
             if rng.random() < 0.05:  # a duplicate abort much later: must be a no-op
                 self.events.at(t + rng.uniform(5, 50), partial(self.abort, rid))
 
-    def arrive(self, rid: str, prompt_len: int, max_tokens: int) -> None:
+    def arrive(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+        prompt_len = len(prompt)
         seed = self.rng.randint(0, 2**31)
         ignore_eos = self.rng.random() < 0.2
         params = SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos)
         self.result.requests += 1
         try:
-            self.engine.add_request(rid, [1 + i % 7 for i in range(prompt_len)], params,
-                                    eos_token_ids=[EOS])
+            self.engine.add_request(rid, prompt, params, eos_token_ids=[EOS])
         except RequestRejected as e:
             self.result.rejected += 1
             self.log(f"reject {rid} {e.param}")
@@ -203,10 +212,10 @@ class EngineSim:
         for batch, _ in self.in_flight:
             for sr in batch.requests:
                 for b in sr.block_ids:
-                    if pool.owner_of(b) != f"req:{sr.request_id}":
+                    if not pool.holds(b, f"req:{sr.request_id}"):
                         raise Violation(
                             f"step {batch.step_id}: block {b} of {sr.request_id} is owned by "
-                            f"{pool.owner_of(b)} while the step is in flight"
+                            f"{pool.owners_of(b) or 'nobody'} while the step is in flight"
                         )
 
     def check_quiescent(self) -> None:
@@ -215,8 +224,12 @@ class EngineSim:
         missing = set(self.tokens) - set(self.terminal)
         if missing:
             raise Violation(f"requests without a terminal output: {sorted(missing)}")
-        if self.engine.pool.num_free != self.engine.pool.num_blocks:
-            raise Violation(f"{self.engine.pool.owners()} still hold blocks at quiescence")
+        pool = self.engine.pool
+        if pool.num_in_use or pool.num_free + pool.num_cached != pool.num_blocks:
+            raise Violation(f"{pool.owners()} still hold blocks at quiescence")
+        stats = self.engine.scheduler.prefix_stats
+        self.log(f"prefix cache: {stats.hits}/{stats.queries} tokens hit, "
+                 f"{pool.num_evictions} evictions")
 
     # -- driver ----------------------------------------------------------------------
     def log(self, line: str) -> None:

@@ -12,7 +12,12 @@ clock until nothing is left to happen. After every event:
 - no client request ends twice, and any that ends with tokens has exactly the
   colocated engine's tokens.
 
-At quiescence: every client request ended once; both pools are entirely free;
+Prefix caching is on in both engines (the servers' default). In about half the
+seeds the clients' prompts share a prefix (drawn from a second generator, so the
+scenario's other draws stay as they were): P shares cached blocks between requests
+and leases, and evicts them under pressure.
+
+At quiescence: every client request ended once; both pools are free or cached;
 every lease was released once (created == released); no load or request is left.
 A failing seed prints its replay command.
 """
@@ -127,6 +132,9 @@ class World:
         self.proxy = Proxy(self)
         self.clients: dict[str, Client] = {}
         self.leases_created = 0
+        # Clients' prompts start with this many common tokens (prefix-cache hits).
+        share_rng = random.Random(seed ^ 0x5EED)
+        self.shared_prefix = share_rng.choice([0, 0, 4, 8, 12, 20])
 
     # -- wiring used by the nodes --------------------------------------------------
     def prefill_kv(self, life: int) -> SimKv | None:
@@ -156,6 +164,8 @@ class World:
                    local: bool = False) -> Client:
         seed = self.seed * 64 + idx
         prompt = [(seed + 7 * i) % VOCAB for i in range(prompt_len)]
+        shared = min(prompt_len, self.shared_prefix)
+        prompt[:shared] = [(self.seed + 5 * i) % VOCAB for i in range(shared)]
         c = Client(idx, f"c{idx}", prompt, SamplingParams(max_tokens=max_tokens, seed=seed),
                    expected_output(seed, prompt_len, max_tokens, VOCAB), local=local)
         self.clients[c.rid] = c
@@ -226,14 +236,14 @@ class World:
             if c.ends != 1:
                 raise Violation(f"{c.rid} ended {c.ends} times (stage {c.stage})")
         p, d = self.p, self.d
-        if p.pool.num_free != p.pool.num_blocks or p.table.leases:
+        if p.pool.num_in_use or p.table.leases:
             raise Violation(f"prefill pool not free at quiescence: {p.pool.owners()}")
         created = p.table.stats.created
         released = sum(p.table.stats.released.values())
         if created != released:
             raise Violation(f"{created} leases created, {released} released")
         for d in (self.d, self.d2):
-            if (d.pool.num_free != d.pool.num_blocks or d.engine.requests
+            if (d.pool.num_in_use or d.engine.requests
                     or d.receiver.has_work()):
                 raise Violation(f"decode side not idle at quiescence: {d.pool.owners()} "
                                 f"{list(d.engine.requests)} {list(d.receiver.loads)}")

@@ -71,7 +71,8 @@ class PrefillNode:
         self.relay = PrefillRelay(self.table, address="p", compat=COMPAT,
                                   clock=lambda: w.clock.now)
         cfg = SchedulerConfig(num_blocks=c.p_blocks, block_size=BLOCK, max_model_len=64,
-                              max_num_batched_tokens=32, async_scheduling=c.p_async)
+                              max_num_batched_tokens=32, async_scheduling=c.p_async,
+                              enable_prefix_caching=True)
         self.engine = Engine(cfg, SimRunner(self.kv, self.pool, VOCAB, fault=w.step_fault),
                              pool=self.pool,
                              kv_handoff=self.relay.kv_handoff)
@@ -155,7 +156,8 @@ class DecodeNode:
         self.pool = BlockPool(c.d_blocks)
         self.kv = SimKv(c.d_blocks, BLOCK)
         cfg = SchedulerConfig(num_blocks=c.d_blocks, block_size=BLOCK, max_model_len=32,
-                              max_num_batched_tokens=32, async_scheduling=c.d_async)
+                              max_num_batched_tokens=32, async_scheduling=c.d_async,
+                              enable_prefix_caching=True)
         self.engine = Engine(cfg, SimRunner(self.kv, self.pool, VOCAB, fault=w.step_fault),
                              pool=self.pool)
         self.transport = SimTransport(

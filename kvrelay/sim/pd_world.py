@@ -98,10 +98,6 @@ class SimNetwork:
             self.clock.after(delay, fn)
 
 
-def kv_tag(seed: int, pos: int) -> int:
-    return seed * 100_000 + pos + 1
-
-
 class SimKv:
     """One engine's KV memory: a tag per token slot."""
 
@@ -135,17 +131,18 @@ class SimRunner:
     def execute(self, batch: Batch) -> Mapping[str, SampledToken]:
         if self.fault():
             raise InjectedFault(f"injected failure of a step of {len(batch.requests)}")
+        all_tags = self.inner.prefix_tags(batch)
         out = self.inner.execute(batch)
         bs, slots = self.kv.block_size, self.kv.slots
         for sr in batch.requests:
-            seed = sr.params.seed or 0
+            tags = all_tags[sr.request_id]
             ids = sr.block_ids
             end = sr.start + len(sr.token_ids)
             for pos in range(sr.start, end):
-                slots[ids[pos // bs] * bs + pos % bs] = kv_tag(seed, pos)
+                slots[ids[pos // bs] * bs + pos % bs] = tags[pos]
             if sr.sample:
                 for pos in range(end):
-                    if slots[ids[pos // bs] * bs + pos % bs] != kv_tag(seed, pos):
+                    if slots[ids[pos // bs] * bs + pos % bs] != tags[pos]:
                         raise Violation(
                             f"{sr.request_id} decodes on bad KV at position {pos} "
                             f"(block {ids[pos // bs]})"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.metrics_util import metrics, sample
+from tests.metrics_util import blocks_released, metrics, sample
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_ARGS = ("--num-blocks", "256", "--block-size", "4")
@@ -160,13 +160,14 @@ def held_leases(m: dict[str, float]) -> float:
 
 
 def pools_free(*engines: Proc, prefill: tuple[Proc, ...] = (), timeout: float = 10.0) -> None:
-    """Wait until every engine's pool is entirely free and no prefill lease is held."""
+    """Wait until no block of any engine is held (each free or cached) and no prefill
+    lease is held."""
     deadline = time.monotonic() + timeout
     while True:
         bad = {}
         for e in (*engines, *prefill):
             m = metrics(e.url)
-            free, total = sample(m, "kvrelay_kv_blocks_free"), sample(m, "kvrelay_kv_blocks_total")
+            free, total = blocks_released(m)
             if free != total:
                 bad[e.name] = (free, total)
         for p in prefill:

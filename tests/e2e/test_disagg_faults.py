@@ -31,7 +31,7 @@ LEASE_TIMEOUT = 2.0
 FREE_WAIT = LEASE_TIMEOUT + 8.0
 LONG = "ab " * 300  # ~600 tokens, ~150 blocks of 4
 PULL = "ab " * 450  # ~900 tokens, ~225 blocks (~14 MiB): a pull long enough to catch
-HUGE = "ab " * 500  # ~1000 tokens
+HUGE = "ba " + "ab " * 499  # ~1000 tokens; its head differs from LONG: no prefix hit
 
 
 class Faults:

@@ -199,6 +199,41 @@ def test_async_scheduling_gives_the_same_tokens(
         wait_blocks_back(proc.base_url, 10.0)
 
 
+def test_prefix_cache_hits_and_the_same_text(
+    client: openai.OpenAI, server: ServerProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    """Two requests sharing a long prefix: the second reports hits (in tokens) on
+    /metrics, and both texts equal a server's without prefix caching."""
+    system = "You are a careful assistant who answers briefly. " * 2
+    prompts = [system + "Name a color.", system + "Name a fruit."]
+    url = server.base_url
+    before = metrics(url)
+    first = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=8, **GREEDY)
+    between = metrics(url)
+    second = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=8, **GREEDY)
+    after = wait_blocks_back(url, 10.0)
+
+    def delta(a: dict[str, float], b: dict[str, float], name: str) -> float:
+        return sample(b, name) - sample(a, name)
+
+    n_prompt = second.usage.prompt_tokens
+    assert n_prompt > 48
+    assert delta(between, after, "kvrelay_prefix_cache_queries_total") == n_prompt
+    hits = delta(between, after, "kvrelay_prefix_cache_hits_total")
+    assert 32 <= hits < n_prompt and hits % 16 == 0  # whole blocks of the shared prefix
+    assert delta(before, between, "kvrelay_prefix_cache_hits_total") < hits
+    assert sample(after, "kvrelay_kv_blocks_cached") > 0
+    with start_server(model_dir, tmp_path / "nocache.log", "--no-enable-prefix-caching") as p:
+        other = openai.OpenAI(base_url=p.base_url + "/v1", api_key=KEY, max_retries=0)
+        for prompt, cached in zip(prompts, (first, second), strict=True):
+            plain = other.completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                             **GREEDY)
+            assert plain.choices[0].text == cached.choices[0].text
+        m = wait_blocks_back(p.base_url, 10.0)
+        assert sample(m, "kvrelay_prefix_cache_hits_total") == 0
+        assert sample(m, "kvrelay_kv_blocks_cached") == 0
+
+
 def test_serves_a_gguf_file(tmp_path: Path) -> None:
     testing = importlib.import_module("kvrelay.model.testing")
     if not hasattr(testing, "write_tiny_gguf"):

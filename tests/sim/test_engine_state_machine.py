@@ -26,13 +26,16 @@ class EngineMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 4]),
         budget=st.integers(1, 16),
         max_seqs=st.integers(1, 4),
+        caching=st.booleans(),
     )
     def setup(
-        self, async_scheduling: bool, num_blocks: int, block_size: int, budget: int, max_seqs: int
+        self, async_scheduling: bool, num_blocks: int, block_size: int, budget: int, max_seqs: int,
+        caching: bool,
     ) -> None:
         cfg = SchedulerConfig(
             num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
             max_num_batched_tokens=budget, max_model_len=64, async_scheduling=async_scheduling,
+            enable_prefix_caching=caching,
         )
         self.engine = Engine(cfg, runner=FakeRunner(VOCAB))
         self.runner = FakeRunner(VOCAB, block_size=block_size, pool=self.engine.pool, check_kv=True)
@@ -58,12 +61,15 @@ class EngineMachine(RuleBasedStateMachine):
                 else:
                     assert got == want
 
-    @rule(prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 12), seed=st.integers(0, 99))
-    def add(self, prompt_len: int, max_tokens: int, seed: int) -> None:
+    @rule(prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 12), seed=st.integers(0, 99),
+          family=st.integers(0, 2))
+    def add(self, prompt_len: int, max_tokens: int, seed: int, family: int) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
+        # Prompts of one family share prefixes (the prefix cache's hits).
+        prompt = [1 + family + i % (family + 1) for i in range(prompt_len)]
         try:
-            self.engine.add_request(rid, [1] * prompt_len, SamplingParams(
+            self.engine.add_request(rid, prompt, SamplingParams(
                 max_tokens=max_tokens, seed=seed), eos_token_ids=[EOS])
         except RequestRejected:
             return
@@ -101,7 +107,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert count == len(req.block_ids)
         for batch, _ in self.in_flight:
             for sr in batch.requests:
-                assert all(pool.owner_of(b) == f"req:{sr.request_id}" for b in sr.block_ids)
+                assert all(pool.holds(b, f"req:{sr.request_id}") for b in sr.block_ids)
 
     def teardown(self) -> None:
         if not hasattr(self, "engine"):
@@ -118,7 +124,8 @@ class EngineMachine(RuleBasedStateMachine):
             self.collect()
         assert not self.engine.has_work()
         assert set(self.terminal) == set(self.tokens)
-        assert self.engine.pool.num_free == self.engine.pool.num_blocks
+        pool = self.engine.pool
+        assert pool.num_in_use == 0 and pool.num_free + pool.num_cached == pool.num_blocks
 
 
 EngineMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)

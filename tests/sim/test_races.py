@@ -17,6 +17,7 @@ import torch
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine
+from kvrelay.core.fake_runner import kv_tags
 from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
 from kvrelay.core.lifecycle import FinishReason, RequestState
 from kvrelay.core.scheduler import RequestRejected
@@ -235,7 +236,8 @@ def test_race06_expiry_while_reading_is_caught_by_the_fence() -> None:
     runner = pair.d.runner
     assert isinstance(runner, SimRunner)
     torn = [pair.d_kv.block(b) for b in req.block_ids]
-    assert torn != [[runner_tag(1, 4 * i + j) for j in range(4)] for i in range(3)]
+    tags = kv_tags(Pair.prompt(12))
+    assert torn != [[tags[4 * i + j] for j in range(4)] for i in range(3)]
     pair.tick()
     pair.deliver_to_p()
     pair.deliver_to_d()
@@ -243,12 +245,6 @@ def test_race06_expiry_while_reading_is_caught_by_the_fence() -> None:
     pair.converse()
     assert decoded(pair, "r", kv) == pair.expect(1, prompt_len=12)
     pair.assert_all_free()
-
-
-def runner_tag(seed: int, pos: int) -> int:
-    from kvrelay.sim.pd_world import kv_tag
-
-    return kv_tag(seed, pos)
 
 
 def test_race07_rejected_before_admission_tells_prefill_at_once() -> None:
@@ -269,11 +265,10 @@ def test_race08_nothing_to_pull_is_still_reported() -> None:
     blocks leaked until a timeout. Here RELEASE(ok) goes out without an ACQUIRE."""
 
     def cached(request_id: str) -> int:
-        from kvrelay.sim.pd_world import kv_tag
-
         block_ids = pair.d.requests[request_id].block_ids
+        tags = kv_tags(pair.d.requests[request_id].token_ids) + [0] * 4  # the tail: unused
         for i, b in enumerate(block_ids):
-            pair.d_kv.set_block(b, [kv_tag(1, 4 * i + j) for j in range(4)])
+            pair.d_kv.set_block(b, [tags[4 * i + j] for j in range(4)])
         return len(block_ids)
 
     pair = Pair(prefix_cached=cached)

@@ -60,7 +60,7 @@ def test_schema_output_parses_and_matches_batched_with_free_requests(llm: kvrela
         o = out.outputs[0]
         assert o.finish_reason == "stop", o.text
         assert _matches_schema(json.loads(o.text)), o.text
-    assert llm.engine.pool.num_free == llm.model.num_blocks
+    assert llm.engine.pool.num_in_use == 0
 
 
 def test_logit_bias_forces_and_forbids(llm: kvrelay.LLM) -> None:

@@ -1,0 +1,118 @@
+"""``kvrelay bench prefix``: time to first token with prefix caching against without,
+on the same model, prompts and threads, in one run.
+
+Workload (defaults, the goal of issue 13): 32 requests sharing a 1,000-token system
+prompt and differing in a 24-token tail, sent one at a time, max_tokens 8, greedy.
+Two engines over the same weights (one with ``enable_prefix_caching``, one without)
+take the requests in turn, so both see the same machine load. Prints the median TTFT
+of each, whether their outputs are identical, and, last, the ratio cached/uncached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+from kvrelay.bench.serve import WORDS
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "prefix", help="TTFT with prefix caching vs without (shared system prompt)",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prefix-len", type=int, default=1000, help="shared prompt, tokens")
+    p.add_argument("--tail-len", type=int, default=24, help="distinct tail, tokens")
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def make_prompts(tokenizer: Any, n: int, prefix_len: int, tail_len: int,
+                 seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+
+    def tokens(length: int) -> list[int]:
+        ids: list[int] = []
+        while len(ids) < length:
+            text = " ".join(rng.choice(WORDS) for _ in range(64))
+            ids += tokenizer.encode(text, add_special_tokens=False)
+        return ids[:length]
+
+    prefix = tokens(prefix_len)
+    return [prefix + tokens(tail_len) for _ in range(n)]
+
+
+def ttft_and_tokens(engine: Any, rid: str, prompt: list[int], params: Any) -> tuple[float,
+                                                                                      list[int]]:
+    """Run one request alone to completion: (seconds to its first token, its tokens)."""
+    start = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    first: float | None = None
+    tokens: list[int] = []
+    while engine.has_work():
+        for out in engine.step():
+            if out.new_token_ids and first is None:
+                first = time.perf_counter() - start
+            tokens += out.new_token_ids
+    assert first is not None
+    return first, tokens
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvrelay.model.llm import LLM
+    from kvrelay.sampling_params import SamplingParams
+
+    per_seq = args.prefix_len + args.tail_len + args.output_len
+    blocks = 2 * (-(-per_seq // 16)) + 8
+    llms = {caching: LLM(args.model, dtype=args.dtype, num_blocks=blocks,
+                         enable_prefix_caching=caching) for caching in (False, True)}
+    engines = {caching: llm.engine for caching, llm in llms.items()}
+    llm_tok = llms[False].tokenizer
+    prompts = make_prompts(llm_tok, args.num_requests, args.prefix_len, args.tail_len,
+                           args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    warm = make_prompts(llm_tok, 1, 64, 8, args.seed + 1)[0]
+    for caching, engine in engines.items():
+        ttft_and_tokens(engine, f"warm-{caching}", warm, params)
+    ttft: dict[bool, list[float]] = {False: [], True: []}
+    outs: dict[bool, list[list[int]]] = {False: [], True: []}
+    for i, prompt in enumerate(prompts):
+        for caching, engine in engines.items():
+            t, toks = ttft_and_tokens(engine, f"r{i}", prompt, params)
+            ttft[caching].append(t)
+            outs[caching].append(toks)
+    stats = engines[True].scheduler.prefix_stats
+    print(f"workload: {args.num_requests} requests, {args.prefix_len}-token shared prefix + "
+          f"{args.tail_len}-token tail, sequential, max_tokens {args.output_len}, greedy; "
+          f"{args.dtype}; {args.threads} threads")
+    print(f"{'prefix caching':<16}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}")
+    for caching in (False, True):
+        q = statistics.quantiles(ttft[caching], n=10)
+        name = "on" if caching else "off"
+        print(f"{name:<16}{statistics.median(ttft[caching]) * 1e3:>13.1f}{q[-1] * 1e3:>13.1f}")
+    print(f"prefix cache hits: {stats.hits}/{stats.queries} tokens")
+    same = sum(a == b for a, b in zip(outs[False], outs[True], strict=True))
+    print(f"identical outputs: {same}/{len(prompts)}")
+    ratio = statistics.median(ttft[True]) / statistics.median(ttft[False])
+    print(f"TTFT p50 ratio cached/uncached: {ratio:.3f}")
+    return 0
+
