@@ -102,11 +102,11 @@ def _register(module_name: str, subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _apply_process_settings(args)  # before anything imports torch (OpenMP reads it once)
     words = [args.command, getattr(args, "bench_command", None)]
     prog = " ".join(["kvrelay", *(w for w in words if w)])
     from kvrelay.model.config import UnsupportedModel
 
-    _apply_process_settings(args)
     try:
         return int(args.func(args) or 0)
     except (UsageError, FileNotFoundError, UnsupportedModel) as exc:

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -198,3 +199,33 @@ def write_fat_model(dir: Path) -> Path:
                num_attention_heads=4, num_key_value_heads=4, head_dim=64,
                max_position_embeddings=1024)
     return write_hf_dir(Path(dir), cfg, tiny_weights(cfg, 0), tok)
+
+
+def ask(c: Any, kind: str, stream: bool, kw: dict[str, Any]) -> tuple[str, int, str]:
+    """One completion or chat request through the openai client ``c``, streamed or not:
+    (text, completion tokens from usage, finish reason)."""
+    if kind == "chat":
+        if not stream:
+            r = c.chat.completions.create(**kw)
+            return r.choices[0].message.content or "", r.usage.completion_tokens, \
+                r.choices[0].finish_reason
+        text, usage, finish = "", -1, ""
+        for ch in c.chat.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}):
+            if ch.usage is not None:
+                usage = ch.usage.completion_tokens
+            for choice in ch.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        return text, usage, finish
+    if not stream:
+        r = c.completions.create(**kw)
+        return r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason
+    text, usage, finish = "", -1, ""
+    for ch in c.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if ch.usage is not None:
+            usage = ch.usage.completion_tokens
+        for choice in ch.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+    return text, usage, finish

@@ -17,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.cluster import Cluster, Proc, metric, metrics, pools_free
+from tests.e2e.cluster import Cluster, Proc, ask, metric, metrics, pools_free
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -77,34 +77,6 @@ def cases(model: str) -> list[tuple[str, bool, dict[str, Any]]]:
             kw["prompt"] = prompt
         out.append((kind, i % 5 in (0, 2, 3), kw))
     return out
-
-
-def ask(c: openai.OpenAI, kind: str, stream: bool, kw: dict[str, Any]) -> tuple[str, int, str]:
-    if kind == "chat":
-        if not stream:
-            r = c.chat.completions.create(**kw)
-            return r.choices[0].message.content or "", r.usage.completion_tokens, \
-                r.choices[0].finish_reason
-        text, usage, finish = "", -1, ""
-        for ch in c.chat.completions.create(**kw, stream=True,
-                                            stream_options={"include_usage": True}):
-            if ch.usage is not None:
-                usage = ch.usage.completion_tokens
-            for choice in ch.choices:
-                text += choice.delta.content or ""
-                finish = choice.finish_reason or finish
-        return text, usage, finish
-    if not stream:
-        r = c.completions.create(**kw)
-        return r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason
-    text, usage, finish = "", -1, ""
-    for ch in c.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
-        if ch.usage is not None:
-            usage = ch.usage.completion_tokens
-        for choice in ch.choices:
-            text += choice.text
-            finish = choice.finish_reason or finish
-    return text, usage, finish
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

@@ -27,7 +27,7 @@ from kvrelay.relay import protocol as P
 from kvrelay.relay.client import RelayClient
 from kvrelay.relay.transports import nixl
 from kvrelay.server.proxy_routing import RELEASE_PATH
-from tests.e2e.cluster import BLOCK_ARGS, Proc, metric, metrics, pools_free
+from tests.e2e.cluster import BLOCK_ARGS, Proc, ask, metric, metrics, pools_free
 from tests.e2e.netns import Net, NsProc, unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300),
@@ -153,34 +153,6 @@ def unpack(case: tuple) -> tuple[str, bool, dict[str, Any]]:
     else:
         kw["prompt"] = prompt
     return kind, stream, kw
-
-
-def ask(c: openai.OpenAI, kind: str, stream: bool, kw: dict[str, Any]) -> tuple[str, int, str]:
-    if kind == "chat":
-        if not stream:
-            r = c.chat.completions.create(**kw)
-            return (r.choices[0].message.content or "", r.usage.completion_tokens,
-                    r.choices[0].finish_reason)
-        text, usage, finish = "", -1, ""
-        for ch in c.chat.completions.create(**kw, stream=True,
-                                            stream_options={"include_usage": True}):
-            if ch.usage is not None:
-                usage = ch.usage.completion_tokens
-            for choice in ch.choices:
-                text += choice.delta.content or ""
-                finish = choice.finish_reason or finish
-        return text, usage, finish
-    if not stream:
-        r = c.completions.create(**kw)
-        return r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason
-    text, usage, finish = "", -1, ""
-    for ch in c.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
-        if ch.usage is not None:
-            usage = ch.usage.completion_tokens
-        for choice in ch.choices:
-            text += choice.text
-            finish = choice.finish_reason or finish
-    return text, usage, finish
 
 
 def run_through(dep: Deployment, proxy: str, batch: list[tuple], workers: int = 1) -> list:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
@@ -73,10 +71,11 @@ def test_metrics_export_the_kernels_in_use() -> None:
     from kvrelay.server.metrics import ServerMetrics
 
     kernel_choice.record_kernels("native", "avx2", "")
-    engine: Any = SimpleNamespace(
-        pool=SimpleNamespace(num_blocks=4, num_free=4),
-        scheduler=SimpleNamespace(running=[], waiting=[]),
-    )
+    from kvrelay.config import SchedulerConfig
+    from kvrelay.core.engine import Engine
+    from kvrelay.core.fake_runner import FakeRunner
+
+    engine = Engine(SchedulerConfig(num_blocks=4, block_size=4), FakeRunner(100))
     text = ServerMetrics(engine, "m").render().decode()
     line = next(x for x in text.splitlines() if x.startswith("kvrelay_kernels_info{"))
     assert 'backend="native"' in line and 'isa="avx2"' in line and line.endswith(" 1.0")

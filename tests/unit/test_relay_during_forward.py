@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from kvrelay.bench.relay import SleepingRunner, keep_busy, prefill_engine, time_answers
+from kvrelay.bench.relay_rig import SleepingRunner, keep_busy, prefill_engine, time_answers
 
 
 def test_relay_answers_while_the_step_is_still_running() -> None:
