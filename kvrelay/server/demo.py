@@ -191,9 +191,11 @@ RELEASES = tuple(f'kvrelay_leases_released_total{{reason="{r}"}}'
 def print_pools(deployment: Deployment) -> None:
     roles = ("prefill", "decode") if len(deployment.servers) > 1 else ("engine",)
     for role, server in zip(roles, deployment.servers, strict=False):
-        m = server_metrics(server.base_url, ("kvrelay_kv_blocks_total",
-                                             "kvrelay_kv_blocks_free", *RELEASES))
-        line = (f"{role}: KV blocks free {m.get('kvrelay_kv_blocks_free', 0):.0f} / "
+        m = server_metrics(server.base_url, ("kvrelay_kv_blocks_total", "kvrelay_kv_blocks_free",
+                                             "kvrelay_kv_blocks_cached", *RELEASES))
+        # Cached blocks (prefix caching) are not in use: free + cached == total at rest.
+        line = (f"{role}: KV blocks free {m.get('kvrelay_kv_blocks_free', 0):.0f} + cached "
+                f"{m.get('kvrelay_kv_blocks_cached', 0):.0f} / "
                 f"{m.get('kvrelay_kv_blocks_total', 0):.0f}")
         if role == "prefill":
             line += "; leases released: " + ", ".join(
