@@ -197,21 +197,25 @@ class RelayClient:
                         p.refusal, p.retry_at = e, time.monotonic() + self.retry_after_s
                         raise
                     p.sock, p.refusal = sock, None
-                    threading.Thread(target=self._read_loop, args=(p, sock), daemon=True,
-                                     name=f"relay-read-{relay}").start()
+                    threading.Thread(target=self._read_loop, args=(relay, p, sock),
+                                     daemon=True, name=f"relay-read-{relay}").start()
                 p.sock.sendall(P.encode(msg))
             except RelayUnavailable as e:
                 # Tell the receiver at once: not delivered, and why.
-                self.replies.put(P.Reply(msg.seq, "error", error=str(e), code=e.code.value))
+                self.replies.put(P.Reply(msg.seq, "error", error=str(e), code=e.code.value,
+                                         relay=relay))
             except OSError:
                 self._drop(p, p.sock)
         self._drop(p, p.sock)
 
-    def _read_loop(self, p: _Peer, sock: socket.socket) -> None:
+    def _read_loop(self, relay: str, p: _Peer, sock: socket.socket) -> None:
         try:
             while True:
                 msg = P.recv_frame(sock, frame_timeout=self.io_timeout)
                 if isinstance(msg, P.Reply):
+                    # Stamped with the connection it came from, whatever the peer sent:
+                    # the receiver takes a reply only from the relay its load talks to.
+                    msg.relay = relay
                     self.replies.put(msg)
         except (OSError, ConnectionError, P.ProtocolError):
             pass

@@ -160,6 +160,9 @@ class Reply(msgspec.Struct, tag="reply", omit_defaults=True):
     first_token: int = 0
     nbytes: int = 0  # raw bytes following this frame (Read)
     transport: dict[str, Any] = msgspec.field(default_factory=dict)
+    # Set by the decode side's client to the relay whose connection delivered the reply
+    # (any value a peer puts on the wire is overwritten); empty in the simulators.
+    relay: str = ""
 
 
 Request = Hello | Acquire | Heartbeat | Release | Abort | Read

@@ -296,6 +296,12 @@ class Receiver:
             self.stats.stale_replies += 1
             return
         load, kind, epoch = entry
+        if reply.relay and reply.relay != load.kv.relay:
+            # Another relay answering this load's sequence number (seqs are guessable):
+            # a forged verdict must never settle a load. Keep waiting for the real one.
+            self._by_seq[reply.seq] = entry
+            self.stats.stale_replies += 1
+            return
         load.heard_at = now
         if kind == "main" and epoch != load.epoch:
             self.stats.stale_replies += 1  # answers a message of an earlier phase

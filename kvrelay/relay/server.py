@@ -309,9 +309,13 @@ class RelayServer:
 
     def _expiry_loop(self) -> None:
         while not self._stop.is_set():
-            with self.lock:
-                self.table.expire(self.clock())
-                nxt = self.table.next_deadline()
+            nxt: float | None = None
+            try:
+                with self.lock:
+                    self.table.expire(self.clock())
+                    nxt = self.table.next_deadline()
+            except Exception:  # a bug must not stop every later expiry (leases would leak)
+                log.exception("lease expiry failed; retrying in 1 s")
             wait = 1.0 if nxt is None else max(0.0, min(1.0, nxt - self.clock()))
             self._wake.wait(wait)
             self._wake.clear()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import kvrelay.relay
 from kvrelay.core.lifecycle import RequestState
+from kvrelay.relay import protocol as P
 from kvrelay.relay.receiver import Phase
 from kvrelay.relay.transports.base import TransferState
 from tests.sim.race_harness import NBLOCKS, Pair
@@ -56,4 +57,32 @@ def test_a_transfer_deaf_to_cancel_is_quarantined_then_returned() -> None:
     assert pair.rx.stats.quarantined_blocks == 0 and not pair.rx.has_work()
     pair.d_pool.check_integrity()
     assert pair.d_pool.num_free == NBLOCKS
+    pair.assert_all_free()
+
+
+def test_a_reply_from_another_relay_never_settles_a_load() -> None:
+    """Review finding: replies of every relay share one queue and sequence numbers are
+    guessable, so a relay named in forged params could answer another request's
+    RELEASE(ok) with "done" and make D decode on an unconfirmed copy. The client stamps
+    each reply with the relay it came from; the receiver ignores any other relay's."""
+    pair = Pair()
+    kv = pair.prefill("r")
+    pair.submit("r", kv)
+    pair.step_d()
+    pair.deliver_to_p()  # ACQUIRE
+    pair.deliver_to_d()
+    (h,) = pair.transport.handles
+    pair.transport.land(h)
+    pair.transport.finish(h)
+    pair.tick()  # RELEASE(ok) sent: COMMITTING
+    release = pair.outbox[-1]
+    assert pair.rx.loads["r"].phase is Phase.COMMITTING
+    pair.rx.on_reply(P.Reply(release.seq, "ok", reason="done", relay="evil:1"), pair.now)
+    assert pair.rx.loads["r"].phase is Phase.COMMITTING, "a forged verdict settled it"
+    assert pair.d.requests["r"].state is RequestState.LOADING
+    (genuine,) = pair.deliver_to_p()
+    genuine.relay = kv.relay
+    pair.rx.on_reply(genuine, pair.now)
+    assert "r" not in pair.rx.loads and pair.d.requests["r"].state is RequestState.RUNNING
+    pair.converse()
     pair.assert_all_free()
