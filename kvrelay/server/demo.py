@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import shlex
 import signal
@@ -49,9 +50,30 @@ def register(subparsers: Any) -> None:
 
 
 def free_port() -> int:
+    """A port for a server this process starts. Picked below the kernel's ephemeral
+    range: a socket that binds port 0 meanwhile (P's relay port, any connection) can
+    then never take it between this check and the server's own bind (a demo once
+    failed with "address already in use" that way)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass

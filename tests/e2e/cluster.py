@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ from typing import Any
 
 import httpx
 
+from kvrelay.server.demo import free_port
 from tests.metrics_util import blocks_released, metrics, sample
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_ARGS = ("--num-blocks", "256", "--block-size", "4")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def env(extra: dict[str, str] | None = None) -> dict[str, str]:

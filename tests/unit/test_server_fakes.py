@@ -8,7 +8,6 @@ enough to drive the whole HTTP path with exactly predictable output.
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,6 +19,7 @@ from kvrelay.core.engine import Engine
 from kvrelay.core.fake_runner import expected_output
 from kvrelay.core.runner import Batch, SampledToken, TokenLogprobs
 from kvrelay.server.api import ServedModel, ServerState, create_app
+from kvrelay.server.demo import free_port
 from kvrelay.server.engine_loop import EngineLoop
 from kvrelay.server.metrics import ServerMetrics
 
@@ -133,12 +133,6 @@ def make_state(
         make_detokenizer=lambda ids, stop, inc: StopDetokenizer(tok, ids, stop, inc),
     )
     return ServerState(EngineLoop(engine), model, ServerMetrics(engine, "tiny"), api_key)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
