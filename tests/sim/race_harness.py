@@ -136,6 +136,16 @@ class Pair:
             self.p.step()
         return RemoteKv.from_dict(self.relay.kv_params.pop(rid).to_dict())
 
+    def start_copy(self, rid: str = "r", prompt_len: int = 9) -> tuple[RemoteKv, Handle]:
+        """Prefill ``rid``, submit it to D, and let D acquire the lease: the transfer
+        is in flight and nothing has landed yet."""
+        kv = self.prefill(rid, prompt_len)
+        self.submit(rid, kv, prompt_len)
+        self.step_d()
+        self.deliver_to_p()  # ACQUIRE
+        self.deliver_to_d()
+        return kv, self.transport.handles[-1]
+
     @staticmethod
     def prompt(n: int) -> list[int]:
         return [(3 * i + 1) % VOCAB for i in range(n)]

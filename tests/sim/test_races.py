@@ -115,12 +115,7 @@ def test_race02_done_arrives_after_the_lease_expired() -> None:
     """A late done after expiry crashed P (the request was gone). Here it is answered
     with the release reason, counted as stale, and D discards its copy."""
     pair = Pair(acquire=1.0)
-    kv = pair.prefill("r")
-    pair.submit("r", kv)
-    pair.step_d()
-    pair.deliver_to_p()  # ACQUIRE
-    pair.deliver_to_d()
-    h = pair.transport.handles[0]
+    kv, h = pair.start_copy()
     pair.transport.land(h)
     pair.transport.finish(h)
     pair.tick()  # D sends RELEASE(ok); it is slow on the wire
@@ -165,12 +160,7 @@ def test_race04_abort_while_loading_drains_before_freeing() -> None:
     transfer scribble into blocks reused by another request. Here the request is
     DRAINING and its blocks stay its own until the transport stops writing."""
     pair = Pair()
-    kv = pair.prefill("r")
-    pair.submit("r", kv)
-    pair.step_d()
-    pair.deliver_to_p()
-    pair.deliver_to_d()
-    h = pair.transport.handles[0]
+    _, h = pair.start_copy()
     pair.transport.land(h, 1)
     pair.rx.abort("r", pair.now)
     req = pair.d.requests["r"]
@@ -193,12 +183,7 @@ def test_race05_received_and_sent_reported_in_the_same_step() -> None:
     both processed and freed it twice. Here the copy's end, P's verdict and a
     duplicate of it all arrive before one tick: one load_done, one release."""
     pair = Pair()
-    kv = pair.prefill("r")
-    pair.submit("r", kv)
-    pair.step_d()
-    pair.deliver_to_p()
-    pair.deliver_to_d()
-    h = pair.transport.handles[0]
+    kv, h = pair.start_copy()
     pair.transport.land(h)
     pair.transport.finish(h)
     pair.tick()
@@ -217,12 +202,7 @@ def test_race06_expiry_while_reading_is_caught_by_the_fence() -> None:
     and produced wrong output. Here the copy is torn for real (P reuses the
     blocks for another request mid-copy); RELEASE(ok) is refused and D recomputes."""
     pair = Pair(acquire=1.0)
-    kv = pair.prefill("r", prompt_len=12)
-    pair.submit("r", kv, prompt_len=12)
-    pair.step_d()
-    pair.deliver_to_p()
-    pair.deliver_to_d()
-    h = pair.transport.handles[0]
+    kv, h = pair.start_copy("r", prompt_len=12)
     pair.transport.land(h, 1)
     pair.now = 2.0
     pair.table.expire(pair.now)

@@ -32,12 +32,7 @@ def test_a_transfer_deaf_to_cancel_is_quarantined_then_returned() -> None:
     the blocks go to a quarantine owner (nothing reuses them), the request ends and P
     is told once; when the transport finally reports, the blocks return."""
     pair = Pair()
-    kv = pair.prefill("r")
-    pair.submit("r", kv)
-    pair.step_d()
-    pair.deliver_to_p()
-    pair.deliver_to_d()
-    (h,) = pair.transport.handles
+    _, h = pair.start_copy()
     pair.transport.land(h, 1)
     pair.rx.abort("r", pair.now)
     assert pair.rx.loads["r"].phase is Phase.DRAINING
@@ -66,12 +61,7 @@ def test_a_reply_from_another_relay_never_settles_a_load() -> None:
     RELEASE(ok) with "done" and make D decode on an unconfirmed copy. The client stamps
     each reply with the relay it came from; the receiver ignores any other relay's."""
     pair = Pair()
-    kv = pair.prefill("r")
-    pair.submit("r", kv)
-    pair.step_d()
-    pair.deliver_to_p()  # ACQUIRE
-    pair.deliver_to_d()
-    (h,) = pair.transport.handles
+    kv, h = pair.start_copy()
     pair.transport.land(h)
     pair.transport.finish(h)
     pair.tick()  # RELEASE(ok) sent: COMMITTING
