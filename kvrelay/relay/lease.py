@@ -125,7 +125,7 @@ class Lease:
         return self.holder == holder and self.attempt == attempt
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Tombstone:
     """What is remembered of a released lease, to answer late messages."""
 
@@ -133,6 +133,7 @@ class Tombstone:
     reason: ReleaseReason
     holder: str | None
     attempt: str | None
+    fence_counted: bool = False  # this lease's one fence failure has been counted
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,6 @@ class LeaseTable:
         self.leases: dict[str, Lease] = {}  # HELD or PULLING
         # Released leases, oldest first, kept a while to answer late messages.
         self._tombstones: OrderedDict[str, Tombstone] = OrderedDict()
-        self._fence_counted: set[str] = set()  # tombstones whose fence failure was counted
         self._deadlines: list[tuple[float, str]] = []
         self.stats = LeaseStats()
 
@@ -273,8 +273,8 @@ class LeaseTable:
         if ok and self.blocks.generations(lease.block_ids) != lease.generations:
             # Cannot happen while the lease owns the blocks; refuse loudly if it does.
             self.stats.fence_failures += 1
-            self._fence_counted.add(lease_id)
             self._release(lease, LeaseEvent.RELEASE_FAILED, now)
+            self._tombstones[lease_id].fence_counted = True
             return Answer(Status.ERROR, LeaseState.RELEASED, ReleaseReason.FAILED,
                           "block generations changed during the copy", code=ErrorCode.FENCE)
         event = LeaseEvent.RELEASE_OK if ok else LeaseEvent.RELEASE_FAILED
@@ -387,10 +387,10 @@ class LeaseTable:
         if ours and commit and tomb.reason is ReleaseReason.DONE:
             # A retransmitted commit of the attempt that committed: the same verdict.
             return None, Answer(Status.OK, LeaseState.RELEASED, ReleaseReason.DONE)
-        if ours and commit and lease_id not in self._fence_counted:
+        if ours and commit and not tomb.fence_counted:
             # The lease was released under this attempt's copy (expiry, abort).
             self.stats.fence_failures += 1
-            self._fence_counted.add(lease_id)
+            tomb.fence_counted = True
         return None, Answer(Status.RELEASED, LeaseState.RELEASED, tomb.reason,
                             f"lease {lease_id} was already released ({tomb.reason.value})")
 
@@ -439,8 +439,7 @@ class LeaseTable:
     def _prune_tombstones(self, now: float) -> None:
         tombs = self._tombstones
         while tombs:
-            lease_id, tomb = next(iter(tombs.items()))
+            tomb = next(iter(tombs.values()))
             if now - tomb.released_at < self.tombstone_ttl:
                 return
             tombs.popitem(last=False)
-            self._fence_counted.discard(lease_id)

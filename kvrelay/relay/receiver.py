@@ -291,17 +291,14 @@ class Receiver:
         return bool(self.loads) or bool(self._quarantine)
 
     def on_reply(self, reply: P.Reply, now: float) -> None:
-        entry = self._by_seq.pop(reply.seq, None)
-        if entry is None:
+        entry = self._by_seq.get(reply.seq)
+        if entry is None or (reply.relay and reply.relay != entry[0].kv.relay):
+            # Unknown, or another relay answering this load's sequence number (seqs
+            # are guessable): a forged verdict must never settle a load.
             self.stats.stale_replies += 1
             return
+        del self._by_seq[reply.seq]
         load, kind, epoch = entry
-        if reply.relay and reply.relay != load.kv.relay:
-            # Another relay answering this load's sequence number (seqs are guessable):
-            # a forged verdict must never settle a load. Keep waiting for the real one.
-            self._by_seq[reply.seq] = entry
-            self.stats.stale_replies += 1
-            return
         load.heard_at = now
         if kind == "main" and epoch != load.epoch:
             self.stats.stale_replies += 1  # answers a message of an earlier phase
