@@ -8,7 +8,9 @@ ignore_eos. Prints output tokens/s of both and, last, the ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 _TEXT = (
@@ -56,20 +58,27 @@ def make_prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
 def run(args: argparse.Namespace) -> int:
     import importlib.util
 
-    import torch
-
     from kvrelay.cli import UsageError
 
     if not args.skip_transformers and importlib.util.find_spec("transformers") is None:
         # Say it before minutes of kvrelay's own run, not with a traceback after.
         raise UsageError("the reference run needs the package 'transformers', which is not "
                          "installed (pip install transformers, or pass --skip-transformers)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _run(args)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with ``n`` torch CPU threads, then give back the caller's setting."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _run(args: argparse.Namespace) -> int:

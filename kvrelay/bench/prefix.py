@@ -67,14 +67,10 @@ def ttft_and_tokens(engine: Any, rid: str, prompt: list[int], params: Any) -> tu
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    from kvrelay.bench.offline import torch_threads
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _run(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(args: argparse.Namespace) -> int:
