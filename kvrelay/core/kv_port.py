@@ -59,8 +59,9 @@ class EngineKvLoads:
     def abort(self, request_id: str) -> bool:
         return self.engine.abort_request(request_id)
 
-    def take_waiting(self) -> list[tuple[str, list[int]]]:
-        return [(r.request_id, r.block_ids) for r in self.engine.take_kv_waiting()]
+    def take_waiting(self) -> list[tuple[str, list[int], int]]:
+        return [(r.request_id, r.block_ids, r.num_cached_blocks)
+                for r in self.engine.take_kv_waiting()]
 
     def load_started(self, request_id: str) -> None:
         self.engine.kv_load_start(request_id)

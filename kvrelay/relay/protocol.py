@@ -39,7 +39,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"KR"
 HEADER = struct.Struct(">2sBBI")
 MAX_FRAME = 1 << 20
@@ -55,6 +55,7 @@ class ErrorCode(enum.Enum):
     NOT_HOLDER = "not_holder"  # the message is not from the attempt that holds the lease
     FENCE = "fence"  # the blocks changed under the lease: the copy is not valid
     READ_DENIED = "read_denied"  # blocks outside the lease, or read already
+    BAD_RANGE = "bad_range"  # an ACQUIRE's first_block outside the lease
     BAD_FRAME = "bad_frame"  # malformed, oversized or out-of-order frame
     AUTH_FAILED = "auth_failed"  # hello not authenticated (wrong or missing secret)
     REFUSED = "refused"  # hello refused: version, compat, layout, transport or capacity
@@ -108,6 +109,9 @@ class Acquire(msgspec.Struct, tag="acquire"):
     lease_id: str
     holder: str
     attempt: str
+    # A partial pull: the decode engine has the lease's blocks before this one in its
+    # own prefix cache. The reply's block_ids (and the fence) cover the rest only.
+    first_block: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
