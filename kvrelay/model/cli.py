@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrelay generate: --{e.param.replace('_', '-')}: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, num_blocks=None)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, num_blocks=None,
+                  enforce_eager=args.enforce_eager)
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: bad --device
         print(f"kvrelay generate: {e}", file=sys.stderr)
         return EXIT_USAGE
