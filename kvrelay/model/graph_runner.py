@@ -48,7 +48,9 @@ def cuda_capture(device: torch.device) -> Capture:
             fn()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: a relay thread of this engine may touch CUDA (a KV copy into
+        # other blocks) while the engine thread captures.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = fn()
         return graph, out
 
@@ -76,6 +78,7 @@ def enable_decode_graphs(
         max_blocks=-(-max_len // bs),
         block_size=bs,
         scratch_block=scratch_block,
+        vocab_size=runner.model.lm_head.weight.shape[0],
         device=runner.device,
     )
     runner.graphs = graphs

@@ -22,8 +22,9 @@ and replays them with one call, as vLLM's CUDA graph runner does:
   than it reports, see loader.py). Their logits are dropped.
 - Graphs are captured lazily, the first time a (b, w) is needed, into one memory
   pool; a capture happens once per key, every later step with that key replays.
-  Sharing the pool is safe because steps run one at a time and each step's logits
-  are consumed (sampled) before the next replay overwrites them.
+  Sharing the pool is safe because steps run one at a time. Every graph copies its
+  logits into one static (max batch, vocab) buffer, consumed (sampled) before the
+  next replay overwrites it.
 
 The capture function and the eager step are arguments, so on CPU the tests run
 this with a stand-in graph (``RerunGraph``) and a real model forward.
@@ -134,6 +135,7 @@ class DecodeGraphs:
         max_blocks: int,
         block_size: int,
         scratch_block: int,
+        vocab_size: int,
         device: torch.device,
     ) -> None:
         if list(batch_sizes) != sorted(set(batch_sizes)) or not batch_sizes or batch_sizes[0] < 1:
@@ -148,6 +150,9 @@ class DecodeGraphs:
         self._rows = torch.zeros(4, n, dtype=torch.long, device=device)
         self._tables = torch.full((n, w), scratch_block, dtype=torch.long, device=device)
         self._logit_rows = torch.arange(n, dtype=torch.long, device=device)
+        # Every graph leaves its logits here: one (max batch, vocab) buffer, not one
+        # per graph (35 buckets x widths of a 256 x 49k float32 output would be GBs).
+        self._logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
         self._graphs: dict[tuple[int, int], tuple[GraphHandle, torch.Tensor]] = {}
         self.replays = 0
         self.eager_steps = 0  # decode steps above the largest bucket (or too wide)
@@ -210,8 +215,8 @@ class DecodeGraphs:
         key = (b, w)
         entry = self._graphs.get(key)
         if entry is None:
-            x = self.inputs(b, w)
-            entry = self.capture(lambda: self.step(x))
+            x, out = self.inputs(b, w), self._logits[:b]
+            entry = self.capture(lambda: out.copy_(self.step(x)))
             self._graphs[key] = entry
             log.info("captured a decode graph for batch %d, %d blocks per sequence", b, w)
         graph, out = entry

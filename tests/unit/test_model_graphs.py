@@ -54,7 +54,8 @@ def test_batch_buckets_are_vllms_sizes_up_to_max_num_seqs() -> None:
 def _plain_graphs(max_num_seqs: int, max_blocks: int) -> DecodeGraphs:
     return DecodeGraphs(lambda x: x.input_ids.float(), lambda fn: (RerunGraph(fn, fn()), fn()),
                         batch_sizes=batch_buckets(max_num_seqs), max_blocks=max_blocks,
-                        block_size=BS, scratch_block=7, device=torch.device("cpu"))
+                        block_size=BS, scratch_block=7, vocab_size=1,
+                        device=torch.device("cpu"))
 
 
 @given(st.integers(1, 300), st.integers(1, 40))
