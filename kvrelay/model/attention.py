@@ -167,7 +167,9 @@ def _set_decode(
     k_heads = (k[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
     meta.decode_head_rows = torch.cat([k_heads, k_heads + block_size * num_kv_heads])
     meta.decode_ctx = ctx
-    valid = (pos[None, :] < lens[:, None])[:, None, :].repeat_interleave(num_kv_heads, 0)
+    # expand + reshape, not repeat_interleave: no host sync, so a graph can capture it.
+    valid = (pos[None, :] < lens[:, None])[:, None, :].expand(rows, num_kv_heads, ctx)
+    valid = valid.reshape(rows * num_kv_heads, 1, ctx)
     mask = torch.zeros(valid.shape, dtype=dtype, device=device)
     meta.decode_mask = mask.masked_fill(~valid, -torch.inf)
 
