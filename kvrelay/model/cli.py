@@ -39,6 +39,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "the CPU has native bf16, else float32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (never used on CPU)")
 
 
 def run(args: argparse.Namespace) -> int:
