@@ -12,10 +12,16 @@ from collections.abc import Callable
 
 import torch
 
-from kvrelay.model.backend import GraphableBackend, supports_graphs
+from kvrelay.model.backend import GraphableBackend, KernelBackend, supports_graphs
 from kvrelay.model.graphs import Capture, DecodeGraphs, DecodeInputs, GraphHandle, batch_buckets
 from kvrelay.model.model import LlamaModel
 from kvrelay.model.runner import ModelRunner
+
+
+def graphs_wanted(device: torch.device, enforce_eager: bool, backend: KernelBackend) -> bool:
+    """Decode graphs run on CUDA devices only, unless ``--enforce-eager``, and only
+    with a backend that can be captured (the torch one; native kernels are CPU-only)."""
+    return device.type == "cuda" and not enforce_eager and supports_graphs(backend)
 
 
 def decode_step(

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from kvrelay.core.runner import Runner
-from kvrelay.model.backend import supports_graphs
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer
+from kvrelay.model.graph_runner import cuda_capture, enable_decode_graphs, graphs_wanted
 from kvrelay.model.interface import KvCacheFactory, KvGeometry, LoadedModel
 from kvrelay.model.interface import Tokenizer as TokenizerProtocol
 from kvrelay.model.model import LlamaModel
@@ -99,7 +99,7 @@ def load_model(
         dtype=dtype,
     )
     n_blocks = _num_blocks(geometry, num_blocks, kv_cache_memory_gb, max_len)
-    graphs = dev.type == "cuda" and not enforce_eager and supports_graphs(model.backend)
+    graphs = graphs_wanted(dev, enforce_eager, model.backend)
     # With graphs the cache has one block more than the pool is told of: the scratch
     # block that padded decode rows write into, which no request can ever own.
     shape = (n_blocks + graphs, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -118,8 +118,6 @@ def load_model(
         kv_cache = _zeros(shape, torch_dtype, dev)
     runner = ModelRunner(model, kv_cache, block_size)
     if graphs:
-        from kvrelay.model.graph_runner import cuda_capture, enable_decode_graphs
-
         enable_decode_graphs(runner, max_num_seqs=max_num_seqs, max_len=max_len,
                              scratch_block=n_blocks, capture=cuda_capture(dev))
     runner.sampler.grammars = GrammarMasks(GrammarTokenizer(

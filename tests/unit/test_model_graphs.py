@@ -20,7 +20,7 @@ from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
 from kvrelay.core.runner import Batch, ScheduledRequest
 from kvrelay.model import load_model
-from kvrelay.model.graph_runner import enable_decode_graphs
+from kvrelay.model.graph_runner import enable_decode_graphs, graphs_wanted
 from kvrelay.model.graphs import (
     DecodeGraphs,
     GraphHandle,
@@ -206,9 +206,16 @@ def test_greedy_generation_through_graphs_is_unchanged(model: Model) -> None:
     assert len({b for b, _ in graph.graphs.captured}) >= 3
 
 
-def test_cpu_loads_without_graphs(model: Model) -> None:
+def test_graphs_only_on_cuda_without_enforce_eager(model: Model) -> None:
     assert model.runner.graphs is None  # type: ignore[attr-defined]
     assert model.kv_cache.shape[0] == model.num_blocks == BLOCKS
+    torch_backend = model.runner.model.backend  # type: ignore[attr-defined]
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert graphs_wanted(cuda, False, torch_backend)
+    assert not graphs_wanted(cuda, True, torch_backend)
+    assert not graphs_wanted(cpu, False, torch_backend)
+    native = type("Native", (), {"name": "native"})()  # no static_decode_metadata
+    assert not graphs_wanted(cuda, False, native)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
