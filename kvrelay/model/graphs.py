@@ -127,6 +127,9 @@ class PaddedStep:
 
 
 class DecodeGraphs:
+    """Which graphs exist, which one a decode step goes to, its padded inputs, when
+    to capture and what to replay (the module docstring says how)."""
+
     def __init__(
         self,
         step: StepFn,
