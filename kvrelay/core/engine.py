@@ -149,11 +149,13 @@ class Engine:
     def kv_load_start(self, request_id: str) -> None:
         self.requests[request_id].transition(Event.LOAD_START)
 
-    def kv_load_done(self, request_id: str) -> None:
-        """The remote KV is validated: the request decodes from its first token."""
+    def kv_load_done(self, request_id: str, *, shareable: bool = True) -> None:
+        """The remote KV is validated: the request decodes from its first token. Not
+        ``shareable`` (pulled from a relay that could not be authenticated): the request
+        never publishes blocks in the prefix cache."""
         req = self.requests[request_id]
         req.transition(Event.LOAD_DONE)
-        self.scheduler.kv_loaded(req)
+        self.scheduler.kv_loaded(req, shareable=shareable)
 
     def kv_load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
         """No valid KV arrived (and the transfer has stopped writing). Blocks are freed

@@ -66,8 +66,8 @@ class EngineKvLoads:
     def load_started(self, request_id: str) -> None:
         self.engine.kv_load_start(request_id)
 
-    def load_done(self, request_id: str) -> None:
-        self.engine.kv_load_done(request_id)
+    def load_done(self, request_id: str, *, shareable: bool) -> None:
+        self.engine.kv_load_done(request_id, shareable=shareable)
 
     def load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
         self.engine.kv_load_failed(request_id, error, recompute=recompute)

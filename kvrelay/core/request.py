@@ -43,6 +43,9 @@ class Request:
     # admitted to wait for remote KV. They are shared, not pulled: the transfer writes
     # only into the blocks after them (a partial pull).
     num_cached_blocks: int = 0
+    # False once it decodes on KV pulled from a relay that could not be authenticated:
+    # it never publishes blocks (a forged relay must not poison others' prefix hits).
+    shareable: bool = True
     # When the first step that computes it was scheduled (the engine's clock, if any).
     scheduled_at: float | None = None
 

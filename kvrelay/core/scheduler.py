@@ -199,7 +199,7 @@ class Scheduler:
     def publish_computed(self, req: Request, end: int) -> None:
         """A completed step wrote the request's KV up to position ``end``: publish its
         blocks that are now full and computed."""
-        if not self.caching:
+        if not (self.caching and req.shareable):
             return
         bs = self.config.block_size
         full = min(end, len(req.token_ids)) // bs
@@ -233,12 +233,15 @@ class Scheduler:
         self.newly_awaiting_kv.append(req)
         return True
 
-    def kv_loaded(self, req: Request) -> None:
+    def kv_loaded(self, req: Request, *, shareable: bool = True) -> None:
         """The prompt's KV is in the request's blocks (validated by the fence): decode
-        from the first token; the prompt's full blocks are published at once."""
+        from the first token; the prompt's full blocks are published at once, unless the
+        KV is not ``shareable`` (its source is not authenticated): then the request
+        publishes nothing, ever (its later blocks' KV attends over the pulled KV)."""
         del self.awaiting_kv[req.request_id]
         req.num_computed_tokens = req.prompt_len
         req.remote_kv = None  # the KV is ours now: a preemption recomputes it locally
+        req.shareable = shareable
         self.running[req.request_id] = req
         self.publish_computed(req, req.prompt_len)
 

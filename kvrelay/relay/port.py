@@ -61,8 +61,10 @@ class KvLoads(Protocol):
 
     def load_started(self, request_id: str) -> None: ...
 
-    def load_done(self, request_id: str) -> None:
-        """The KV is validated (the fence said done): decode from the first token."""
+    def load_done(self, request_id: str, *, shareable: bool) -> None:
+        """The KV is validated (the fence said done): decode from the first token.
+        ``shareable``: the KV came from a trusted relay (or nothing was pulled), so the
+        request may publish its blocks in the prefix cache."""
 
     def load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
         """No valid KV and the transfer no longer writes: recompute, or fail."""

@@ -416,7 +416,12 @@ class Receiver:
             return
         # Only P's "ok, done" to this attempt's own RELEASE(ok) commits the copy.
         if reply.status == "ok" and reply.reason == "done":
-            self.engine.load_done(load.request_id)
+            # Pulled KV is shared (published) only if its relay is a proven one: a
+            # forged relay's KV stays private to the request that named it.
+            kv = load.kv
+            shareable = load.first_block == len(load.local_blocks) or self.link.trusted(
+                kv.relay)
+            self.engine.load_done(load.request_id, shareable=shareable)
             self.stats.loaded += 1
         else:
             self.stats.fence_failures += 1

@@ -113,6 +113,7 @@ class Pair:
         attempts = itertools.count(1)
         self.rx = Receiver(EngineKvLoads(self.d), self, self.transport, holder="d1",
                            compat=COMPAT, config=cfg, new_attempt=lambda: f"a{next(attempts)}")
+        self.relay_trusted = True  # may D share KV pulled from P (RelayLink.trusted)
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, Any] = {}
 
@@ -122,6 +123,9 @@ class Pair:
 
     def peer(self, relay: str) -> PeerInfo:
         return PeerInfo("p", self.table.engine_id)
+
+    def trusted(self, relay: str) -> bool:
+        return self.relay_trusted
 
     # -- driving -------------------------------------------------------------------
     @staticmethod

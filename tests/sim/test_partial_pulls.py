@@ -168,3 +168,18 @@ def test_an_acquire_outside_the_lease_is_refused() -> None:
         assert (reply.status, reply.code) == ("error", P.ErrorCode.BAD_RANGE.value)
     assert kv.lease_id in pair.table.leases  # still HELD, whole, for its real decoder
     assert pair.table.leases[kv.lease_id].block_ids == kv.block_ids
+
+
+def test_kv_from_an_untrusted_relay_is_never_published() -> None:
+    """A relay D cannot authenticate (no secret, not on this host) may be a forgery the
+    client named: its KV serves the request that asked for it and nobody else."""
+    pair = Pair(caching=True)
+    pair.relay_trusted = False
+    warm(pair)  # pulled from the untrusted relay: nothing published on D
+    assert pair.d_pool.num_cached == 0
+    kv, _ = pair.start_copy("r", PROMPT)
+    assert pair.table.leases[kv.lease_id].first_block == 0  # no hit: a whole pull
+    pair.converse()
+    assert pair.outputs["r"] == pair.expect(1, PROMPT)[1:]
+    assert pair.d_pool.num_cached == 0
+    pair.assert_all_free()

@@ -33,7 +33,7 @@ def test_a_failing_seed_prints_its_replay_command(
     # The naive design: decode on whatever the transfer copied, without the fence.
     def no_fence(self: R.Receiver, load: R.Load, reply: object, now: float) -> None:
         if not load.aborted:
-            self.engine.load_done(load.request_id)
+            self.engine.load_done(load.request_id, shareable=True)
         self._finish_load(load)
 
     monkeypatch.setattr(R.Receiver, "_on_committed", no_fence)

@@ -352,6 +352,9 @@ def test_race11_abort_while_the_peer_writes_into_our_blocks() -> None:
         def peer(self, r: str) -> PeerInfo:
             return PeerInfo(r, "p1")
 
+        def trusted(self, r: str) -> bool:
+            return True
+
     rx = Receiver(EngineKvLoads(engine), Link(), tr, holder="d1", compat="c",
                   config=ReceiverConfig())
     remote = RemoteKv("L", relay.address, "p1", [0, 1, 2], 9, 5, "c")
