@@ -155,8 +155,8 @@ class RelayClient:
     def trusted(self, relay: str) -> bool:
         """May KV pulled from ``relay`` be shared with other requests (the prefix cache)?
         With a secret every relay we talk to has proved it; without one, only a relay on
-        this host's loopback: the params name any address a client likes."""
-        return self.secret is not None or is_loopback(relay)
+        this host: the params name any address a client likes."""
+        return self.secret is not None or is_local(relay)
 
     def send(self, relay: str, msg: P.Request) -> None:
         """Queue ``msg`` for ``relay``; never blocks the engine loop on the network.
@@ -270,9 +270,12 @@ class _Peer:
         self.retry_at = 0.0
 
 
-def is_loopback(relay: str) -> bool:
+def is_local(relay: str) -> bool:
+    """Is ``relay`` (host:port) on this host?"""
     host = relay.rpartition(":")[0].strip("[]")
+    if host in ("localhost", socket.gethostname()):
+        return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return host == "localhost"
+        return False

@@ -193,7 +193,10 @@ def test_1p1d_across_namespaces_equals_colocated(dep: Deployment, model_dir: Pat
     settled(dep, [d], ["p1"])
     p1, d1 = counters(dep, "p1"), counters(dep, d)
     assert p1["done"] - p0["done"] == len(batch), "every lease released as done"
-    assert d1["pulls"] - d0["pulls"] == len(batch) and d1["fallbacks"] == d0["fallbacks"]
+    # A request whose prompt D already has in its prefix cache pulls nothing (its lease
+    # is still acquired and committed: P counted it done above).
+    assert 0 < d1["pulls"] - d0["pulls"] <= len(batch)
+    assert d1["fallbacks"] == d0["fallbacks"]
     assert d1["bytes"] > d0["bytes"]
     # tcp bytes are streamed by P's relay; nixl's are read by D without P's relay.
     assert (p1["bytes"] > p0["bytes"]) == (transport == "tcp")

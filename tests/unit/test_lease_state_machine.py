@@ -67,14 +67,22 @@ class LeaseMachine(RuleBasedStateMachine):
             self._released(lease.lease_id)
 
     @precondition(lambda self: self.all_ids)
-    @rule(i=st.integers(0, 100), holder=HOLDERS)
-    def acquire(self, i: int, holder: Holder) -> None:
+    @rule(i=st.integers(0, 100), holder=HOLDERS, first=st.integers(-1, 5))
+    def acquire(self, i: int, holder: Holder, first: int) -> None:
+        """``first``: a partial pull from that block (the blocks before it cached on D);
+        out of the lease's range it is refused and changes nothing."""
         lid = self._pick(i)
         state, cur = self.model[lid]
-        ans = self.table.acquire(ENGINE, lid, *holder, self.now)
-        if state is LeaseState.HELD:
+        before = list(self.table.leases[lid].block_ids) if lid in self.table.leases else []
+        ans = self.table.acquire(ENGINE, lid, *holder, self.now, first)
+        if state is LeaseState.HELD and 0 <= first <= len(before):
             assert ans.ok
             self.model[lid] = (LeaseState.PULLING, holder)
+            lease = self.table.leases[lid]
+            assert lease.block_ids == before[first:] and lease.first_block == first
+            assert not any(self.pool.holds(b, f"lease:{lid}") for b in before[:first])
+        elif state is LeaseState.HELD:
+            assert not ans.ok and self.table.leases[lid].block_ids == before
         else:
             assert ans.ok == (state is LeaseState.PULLING and cur == holder)
 

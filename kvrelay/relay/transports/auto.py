@@ -4,24 +4,12 @@ one elsewhere, chosen per prefill engine by its relay address."""
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 from collections.abc import Sequence
 from typing import Any
 
 from kvrelay.relay import protocol as P
-from kvrelay.relay.client import RelayClient, split_address
+from kvrelay.relay.client import RelayClient, is_local
 from kvrelay.relay.transports.base import PeerInfo, TransferStatus, Transport
-
-
-def is_local(relay: str) -> bool:
-    host = split_address(relay)[0]
-    if host in ("localhost", socket.gethostname()):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class AutoLink:
