@@ -95,16 +95,7 @@ def build_metadata(
             _add_prefill(prefills, c, t, table, block_size, block_rows)
         t += c.length
     k_rows = torch.tensor(slots, dtype=torch.long, device=device)
-    meta = AttnMetadata(
-        layer_stride=2 * block_size,
-        write_rows=torch.cat([k_rows, k_rows + block_size]),
-        decode_rows=None,
-        decode_head_rows=None,
-        decode_ctx=0,
-        decode_mask=None,
-        prefills=prefills,
-        all_decode=len(dec_rows) == t,
-    )
+    meta = _writes_only(k_rows, block_size, prefills, all_decode=len(dec_rows) == t)
     if dec_rows:
         width = max(len(b) for b in dec_tables)
         padded = [list(b) + [0] * (width - len(b)) for b in dec_tables]
@@ -113,6 +104,22 @@ def build_metadata(
         meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
         _set_decode(meta, tables, lens, max(dec_lens), block_size, block_rows, num_kv_heads, dtype)
     return meta
+
+
+def _writes_only(k_rows: torch.Tensor, block_size: int, prefills: list[PrefillChunk],
+                 *, all_decode: bool) -> AttnMetadata:
+    """Metadata that writes the step's K/V rows (``k_rows``: each token's K row in layer
+    0; V follows ``block_size`` rows later); the decode part is set by ``_set_decode``."""
+    return AttnMetadata(
+        layer_stride=2 * block_size,
+        write_rows=torch.cat([k_rows, k_rows + block_size]),
+        decode_rows=None,
+        decode_head_rows=None,
+        decode_ctx=0,
+        decode_mask=None,
+        prefills=prefills,
+        all_decode=all_decode,
+    )
 
 
 def static_decode_metadata(
@@ -133,16 +140,7 @@ def static_decode_metadata(
     valid block ids (they are read, then masked)."""
     block_rows = num_layers * 2 * block_size
     k_rows = (slot_mapping // block_size) * block_rows + slot_mapping % block_size
-    meta = AttnMetadata(
-        layer_stride=2 * block_size,
-        write_rows=torch.cat([k_rows, k_rows + block_size]),
-        decode_rows=None,
-        decode_head_rows=None,
-        decode_ctx=0,
-        decode_mask=None,
-        prefills=[],
-        all_decode=True,
-    )
+    meta = _writes_only(k_rows, block_size, [], all_decode=True)
     ctx = block_tables.shape[1] * block_size
     _set_decode(meta, block_tables, context_lens, ctx, block_size, block_rows, num_kv_heads, dtype)
     return meta
