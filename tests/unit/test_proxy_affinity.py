@@ -215,3 +215,44 @@ def test_proxy_with_a_bad_routing_flag_is_exit_2(capsys: pytest.CaptureFixture[s
     assert main(argv) == EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["kvrelay proxy: --routing-cache-threshold must be between 0 and 1, got 2.0"]
+
+
+# -- the proxy's legs ----------------------------------------------------------------------
+def _legs(proxy: object, data: dict[str, object], chat: bool) -> list[object]:
+    from kvrelay.server.protocol import ChatCompletionRequest, CompletionRequest, validate
+    from kvrelay.server.proxy_routing import _split
+
+    req = validate(data, ChatCompletionRequest if chat else CompletionRequest)
+    legs = _split(data, req, chat)
+    proxy._route_keys(legs, req, chat)  # type: ignore[attr-defined]
+    return legs
+
+
+def test_the_proxy_routes_each_prompt_of_a_request_by_its_own_prefix() -> None:
+    from kvrelay.server.proxy_routing import Proxy
+
+    proxy = Proxy(["http://p0", "http://p1"], ["http://d0"])
+    system = {"role": "system", "content": "You answer questions about rivers. " * 20}
+
+    def chat(question: str, n: int = 1) -> list[str]:
+        data = {"model": "m", "n": n, "messages": [system, {"role": "user",
+                                                            "content": question}]}
+        return [proxy._pick(proxy.prefill, leg).url  # type: ignore[attr-defined]
+                for leg in _legs(proxy, data, chat=True)]
+
+    assert chat("Which is the longest?", n=2) == ["http://p0", "http://p0"]
+    assert chat("And the widest?") == ["http://p0"]
+    # A batch: its first prompt is new, so it goes to the engine with the smaller record;
+    # its second shares the first's prefix and follows it. A chat's system prompt sent
+    # as a completion prompt is other text (no roles): it matches nothing.
+    story = "Tell me a story about a river " * 10
+    batch = {"model": "m", "prompt": [story, story + "in spring"]}
+    legs = _legs(proxy, batch, chat=False)
+    assert [proxy._pick(proxy.prefill, leg).url for leg in legs] == ["http://p1", "http://p1"]
+    text = proxy.metrics.registry.get_sample_value
+    assert text("kvrelay_proxy_route_total", {"role": "prefill",
+                                              "reason": "prefix_match"}) == 3
+    assert text("kvrelay_proxy_route_total", {"role": "prefill",
+                                              "reason": "least_outstanding"}) == 2
+    legs = _legs(proxy, {"model": "m", "prompt": system["content"]}, chat=False)
+    assert proxy._pick(proxy.prefill, legs[0]).url == "http://p1"  # the smaller record
