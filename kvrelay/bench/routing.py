@@ -21,6 +21,7 @@ import asyncio
 import random
 import re
 import tempfile
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,7 @@ def one_routing(args: argparse.Namespace, routing: str, prompts: list[str]) -> O
         cluster.start(args.start_timeout)
         all_engines = [*engines["prefill"], *engines["decode"]]
         model = asyncio.run(warm_up([e.base_url for e in all_engines]))
+        proxy_sees_all_healthy(proxy.base_url, len(all_engines), args.start_timeout)
         before = {e.base_url: scrape(e.base_url) for e in all_engines}
         results = asyncio.run(load(proxy.base_url, model, prompts, args))
         hits = {}
@@ -142,6 +144,21 @@ def one_routing(args: argparse.Namespace, routing: str, prompts: list[str]) -> O
     finally:
         cluster.stop()
     return Outcome(routing, results, hits, reasons)
+
+
+def proxy_sees_all_healthy(url: str, engines: int, timeout: float) -> None:
+    """Wait for the proxy's health checks to pass on every engine: until then it would
+    route around engines it has not yet seen up (reason no_healthy)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        healthy = sum(v for k, v in scrape(url).items()
+                      if k.startswith("kvrelay_proxy_engine_healthy{"))
+        if healthy == engines:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the proxy saw {healthy:.0f} of {engines} engines healthy "
+                               f"after {timeout:.0f} s")
+        time.sleep(0.2)
 
 
 async def warm_up(urls: list[str]) -> str:

@@ -143,10 +143,6 @@ class PrefixRecord:
         while len(lru) > self.capacity:
             lru.popitem(last=False)
 
-    def clear(self) -> None:
-        """The engine's cache is gone (it was unhealthy: maybe restarted)."""
-        self._lru.clear()
-
 
 class Candidate(Protocol):
     outstanding: int

@@ -68,13 +68,10 @@ class Upstream:
     role: str
     prefixes: PrefixRecord  # the prompt prefixes sent here (KV-aware routing)
     outstanding: int = 0
+    # A failed health check is not a reason to forget ``prefixes``: under load a check
+    # can time out on an engine that lost nothing, and a record gone stale (the engine
+    # restarted) costs one miss per prefix, after which the engine holds it again.
     healthy: bool = True
-
-    def set_healthy(self, healthy: bool) -> None:
-        if self.healthy and not healthy:
-            # It may come back restarted, its cache empty: forget what it held.
-            self.prefixes.clear()
-        self.healthy = healthy
 
 
 class Upstreams:
@@ -189,7 +186,7 @@ class Proxy:
                 if healthy != up.healthy:
                     log.info("%s engine %s is %s (%s)", up.role, up.url,
                              "healthy" if healthy else "unhealthy", why)
-                up.set_healthy(healthy)
+                up.healthy = healthy
                 self.metrics.healthy.labels(up.role, up.url).set(1 if healthy else 0)
             await asyncio.sleep(self.health_interval)
 
@@ -289,10 +286,10 @@ class Proxy:
                 first = await self._prefill(up, path, leg.body)
             except UpstreamDown as exc:
                 self.metrics.prefill_failures.inc()
-                up.set_healthy(False)
+                up.healthy = False
                 log.warning("prefill engine %s failed (attempt %d): %s", up.url, attempt + 1, exc)
                 continue
-            up.set_healthy(True)
+            up.healthy = True
             leg.prefilled(first, up.url)
             self.metrics.requests.labels("disaggregated").inc()
             if leg.ended_at_prefill:
