@@ -38,5 +38,6 @@ def test_report_shows_hit_rates_reasons_and_the_ttft_ratio() -> None:
     assert lines[2].split()[:4] == ["least-outstanding", "3", "50.0%", "n/a"]
     assert lines[2].endswith("prefill/least_outstanding 3")  # zero counts left out
     assert lines[3].split()[:4] == ["kv-aware", "3", "90.0%", "75.0%"]
-    assert lines[3].split()[4] == "100.0"  # TTFT p50 ms
+    assert lines[3].split()[4:7] == ["100.0", "260.0", "166.7"]  # TTFT p50, p90, mean ms
+    assert lines[-2] == "TTFT mean ratio kv-aware/least-outstanding: 0.357"
     assert lines[-1] == "TTFT p50 ratio kv-aware/least-outstanding: 0.250"
