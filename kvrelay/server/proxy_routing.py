@@ -255,6 +255,8 @@ class Proxy:
     def _pick(self, ups: Upstreams, leg: Leg) -> Upstream:
         up, reason = ups.route(leg)
         self.metrics.route.labels(ups.role, reason.value).inc()
+        log.debug("route %s %s: %s (outstanding %d)", ups.role, up.url, reason.value,
+                  up.outstanding)
         return up
 
     def _prefill_order(self, leg: Leg) -> list[Upstream]:
