@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check of issue 11, on a machine with one GPU and nothing pre-made, in about
 # 4 minutes: imports, random-weight checkpoints of real shapes, the CUDA-marked tests,
-# 1P1D on one GPU (two processes) against colocated, and `kvrelay bench offline` at
-# batch 1, 32 and 256. Results (at most 8 files) go to $OUT (default ./device-out).
+# 1P1D on one GPU (two processes) against colocated, decode-step time with and without
+# CUDA graphs at batch 1, 32 and 256, and `kvrelay bench offline` at batch 1, 32 and
+# 256. Results (at most 8 files) go to $OUT (default ./device-out).
 #
 #   scripts/device-check.sh                 on the GPU (python3 there holds torch)
 #   scripts/device-check.sh --device cpu    dry run: tiny shapes, no pytest, no reference
@@ -53,7 +54,8 @@ step models 90 "$PY" scripts/device_check.py models "$MODELS" "${SMALL[@]}" \
 
 if [ "$DEVICE" != cpu ]; then
   step cuda-tests 90 "$PY" -m pytest -q -s -p no:cacheprovider -o addopts= \
-    tests/unit/test_relay_cuda_ipc.py tests/unit/test_relay_staging.py >"$OUT/tests.log" 2>&1
+    tests/unit/test_relay_cuda_ipc.py tests/unit/test_relay_staging.py \
+    tests/unit/test_model_graphs.py >"$OUT/tests.log" 2>&1
   tail -5 "$OUT/tests.log"
 fi
 
@@ -62,7 +64,21 @@ MAXTOK=32
 step pd 120 "$PY" scripts/device_check.py pd "$MODELS/smollm2-pd" --device "$DEVICE" \
   --max-tokens "$MAXTOK" --out "$OUT/pd.json"
 
-# Offline throughput, most wanted first; a row that would start past the budget is skipped.
+# Decode-step time with and without CUDA graphs (kvrelay/model/graph_bench.py).
+GRAPHS=$OUT/graphs.txt
+: >"$GRAPHS"
+if [ "$DEVICE" = cpu ]; then
+  GARGS=(--dtype float32 --batch 1 2 --context 8 --steps 4)
+else
+  GARGS=(--dtype bfloat16 --batch 1 32 256 --context 128 --steps 16)
+fi
+for model in smollm2-135m llama-1b; do
+  step "graphs-$model" 90 "$PY" -m kvrelay.model.graph_bench "$MODELS/$model" \
+    --device "$DEVICE" "${GARGS[@]}" >>"$GRAPHS" 2>&1
+done
+cat "$GRAPHS"
+
+# Offline throughput (graphs on, the default on CUDA), most wanted first; a row that would start past the budget is skipped.
 BENCH=$OUT/bench.txt
 : >"$BENCH"
 ROWS=("smollm2-135m 1" "llama-1b 256" "smollm2-135m 32" "smollm2-135m 256" "llama-1b 32")

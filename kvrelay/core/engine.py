@@ -117,9 +117,6 @@ class Engine:
             eos_token_ids=frozenset(eos_token_ids),
             remote_decode=remote_decode,
             remote_kv=remote_kv,
-            # Decode side: the prompt's KV comes from a lease; it neither uses nor
-            # publishes the prefix cache (partial pulls are a later step).
-            cacheable=remote_kv is None,
         )
         self.requests[request_id] = req
         if first_token is not None:
@@ -152,11 +149,13 @@ class Engine:
     def kv_load_start(self, request_id: str) -> None:
         self.requests[request_id].transition(Event.LOAD_START)
 
-    def kv_load_done(self, request_id: str) -> None:
-        """The remote KV is validated: the request decodes from its first token."""
+    def kv_load_done(self, request_id: str, *, shareable: bool = True) -> None:
+        """The remote KV is validated: the request decodes from its first token. Not
+        ``shareable`` (pulled from a relay that could not be authenticated): the request
+        never publishes blocks in the prefix cache."""
         req = self.requests[request_id]
         req.transition(Event.LOAD_DONE)
-        self.scheduler.kv_loaded(req)
+        self.scheduler.kv_loaded(req, shareable=shareable)
 
     def kv_load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
         """No valid KV arrived (and the transfer has stopped writing). Blocks are freed
@@ -174,10 +173,13 @@ class Engine:
         self._release_if_fenced(req)
 
     def kv_quarantine(self, request_id: str) -> list[int]:
-        """A transfer did not stop within its drain bound: the request's blocks move to
-        a quarantine owner, where nothing reuses them, until ``kv_unquarantine``."""
+        """A transfer did not stop within its drain bound: the blocks it writes into
+        (those after the request's locally cached prefix) move to a quarantine owner,
+        where nothing reuses them, until ``kv_unquarantine``. The cached prefix blocks,
+        which no transfer writes, stay with the request and go with its release."""
         req = self.requests[request_id]
-        ids, req.block_ids = req.block_ids, []
+        keep = req.num_cached_blocks
+        ids, req.block_ids = req.block_ids[keep:], req.block_ids[:keep]
         self.pool.transfer(ids, req.owner, quarantine_owner(request_id))
         return ids
 

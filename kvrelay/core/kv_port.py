@@ -59,14 +59,15 @@ class EngineKvLoads:
     def abort(self, request_id: str) -> bool:
         return self.engine.abort_request(request_id)
 
-    def take_waiting(self) -> list[tuple[str, list[int]]]:
-        return [(r.request_id, r.block_ids) for r in self.engine.take_kv_waiting()]
+    def take_waiting(self) -> list[tuple[str, list[int], int]]:
+        return [(r.request_id, r.block_ids, r.num_cached_blocks)
+                for r in self.engine.take_kv_waiting()]
 
     def load_started(self, request_id: str) -> None:
         self.engine.kv_load_start(request_id)
 
-    def load_done(self, request_id: str) -> None:
-        self.engine.kv_load_done(request_id)
+    def load_done(self, request_id: str, *, shareable: bool) -> None:
+        self.engine.kv_load_done(request_id, shareable=shareable)
 
     def load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
         self.engine.kv_load_failed(request_id, error, recompute=recompute)

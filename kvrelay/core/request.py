@@ -35,12 +35,17 @@ class Request:
     in_flight: int = 0
     block_ids: list[int] = field(default_factory=list)
     owner: Owner = ""
-    # Prefix caching: may this request use and publish cached blocks? (Not a decode-
-    # side request whose prompt KV comes from a lease, in this version.) The hash chain
-    # of its full blocks so far, and how many leading blocks are published or shared.
-    cacheable: bool = True
+    # Prefix caching: the hash chain of its full blocks so far, and how many leading
+    # blocks are published or shared.
     block_hashes: list[bytes] = field(default_factory=list)
     num_published: int = 0
+    # Decode side: leading prompt blocks found in this engine's prefix cache when it was
+    # admitted to wait for remote KV. They are shared, not pulled: the transfer writes
+    # only into the blocks after them (a partial pull).
+    num_cached_blocks: int = 0
+    # False once it decodes on KV pulled from a relay that could not be authenticated:
+    # it never publishes blocks (a forged relay must not poison others' prefix hits).
+    shareable: bool = True
     # When the first step that computes it was scheduled (the engine's clock, if any).
     scheduled_at: float | None = None
 

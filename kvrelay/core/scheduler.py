@@ -175,7 +175,7 @@ class Scheduler:
         if not self.pool.can_allocate(need, reusing=hits):
             return 0
         self.waiting.popitem(last=False)
-        if self.caching and req.cacheable:
+        if self.caching:
             self.pool.share(hits, req.owner)
             req.block_ids = list(hits)
             req.num_published = len(hits)
@@ -189,7 +189,7 @@ class Scheduler:
     def _prefix_hits(self, req: Request) -> list[int]:
         """Published blocks holding a prefix of the request's known tokens, leaving at
         least one token to compute."""
-        if not (self.caching and req.cacheable) or req.block_ids:
+        if not self.caching or req.block_ids:
             return []
         bs = self.config.block_size
         most = (req.num_tokens_scheduled_to_exist - 1) // bs
@@ -199,7 +199,7 @@ class Scheduler:
     def publish_computed(self, req: Request, end: int) -> None:
         """A completed step wrote the request's KV up to position ``end``: publish its
         blocks that are now full and computed."""
-        if not (self.caching and req.cacheable):
+        if not (self.caching and req.shareable):
             return
         bs = self.config.block_size
         full = min(end, len(req.token_ids)) // bs
@@ -211,27 +211,46 @@ class Scheduler:
         req.num_published = full
 
     def _admit_remote(self, req: Request) -> bool:
-        """Decode side: allocate the prompt's blocks and wait for the remote KV."""
-        if not self._grow(req, req.prompt_len):
+        """Decode side: share the prompt's cached prefix, allocate the rest of its blocks
+        and wait for the remote KV of those (a partial pull when the prefix hit)."""
+        hits = self._prefix_hits(req)
+        need = self.config.blocks_for(req.prompt_len) - len(hits)
+        if not self.pool.can_allocate(need, reusing=hits):
             return False
         self.waiting.popitem(last=False)
+        if hits:
+            self.pool.share(hits, req.owner)
+            req.block_ids = list(hits)
+            req.num_published = len(hits)
+        req.num_cached_blocks = len(hits)
+        if self.caching:
+            self.prefix_stats.queries += req.prompt_len
+            self.prefix_stats.hits += len(hits) * self.config.block_size
+        grown = self._grow(req, req.prompt_len)
+        assert grown, "can_allocate said the blocks were there"
         req.transition(Event.AWAIT_KV)
         self.awaiting_kv[req.request_id] = req
         self.newly_awaiting_kv.append(req)
         return True
 
-    def kv_loaded(self, req: Request) -> None:
-        """The prompt's KV is in the request's blocks: decode from the first token."""
+    def kv_loaded(self, req: Request, *, shareable: bool = True) -> None:
+        """The prompt's KV is in the request's blocks (validated by the fence): decode
+        from the first token; the prompt's full blocks are published at once, unless the
+        KV is not ``shareable`` (its source is not authenticated): then the request
+        publishes nothing, ever (its later blocks' KV attends over the pulled KV)."""
         del self.awaiting_kv[req.request_id]
         req.num_computed_tokens = req.prompt_len
         req.remote_kv = None  # the KV is ours now: a preemption recomputes it locally
+        req.shareable = shareable
         self.running[req.request_id] = req
+        self.publish_computed(req, req.prompt_len)
 
     def kv_load_failed(self, req: Request, recompute: bool) -> None:
         """Blocks freed once; with ``recompute`` the request prefills locally, first."""
         del self.awaiting_kv[req.request_id]
         self.free_blocks(req)
         req.num_computed_tokens = 0
+        req.num_cached_blocks = 0
         if recompute:
             req.remote_kv = None
             self.waiting[req.request_id] = req

@@ -109,20 +109,69 @@ def build_metadata(
         width = max(len(b) for b in dec_tables)
         padded = [list(b) + [0] * (width - len(b)) for b in dec_tables]
         tables = torch.tensor(padded, dtype=torch.long, device=device)
-        ctx = max(dec_lens)
-        pos = torch.arange(ctx, device=device)
-        rows = len(dec_rows)
-        k = tables.gather(1, (pos // block_size).expand(rows, -1)) * block_rows + pos % block_size
-        heads = torch.arange(num_kv_heads, device=device)
-        k_heads = (k[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
         lens = torch.tensor(dec_lens, dtype=torch.long, device=device)
         meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
-        meta.decode_head_rows = torch.cat([k_heads, k_heads + block_size * num_kv_heads])
-        meta.decode_ctx = ctx
-        valid = (pos[None, :] < lens[:, None])[:, None, :].repeat_interleave(num_kv_heads, 0)
-        mask = torch.zeros(valid.shape, dtype=dtype, device=device)
-        meta.decode_mask = mask.masked_fill(~valid, -torch.inf)
+        _set_decode(meta, tables, lens, max(dec_lens), block_size, block_rows, num_kv_heads, dtype)
     return meta
+
+
+def static_decode_metadata(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+) -> AttnMetadata:
+    """A decode-only step's metadata from device tensors alone, with shapes fixed by
+    the tensors' shapes (no host sync, no data-dependent size): what a CUDA graph can
+    capture. ``block_tables`` (B, W) block ids, ``context_lens`` (B,) tokens after this
+    step (each >= 1), ``slot_mapping`` (B,) the cache slot (block * block_size +
+    offset) each row's K/V goes to. Every row attends over W * block_size positions,
+    masked past its own length; table entries past a row's blocks must still be
+    valid block ids (they are read, then masked)."""
+    block_rows = num_layers * 2 * block_size
+    k_rows = (slot_mapping // block_size) * block_rows + slot_mapping % block_size
+    meta = AttnMetadata(
+        layer_stride=2 * block_size,
+        write_rows=torch.cat([k_rows, k_rows + block_size]),
+        decode_rows=None,
+        decode_head_rows=None,
+        decode_ctx=0,
+        decode_mask=None,
+        prefills=[],
+        all_decode=True,
+    )
+    ctx = block_tables.shape[1] * block_size
+    _set_decode(meta, block_tables, context_lens, ctx, block_size, block_rows, num_kv_heads, dtype)
+    return meta
+
+
+def _set_decode(
+    meta: AttnMetadata,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    ctx: int,
+    block_size: int,
+    block_rows: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+) -> None:
+    """The decode rows' gather indices and length mask over ``ctx`` positions."""
+    device = tables.device
+    pos = torch.arange(ctx, device=device)
+    rows = tables.shape[0]
+    k = tables.gather(1, (pos // block_size).expand(rows, -1)) * block_rows + pos % block_size
+    heads = torch.arange(num_kv_heads, device=device)
+    k_heads = (k[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+    meta.decode_head_rows = torch.cat([k_heads, k_heads + block_size * num_kv_heads])
+    meta.decode_ctx = ctx
+    # expand + reshape, not repeat_interleave: no host sync, so a graph can capture it.
+    valid = (pos[None, :] < lens[:, None])[:, None, :].expand(rows, num_kv_heads, ctx)
+    valid = valid.reshape(rows * num_kv_heads, 1, ctx)
+    mask = torch.zeros(valid.shape, dtype=dtype, device=device)
+    meta.decode_mask = mask.masked_fill(~valid, -torch.inf)
 
 
 def _add_prefill(

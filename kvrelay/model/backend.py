@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.model import kernel_choice
-from kvrelay.model.attention import AttnMetadata, ChunkSpec, build_metadata, paged_attention
+from kvrelay.model.attention import (
+    AttnMetadata,
+    ChunkSpec,
+    build_metadata,
+    paged_attention,
+    static_decode_metadata,
+)
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.rope import RotaryTable
 
@@ -64,6 +70,26 @@ class KernelBackend(Protocol):
         ...
 
 
+class GraphableBackend(KernelBackend, Protocol):
+    """A backend whose decode steps a CUDA graph can capture (graphs.py): its step
+    metadata is computed from fixed-shape device tensors by device ops only."""
+
+    def static_decode_metadata(
+        self,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+    ) -> StepMetadata:
+        """See attention.static_decode_metadata; ``positions`` (B,) for rope."""
+        ...
+
+
+def supports_graphs(backend: KernelBackend) -> bool:
+    return callable(getattr(backend, "static_decode_metadata", None))
+
+
 class TorchStep:
     __slots__ = ("attn", "cos", "sin")
 
@@ -92,6 +118,22 @@ class TorchBackend:
         cfg = self.cfg
         attn = build_metadata(
             chunks, block_size, cfg.num_layers, cfg.num_kv_heads, positions.device, self.dtype
+        )
+        cos, sin = self.rope.lookup(positions)
+        return TorchStep(attn, cos, sin)
+
+    def static_decode_metadata(
+        self,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+    ) -> TorchStep:
+        cfg = self.cfg
+        attn = static_decode_metadata(
+            block_tables, context_lens, slot_mapping, block_size, cfg.num_layers,
+            cfg.num_kv_heads, self.dtype,
         )
         cos, sin = self.rope.lookup(positions)
         return TorchStep(attn, cos, sin)

@@ -39,6 +39,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "the CPU has native bf16, else float32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (never used on CPU)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrelay generate: --{e.param.replace('_', '-')}: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, num_blocks=None)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, num_blocks=None,
+                  enforce_eager=args.enforce_eager)
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: bad --device
         print(f"kvrelay generate: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -67,6 +67,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
     ) -> None:
         """``model``: a GGUF file or Hugging Face directory; None = the embedded default."""
         self.model: Model = load_model(
@@ -77,6 +78,8 @@ class LLM:
             num_blocks=num_blocks,
             kv_cache_memory_gb=kv_cache_memory_gb,
             max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager,
         )
         self.tokenizer = self.model.tokenizer
         config = SchedulerConfig(

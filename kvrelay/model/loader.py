@@ -14,6 +14,7 @@ import torch
 from kvrelay.core.runner import Runner
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer
+from kvrelay.model.graph_runner import cuda_capture, enable_decode_graphs, graphs_wanted
 from kvrelay.model.interface import KvCacheFactory, KvGeometry, LoadedModel
 from kvrelay.model.interface import Tokenizer as TokenizerProtocol
 from kvrelay.model.model import LlamaModel
@@ -66,7 +67,11 @@ def load_model(
     kv_cache_memory_gb: float | None = None,
     max_model_len: int | None = None,
     kv_cache_factory: KvCacheFactory | None = None,
+    max_num_seqs: int = 256,
+    enforce_eager: bool = False,
 ) -> Model:
+    """``enforce_eager``: no CUDA graphs for decode steps (they are used on CUDA
+    devices only, for batches up to ``max_num_seqs``; graphs.py)."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(
             f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPE_CHOICES)}"
@@ -94,7 +99,10 @@ def load_model(
         dtype=dtype,
     )
     n_blocks = _num_blocks(geometry, num_blocks, kv_cache_memory_gb, max_len)
-    shape = (n_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    graphs = graphs_wanted(dev, enforce_eager, model.backend)
+    # With graphs the cache has one block more than the pool is told of: the scratch
+    # block that padded decode rows write into, which no request can ever own.
+    shape = (n_blocks + graphs, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
     if kv_cache_factory is not None:
         kv_cache = kv_cache_factory(shape, torch_dtype)
         if (
@@ -109,6 +117,9 @@ def load_model(
     else:
         kv_cache = _zeros(shape, torch_dtype, dev)
     runner = ModelRunner(model, kv_cache, block_size)
+    if graphs:
+        enable_decode_graphs(runner, max_num_seqs=max_num_seqs, max_len=max_len,
+                             scratch_block=n_blocks, capture=cuda_capture(dev))
     runner.sampler.grammars = GrammarMasks(GrammarTokenizer(
         tokenizer.tok.to_str, cfg.vocab_size, tokenizer.eos_token_ids
     ))

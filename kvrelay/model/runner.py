@@ -6,6 +6,7 @@ import torch
 
 from kvrelay.core.runner import PLACEHOLDER, Batch, SampledToken, ScheduledRequest
 from kvrelay.model.attention import ChunkSpec
+from kvrelay.model.graphs import DecodeGraphs
 from kvrelay.model.model import LlamaModel
 from kvrelay.model.sampler import Sampler
 from kvrelay.sampling_params import SamplingParams
@@ -22,6 +23,8 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         # The token sampled for each request in its latest step: resolves PLACEHOLDER.
         self._last: dict[str, int] = {}
+        # Decode steps replay CUDA graphs when set (graph_runner.enable_decode_graphs).
+        self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> dict[str, SampledToken]:
@@ -66,6 +69,11 @@ class ModelRunner:
             if sr.sample:
                 logit_rows.append(len(token_ids) - 1)
                 sampled.append(sr)
+        if self.graphs is not None and len(token_ids) == len(sampled) == len(batch.requests):
+            tables = [sr.block_ids for sr in batch.requests]
+            logits = self.graphs.run(token_ids, positions, tables)
+            if logits is not None:
+                return sampled, logits
         return sampled, self._forward(token_ids, positions, chunks, logit_rows)
 
     def _resolve(self, sr: ScheduledRequest) -> list[int]:

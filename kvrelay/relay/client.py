@@ -27,8 +27,11 @@ connect timeouts). A relay's sender thread (and its connection) ends after
 from __future__ import annotations
 
 import contextlib
+import hmac
+import ipaddress
 import logging
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -100,6 +103,7 @@ class RelayClient:
             hello = P.Hello(0, P.PROTOCOL_VERSION, self.compat, self.layout, self.transport,
                             self.client_id)
             if self.secret is not None:
+                hello.nonce = secrets.token_bytes(16)
                 hello.mac = P.hello_mac(self.secret, challenge.nonce, hello)
             sock.sendall(P.encode(hello))
             reply = self._recv(sock, deadline)
@@ -108,6 +112,12 @@ class RelayClient:
                 code = reply.code if isinstance(reply, P.Reply) else ""
                 raise RelayUnavailable(f"the prefill relay at {relay} refused hello: {err}",
                                        _code(code, P.ErrorCode.REFUSED))
+            if self.secret is not None and not hmac.compare_digest(
+                    reply.mac, P.relay_proof(self.secret, challenge.nonce, hello)):
+                log.warning("relay %s did not prove the relay secret: not a prefill engine "
+                            "of this cluster", relay)
+                raise RelayUnavailable(f"the prefill relay at {relay} did not prove the relay "
+                                       "secret", P.ErrorCode.AUTH_FAILED)
             P.kernel_timeouts(sock, self.io_timeout)  # bounds sends; reads wait with poll
             return sock, PeerInfo(relay, reply.engine_id, dict(reply.transport))
         except RelayUnavailable:
@@ -141,6 +151,12 @@ class RelayClient:
             if p is not None:
                 p.info = info
         return info
+
+    def trusted(self, relay: str) -> bool:
+        """May KV pulled from ``relay`` be shared with other requests (the prefix cache)?
+        With a secret every relay we talk to has proved it; without one, only a relay on
+        this host's loopback: the params name any address a client likes."""
+        return self.secret is not None or is_loopback(relay)
 
     def send(self, relay: str, msg: P.Request) -> None:
         """Queue ``msg`` for ``relay``; never blocks the engine loop on the network.
@@ -252,3 +268,11 @@ class _Peer:
         # retry_at without dialling again (a refusing or dead relay is not hammered).
         self.refusal: RelayUnavailable | None = None
         self.retry_at = 0.0
+
+
+def is_loopback(relay: str) -> bool:
+    host = relay.rpartition(":")[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

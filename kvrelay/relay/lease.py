@@ -20,9 +20,14 @@ record (a tombstone) remembers which attempt held it: a retransmitted RELEASE(ok
 from the attempt that committed is answered ``ok``/``done`` again, and every other
 message is answered ``released`` with the reason, under which nothing commits.
 
-Entering RELEASED frees the lease's blocks, and it is the only place this module
-frees anything. Every later message about the lease is counted in
-``stale_messages``, nothing more.
+A partial pull: a decode engine that already holds the prompt's first blocks in its
+own prefix cache names the first block it pulls in its ACQUIRE (``first_block``). The
+lease then covers the range from there on: the blocks before it are released at that
+ACQUIRE (they are never read) and the fence covers exactly the blocks pulled.
+
+Entering RELEASED frees the lease's blocks; that, and the release of the blocks a
+partial pull skips, are the only places this module frees anything. Every later
+message about the lease is counted in ``stale_messages``, nothing more.
 
 The fence (DESIGN section 3): while a lease is HELD or PULLING the pool says the
 lease owns its blocks, so nobody can free or reuse them. A decode engine that
@@ -120,6 +125,9 @@ class Lease:
     holder: str | None = None
     attempt: str | None = None
     unread: set[int] = field(default_factory=set)  # blocks the attempt may still READ
+    # A partial pull: how many leading blocks the holder had cached (released at its
+    # ACQUIRE; ``block_ids`` and ``generations`` then hold the rest, the pulled range).
+    first_block: int = 0
 
     def held_by(self, holder: str, attempt: str) -> bool:
         return self.holder == holder and self.attempt == attempt
@@ -161,6 +169,9 @@ class LeaseStats:
     # released under it or its blocks changed: a copy that may be torn. Counted once
     # per lease; retransmissions and other attempts' messages are not counted.
     fence_failures: int = 0
+    # Leading blocks of leases that decode engines had in their own prefix cache:
+    # released at ACQUIRE, never sent (partial pulls).
+    skipped_blocks: int = 0
     active: dict[str, int] = field(default_factory=lambda: {"held": 0, "pulling": 0})
 
 
@@ -230,8 +241,13 @@ class LeaseTable:
 
     # -- messages from decode engines ----------------------------------------------
     def acquire(
-        self, engine_id: str, lease_id: str, holder: str, attempt: str, now: float
+        self, engine_id: str, lease_id: str, holder: str, attempt: str, now: float,
+        first_block: int = 0,
     ) -> Answer:
+        """Bind the lease to this attempt. ``first_block`` > 0: the decode engine has the
+        blocks before it cached; they are released now and the lease covers the rest
+        (none, when it has them all: it still acquires, to check its params against
+        the lease, and commits an empty copy)."""
         lease, answer = self._find(engine_id, lease_id, holder, attempt)
         if lease is None:
             return answer
@@ -240,8 +256,18 @@ class LeaseTable:
                 return Answer(Status.OK, lease.state, lease=lease)
             return self._stale(f"lease {lease_id} is being pulled by another request",
                                ErrorCode.LEASE_BUSY)
+        if not 0 <= first_block <= len(lease.block_ids):
+            return self._stale(
+                f"first_block {first_block} is outside lease {lease_id}'s "
+                f"{len(lease.block_ids)} blocks", ErrorCode.BAD_RANGE)
         self._apply(lease, LeaseEvent.ACQUIRE, now)
         lease.holder, lease.attempt = holder, attempt
+        if first_block:
+            self.blocks.release(lease_id, lease.block_ids[:first_block])
+            del lease.block_ids[:first_block]
+            del lease.generations[:first_block]
+            lease.first_block = first_block
+            self.stats.skipped_blocks += first_block
         lease.unread = set(lease.block_ids)
         self._rearm(lease, now)
         return Answer(Status.OK, lease.state, lease=lease)

@@ -14,6 +14,9 @@ counters are totals since start.
                                            copy, or a block's generation changed); D:
                                            copies discarded for want of a done verdict
     kvrelay_kv_transfer_bytes_total        counter: KV bytes served (P, tcp) / received (D)
+    kvrelay_kv_pull_skipped_blocks_total   counter: lease blocks not pulled because the
+                                           decode engine had them in its prefix cache
+                                           (P: released at ACQUIRE; D: shared locally)
     kvrelay_kv_transfer_seconds            histogram: duration of completed pulls (D)
     kvrelay_kv_load_fallbacks_total{reason} counter: loads that ended without remote KV
     kvrelay_kv_quarantined_blocks          gauge: blocks held for transfers that did not
@@ -66,6 +69,9 @@ def prefill_metrics(table: LeaseTable, server: RelayServer | None = None) -> lis
         _counter("kvrelay_kv_fence_failures",
                  "Commits of the pulling attempt refused: the lease was released under the "
                  "copy or a block changed", st.fence_failures),
+        _counter("kvrelay_kv_pull_skipped_blocks",
+                 "Leading lease blocks the decode engine had in its prefix cache: released "
+                 "at ACQUIRE, never sent", st.skipped_blocks),
     ]
     if server is not None:
         s = server.stats
@@ -107,6 +113,9 @@ def decode_metrics(receiver: Receiver) -> list[Family]:
         _counter("kvrelay_kv_fence_failures",
                  "KV copies discarded: no done verdict from the prefill engine",
                  st.fence_failures),
+        _counter("kvrelay_kv_pull_skipped_blocks",
+                 "Prompt blocks of remote requests found in this engine's prefix cache: "
+                 "shared, not pulled", st.cached_blocks),
         Family("kvrelay_kv_load_fallbacks", "counter",
                "KV loads that ended without remote KV (recompute or fail per policy), by "
                "reason", ("reason",), {(r,): float(n) for r, n in sorted(st.fallbacks.items())}),

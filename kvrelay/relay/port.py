@@ -54,13 +54,17 @@ class KvLoads(Protocol):
     def abort(self, request_id: str) -> bool:
         """Abort; False when the request had already finished."""
 
-    def take_waiting(self) -> list[tuple[str, list[int]]]:
-        """(request id, its local block ids) of requests newly waiting for KV."""
+    def take_waiting(self) -> list[tuple[str, list[int], int]]:
+        """(request id, its local block ids, how many of them lead with the prompt's
+        KV from the local prefix cache) of requests newly waiting for KV: only the
+        blocks after those are pulled."""
 
     def load_started(self, request_id: str) -> None: ...
 
-    def load_done(self, request_id: str) -> None:
-        """The KV is validated (the fence said done): decode from the first token."""
+    def load_done(self, request_id: str, *, shareable: bool) -> None:
+        """The KV is validated (the fence said done): decode from the first token.
+        ``shareable``: the KV came from a trusted relay (or nothing was pulled), so the
+        request may publish its blocks in the prefix cache."""
 
     def load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
         """No valid KV and the transfer no longer writes: recompute, or fail."""
@@ -69,9 +73,9 @@ class KvLoads(Protocol):
         """An aborted request's transfer stopped writing: its blocks may go."""
 
     def quarantine(self, request_id: str) -> list[int]:
-        """An aborted or failed request's transfer did not stop within its bound: its
-        blocks move to a quarantine owner (never reused while a copy may write) and
-        the request ends. Returns the quarantined blocks."""
+        """An aborted or failed request's transfer did not stop within its bound: the
+        blocks it writes into move to a quarantine owner (never reused while a copy may
+        write) and the request ends. Returns the quarantined blocks."""
 
     def unquarantine(self, request_id: str, block_ids: Sequence[int]) -> None:
         """The late transfer finally stopped: the quarantined blocks return."""

@@ -58,7 +58,8 @@ class PrefillRelay:
         """Exactly one reply per lease message (Read is the transport's, see server)."""
         t = self.table
         if isinstance(msg, P.Acquire):
-            ans = t.acquire(msg.engine_id, msg.lease_id, msg.holder, msg.attempt, now)
+            ans = t.acquire(msg.engine_id, msg.lease_id, msg.holder, msg.attempt, now,
+                            msg.first_block)
         elif isinstance(msg, P.Heartbeat):
             ans = t.heartbeat(msg.engine_id, msg.lease_id, msg.holder, msg.attempt, now)
         elif isinstance(msg, P.Release):

@@ -7,14 +7,18 @@ tagged structs). Frames above ``MAX_FRAME`` bytes are refused before they are re
 Conversation on one connection:
 
     P -> D  Challenge(engine_id, nonce)          sent on accept
-    D -> P  Hello(version, compat, layout, transport, client_id, mac)
-    P -> D  Reply(ok, engine_id, transport descriptor)   or error, then close
+    D -> P  Hello(version, compat, layout, transport, client_id, nonce, mac)
+    P -> D  Reply(ok, engine_id, transport descriptor, mac)   or error, then close
     D -> P  Acquire | Heartbeat | Release | Abort | Read  (each carries a ``seq``)
     P -> D  Reply(seq, ...)                      exactly one per request
             (after a Reply to Read with status ok: ``nbytes`` raw bytes follow)
 
 ``mac`` is HMAC-SHA256 over the challenge nonce and the Hello's fields, keyed with
 the cluster secret (``--relay-secret``); without a secret it is empty and ignored.
+The authentication is mutual: with a secret, P's reply to HELLO carries its own
+proof (``relay_proof``, over both nonces), and D talks to no relay that lacks it. A
+decode engine shares KV it pulled through its prefix cache, so a forged relay must
+never pass for a real one.
 Every request names the engine id it believes it talks to, so a restarted P (new
 id) refuses leases of its previous life. Lease messages name the holder (the decode
 engine's id, which must be the ``client_id`` of the connection's HELLO) and the
@@ -39,7 +43,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"KR"
 HEADER = struct.Struct(">2sBBI")
 MAX_FRAME = 1 << 20
@@ -55,6 +59,7 @@ class ErrorCode(enum.Enum):
     NOT_HOLDER = "not_holder"  # the message is not from the attempt that holds the lease
     FENCE = "fence"  # the blocks changed under the lease: the copy is not valid
     READ_DENIED = "read_denied"  # blocks outside the lease, or read already
+    BAD_RANGE = "bad_range"  # an ACQUIRE's first_block outside the lease
     BAD_FRAME = "bad_frame"  # malformed, oversized or out-of-order frame
     AUTH_FAILED = "auth_failed"  # hello not authenticated (wrong or missing secret)
     REFUSED = "refused"  # hello refused: version, compat, layout, transport or capacity
@@ -99,6 +104,7 @@ class Hello(msgspec.Struct, tag="hello"):
     layout: str
     transport: str  # "shm" | "tcp"
     client_id: str
+    nonce: bytes = b""  # D's, for P's proof of the secret in its reply
     mac: bytes = b""
 
 
@@ -108,6 +114,9 @@ class Acquire(msgspec.Struct, tag="acquire"):
     lease_id: str
     holder: str
     attempt: str
+    # A partial pull: the decode engine has the lease's blocks before this one in its
+    # own prefix cache. The reply's block_ids (and the fence) cover the rest only.
+    first_block: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
@@ -163,6 +172,7 @@ class Reply(msgspec.Struct, tag="reply", omit_defaults=True):
     # Set by the decode side's client to the relay whose connection delivered the reply
     # (any value a peer puts on the wire is overwritten); empty in the simulators.
     relay: str = ""
+    mac: bytes = b""  # the reply to HELLO: P's proof of the secret (relay_proof)
 
 
 Request = Hello | Acquire | Heartbeat | Release | Abort | Read
@@ -211,6 +221,13 @@ def check_hello_mac(secret: bytes | None, nonce: bytes, hello: Hello) -> bool:
     if secret is None:
         return True
     return hmac.compare_digest(hello.mac, hello_mac(secret, nonce, hello))
+
+
+def relay_proof(secret: bytes, challenge_nonce: bytes, hello: Hello) -> bytes:
+    """P's answer to D's nonce: only a holder of the secret can make it, and it is
+    bound to this connection (both nonces) and to this decode engine."""
+    text = b"kvrelay-relay-proof\0" + challenge_nonce + hello.nonce + hello.client_id.encode()
+    return hmac.new(secret, text, hashlib.sha256).digest()
 
 
 def kernel_timeouts(sock: Any, seconds: float) -> None:

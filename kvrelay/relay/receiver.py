@@ -95,8 +95,9 @@ class Phase(enum.Enum):
 Ph, S = Phase, RequestState
 PHASE_TRANSITIONS: frozenset[tuple[Phase, Phase]] = frozenset({
     (Ph.ADMITTING, Ph.ACQUIRING),
-    (Ph.ADMITTING, Ph.REPORTING),  # rejected, aborted, finished by its first token, cached
+    (Ph.ADMITTING, Ph.REPORTING),  # rejected, aborted, finished by its first token
     (Ph.ACQUIRING, Ph.COPYING),
+    (Ph.ACQUIRING, Ph.COMMITTING),  # every block cached: nothing to copy
     (Ph.ACQUIRING, Ph.REPORTING),  # aborted, or params that disagree with the lease
     (Ph.ACQUIRING, Ph.DONE),  # the lease is gone or not ours: nothing to tell P
     (Ph.COPYING, Ph.DRAINING),  # aborted, or stopped (lease lost, timeout, frozen P)
@@ -150,6 +151,8 @@ class ReceiverStats:
     fallbacks: dict[str, int] = field(default_factory=dict)  # by reason
     stale_replies: int = 0
     loaded: int = 0
+    # Prompt blocks found in this engine's prefix cache: not pulled (partial pulls).
+    cached_blocks: int = 0
     quarantined_blocks: int = 0  # blocks held for transfers that overran drain_timeout
 
 
@@ -165,6 +168,7 @@ class Load:
     heard_at: float = 0.0  # last reply from P about this load (heartbeats included)
     handle: Any = None
     local_blocks: list[int] = field(default_factory=list)
+    first_block: int = 0  # leading blocks found in our prefix cache: not pulled
     told: bool = False  # P has been sent this lease's outcome
     aborted: bool = False  # the client aborted while a transfer could still write
     fail_reason: str = ""  # why a draining transfer was stopped (empty: abort)
@@ -182,7 +186,6 @@ class Receiver:
         holder: str,
         compat: str,
         config: ReceiverConfig | None = None,
-        prefix_cached_blocks: Callable[[str], int] = lambda request_id: 0,
         new_attempt: Callable[[], str] = lambda: secrets.token_hex(8),
     ) -> None:
         self.engine = loads
@@ -191,7 +194,6 @@ class Receiver:
         self.holder = holder
         self.compat = compat
         self.config = config or ReceiverConfig()
-        self.prefix_cached_blocks = prefix_cached_blocks
         self.new_attempt = new_attempt
         self.stats = ReceiverStats()
         self.loads: dict[str, Load] = {}
@@ -269,8 +271,8 @@ class Receiver:
 
     # -- events --------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        for request_id, block_ids in self.engine.take_waiting():
-            self._start(self.loads[request_id], block_ids, now)
+        for request_id, block_ids, cached in self.engine.take_waiting():
+            self._start(self.loads[request_id], block_ids, cached, now)
         for load in list(self._transfers.values()):
             self._poll(load, now)
         for key, (load, blocks) in list(self._quarantine.items()):
@@ -328,37 +330,41 @@ class Receiver:
                 )
 
     # -- phases --------------------------------------------------------------------
-    def _start(self, load: Load, block_ids: list[int], now: float) -> None:
+    def _start(self, load: Load, block_ids: list[int], cached: int, now: float) -> None:
+        """``cached``: the leading blocks our prefix cache already holds. Only the rest
+        is pulled: ACQUIRE names the first block wanted, and P releases the others.
+        With every block cached (race 8) the lease is still acquired: its answer checks
+        the params (first token, length) before we decode, and P frees at once."""
         kv = load.kv
         load.local_blocks = block_ids
-        if self.prefix_cached_blocks(load.request_id) >= len(block_ids):
-            # Race 8: nothing to pull; P is still told, so it frees at once.
-            self.engine.load_started(load.request_id)
-            self.engine.load_done(load.request_id)
-            self._tell(load, self._release_msg(load, True), now, Phase.REPORTING)
-            return
+        load.first_block = cached
+        self.stats.cached_blocks += cached
         self._set_phase(load, Phase.ACQUIRING)
-        self._send(load, P.Acquire(0, kv.engine_id, kv.lease_id, self.holder, load.attempt),
-                   now)
+        self._send(load, P.Acquire(0, kv.engine_id, kv.lease_id, self.holder, load.attempt,
+                                   cached), now)
 
     def _on_acquired(self, load: Load, reply: P.Reply, now: float) -> None:
         rid, kv = load.request_id, load.kv
-        need = len(load.local_blocks)
+        first, need = load.first_block, len(load.local_blocks)
         if reply.status != "ok":
             self._on_refused(load, reply)
             self._finish_load(load)  # the lease is gone (or not ours): nothing to tell
             return
-        mismatch = self._mismatch(kv, reply, need)
+        mismatch = self._mismatch(kv, reply, first, need)
         if mismatch:
             self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{mismatch}", fail=True)
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
             return
         self.engine.load_started(rid)
+        if first == need:  # everything cached: an empty copy, committed like any other
+            self._tell(load, self._release_msg(load, True), now, Phase.COMMITTING)
+            return
         try:
             peer = self.link.peer(kv.relay)
+            # The reply names the lease's range from ``first`` on: ours are the same.
             load.handle = self.transport.read(peer, kv.lease_id, self.holder,
-                                              reply.block_ids[:need], load.local_blocks,
-                                              attempt=load.attempt)
+                                              reply.block_ids[:need - first],
+                                              load.local_blocks[first:], attempt=load.attempt)
         except Exception as exc:  # no transfer started: nothing writes into our blocks
             self._fallback(load, "transfer_failed", f"the KV transfer could not start: {exc}")
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
@@ -410,7 +416,12 @@ class Receiver:
             return
         # Only P's "ok, done" to this attempt's own RELEASE(ok) commits the copy.
         if reply.status == "ok" and reply.reason == "done":
-            self.engine.load_done(load.request_id)
+            # Pulled KV is shared (published) only if its relay is a proven one: a
+            # forged relay's KV stays private to the request that named it.
+            kv = load.kv
+            shareable = load.first_block == len(load.local_blocks) or self.link.trusted(
+                kv.relay)
+            self.engine.load_done(load.request_id, shareable=shareable)
             self.stats.loaded += 1
         else:
             self.stats.fence_failures += 1
@@ -490,11 +501,13 @@ class Receiver:
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
 
     @staticmethod
-    def _mismatch(kv: RemoteKv, reply: P.Reply, need: int) -> str:
-        """Why the params the client sent disagree with the lease P holds ('' if not)."""
-        if len(reply.block_ids) < need:
-            return f"the lease holds {len(reply.block_ids)} blocks, the prompt needs {need}"
-        if list(reply.block_ids[:need]) != list(kv.block_ids[:need]):
+    def _mismatch(kv: RemoteKv, reply: P.Reply, first: int, need: int) -> str:
+        """Why the params the client sent disagree with the lease P holds ('' if not).
+        The reply covers the lease's blocks from ``first`` (the partial pull) on."""
+        if len(reply.block_ids) < need - first:
+            return (f"the lease holds {first + len(reply.block_ids)} blocks, the prompt "
+                    f"needs {need}")
+        if list(reply.block_ids[:need - first]) != list(kv.block_ids[first:need]):
             return "block_ids do not match the lease"
         if reply.first_token != kv.first_token or reply.num_tokens != kv.num_tokens:
             return "first_token or num_tokens do not match the lease"

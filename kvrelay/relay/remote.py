@@ -96,3 +96,8 @@ class RelayLink(Protocol):
         """Fire and forget; a reply (if any) comes back through Receiver.on_reply."""
 
     def peer(self, relay: str) -> PeerInfo: ...
+
+    def trusted(self, relay: str) -> bool:
+        """May KV pulled from ``relay`` be shared with other requests (published in the
+        prefix cache)? Only if the relay is known to be a prefill engine of this
+        cluster: the params that name it come from the client."""

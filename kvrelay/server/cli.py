@@ -92,6 +92,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="most tokens computed in one step (prefill chunks included)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule step N+1 before step N's output is applied")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (on CUDA devices they are on by "
+                   "default; never used on CPU)")
     p.add_argument("--seed", type=int, default=0, help="global random seed")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice, one per core); engines "
@@ -149,6 +152,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory,
         max_model_len=args.max_model_len, kv_cache_factory=shm.factory if shm else None,
+        max_num_seqs=args.max_num_seqs, enforce_eager=getattr(args, "enforce_eager", False),
     )
     block_size = model.kv_geometry.block_size
     config = SchedulerConfig(

@@ -152,6 +152,8 @@ class _SchedulerCounters(Collector):
              "prefix cache", prefix.queries),
             ("kvrelay_prefix_cache_hits", "tokens of admitted requests found in the prefix "
              "cache (not computed again)", prefix.hits),
+            ("kvrelay_prefix_cache_evictions", "cached blocks evicted (made free) to make "
+             "room for new ones", self.sched.pool.num_evictions),
         ):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

@@ -15,7 +15,9 @@ clock until nothing is left to happen. After every event:
 Prefix caching is on in both engines (the servers' default). In about half the
 seeds the clients' prompts share a prefix (drawn from a second generator, so the
 scenario's other draws stay as they were): P shares cached blocks between requests
-and leases, and evicts them under pressure.
+and leases, and evicts them under pressure; D shares the prompt blocks it has cached
+and pulls only the rest (partial pulls), with aborts, faults and evictions landing
+while such pulls are in flight.
 
 At quiescence: every client request ended once; both pools are free or cached;
 every lease was released once (created == released); no load or request is left.
@@ -35,7 +37,7 @@ from typing import Any
 from kvrelay.core.fake_runner import expected_output
 from kvrelay.core.lifecycle import RequestState
 from kvrelay.relay import protocol as P
-from kvrelay.relay.receiver import Policy, ReceiverConfig
+from kvrelay.relay.receiver import Phase, Policy, ReceiverConfig
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.sim.pd_nodes import VOCAB, Client, DecodeNode, PrefillNode, Proxy
 from kvrelay.sim.pd_world import NetFaults, SimClock, SimKv, SimNetwork, Violation
@@ -135,6 +137,8 @@ class World:
         # Clients' prompts start with this many common tokens (prefix-cache hits).
         share_rng = random.Random(seed ^ 0x5EED)
         self.shared_prefix = share_rng.choice([0, 0, 4, 8, 12, 20])
+        # Aborts that found a partial pull in flight (coverage, not an invariant).
+        self.partial_pull_aborts = 0
 
     # -- wiring used by the nodes --------------------------------------------------
     def prefill_kv(self, life: int) -> SimKv | None:
@@ -178,6 +182,10 @@ class World:
     def _incident(self, kind: str, idx: int) -> None:
         self.log(f"incident {kind} {idx}")
         c = self.clients.get(f"c{idx}")
+        load = self.d.receiver.loads.get(c.rid) if c is not None else None
+        if (load is not None and load.first_block and kind.endswith("_abort")
+                and load.phase in (Phase.ACQUIRING, Phase.COPYING)):
+            self.partial_pull_aborts += 1
         if kind == "client_abort" and c is not None:
             self.proxy.client_abort(c)
         elif kind == "prefill_abort" and c is not None:

@@ -181,6 +181,9 @@ class DecodeNode:
     def peer(self, relay: str) -> PeerInfo:
         return PeerInfo("p", self.w.p.table.engine_id)
 
+    def trusted(self, relay: str) -> bool:
+        return True  # the simulated cluster's only relay
+
     def on_reply(self, reply: P.Reply) -> None:
         if self.alive:
             self.receiver.on_reply(reply, self.w.clock.now)

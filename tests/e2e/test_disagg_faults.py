@@ -45,7 +45,7 @@ class Faults:
             x.wait_healthy()
         self.proxy = c.proxy([self.p], [self.d]).wait_healthy()
 
-    def body(self, prompt: str, max_tokens: int = 6, **kw: Any) -> dict[str, Any]:
+    def body(self, prompt: str | list[int], max_tokens: int = 6, **kw: Any) -> dict[str, Any]:
         return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0, "ignore_eos": True, **kw}
 
@@ -505,5 +505,77 @@ def test_prefill_frozen_mid_copy_decode_falls_back_within_the_lease_timeout(f: F
     assert f.first_text + r.json()["choices"][0]["text"] == want
     print(f"frozen P mid-copy: D answered {took:.1f} s after the freeze")
     assert took < LEASE_TIMEOUT * 4 + 10  # the recompute included; --lease-max is 480 s
+    f.free()
+    f.serves()
+
+
+def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return metric(after, name) - metric(before, name)
+
+
+def test_a_partial_pull_moves_only_the_blocks_d_lacks(f: Faults) -> None:
+    """Issue 13: D shares the prompt blocks its own prefix cache holds and pulls only the
+    rest; P releases the skipped blocks at ACQUIRE (its counter matches D's), the bytes
+    moved are exactly the missing blocks', and the text is the colocated one."""
+    head = f"{secrets.token_hex(3)} " + "cd ef " * 60  # unique: nothing cached before
+    per_block = 0.0
+    for i, tail in enumerate(("first tail", "second tail")):
+        body = f.body(head + tail, 4)
+        want = f.colocated_text(body)
+        params = f.prefill_direct(body)
+        d0, p0 = metrics(f.d.url), metrics(f.p.url)
+        r = f.decode_direct(body, params)
+        assert r.status_code == 200, r.text
+        assert f.first_text + r.json()["choices"][0]["text"] == want
+        d1, p1 = metrics(f.d.url), metrics(f.p.url)
+        moved = _delta(d1, d0, "kvrelay_kv_transfer_bytes_total")
+        skipped = _delta(d1, d0, "kvrelay_kv_pull_skipped_blocks_total")
+        assert skipped == _delta(p1, p0, "kvrelay_kv_pull_skipped_blocks_total")
+        n = len(params["block_ids"])
+        if i == 0:
+            assert skipped == 0 and moved > 0
+            per_block = moved / n
+        else:
+            assert n - 4 <= skipped < n, (skipped, n)  # all but the differing tail
+            assert moved == (n - skipped) * per_block
+    f.free()
+    f.serves()
+
+
+def test_eviction_on_d_while_a_partial_pull_is_in_flight(f: Faults) -> None:
+    """Issue 13: while a partial pull waits for its tail (each pull here waits 0.3 s
+    before writing), a local request on D needs more blocks than are free: D evicts
+    cached blocks, never the prefix the pulling request shares, so the pulled request
+    still answers the colocated text and every block is free or cached after."""
+    head = f"{secrets.token_hex(3)} " + "gh ij " * 60
+    warm = f.body(head + "warm", 2)
+    r = f.decode_direct(warm, f.prefill_direct(warm))
+    assert r.status_code == 200, r.text
+    filler = f.body(f"{secrets.token_hex(3)} " + "kl " * 100, 1)  # cached blocks on D
+    assert httpx.post(f.d.url + "/v1/completions", json=filler, timeout=30).status_code == 200
+    body = f.body(head + "pulled", 4)
+    want = f.colocated_text(body)
+    params = f.prefill_direct(body)
+    first_text = f.first_text
+    result: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: result.append(f.decode_direct(body, params)),
+                         daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not pulling(f.p) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pulling(f.p), "never saw the lease pulling"
+    m = metrics(f.d.url)
+    free, cached = metric(m, "kvrelay_kv_blocks_free"), metric(m, "kvrelay_kv_blocks_cached")
+    assert cached >= 2, (free, cached)
+    # A prompt of token ids that needs every free block and half the cached ones.
+    need = int(free + cached // 2)
+    hog = f.body([7] * (need * 4 - 2), 1)
+    r = httpx.post(f.d.url + "/v1/completions", json=hog, timeout=30)
+    assert r.status_code == 200, r.text
+    t.join(30)
+    assert result and result[0].status_code == 200, result and result[0].text
+    assert first_text + result[0].json()["choices"][0]["text"] == want
+    assert _delta(metrics(f.d.url), m, "kvrelay_prefix_cache_evictions_total") > 0
     f.free()
     f.serves()

@@ -85,7 +85,7 @@ class ManualTransport:
 class Pair:
     def __init__(self, *, p_async: bool = False, d_async: bool = False,
                  policy: Policy = Policy.RECOMPUTE, acquire: float = 5.0,
-                 d_max_len: int = 64, prefix_cached: Any = None) -> None:
+                 d_max_len: int = 64, caching: bool = False) -> None:
         self.now = 0.0
         ids = itertools.count()
         self.p_pool = BlockPool(NBLOCKS)
@@ -95,24 +95,25 @@ class Pair:
                                 new_lease_id=lambda: f"L{next(ids)}")
         self.relay = PrefillRelay(self.table, address="p", compat=COMPAT, clock=lambda: self.now)
         self.p = Engine(SchedulerConfig(num_blocks=NBLOCKS, block_size=BS,
-                                        async_scheduling=p_async),
+                                        async_scheduling=p_async,
+                                        enable_prefix_caching=caching),
                         SimRunner(self.p_kv, self.p_pool, VOCAB), pool=self.p_pool,
                         kv_handoff=self.relay.kv_handoff)
         self.d_pool = BlockPool(NBLOCKS)
         self.d_kv = SimKv(NBLOCKS, BS)
         self.d = Engine(SchedulerConfig(num_blocks=NBLOCKS, block_size=BS, max_model_len=d_max_len,
-                                        async_scheduling=d_async),
+                                        async_scheduling=d_async,
+                                        enable_prefix_caching=caching),
                         SimRunner(self.d_kv, self.d_pool, VOCAB), pool=self.d_pool)
         self.transport = ManualTransport(self.p_kv, self.d_kv, self.d_pool)
         self.outbox: list[P.Request] = []
         self.replies: list[P.Reply] = []
         cfg = ReceiverConfig(policy=policy, rto=1.0, peer_timeout=10.0, copy_timeout=30.0,
                              heartbeat_interval=2.0)
-        kw = {} if prefix_cached is None else {"prefix_cached_blocks": prefix_cached}
         attempts = itertools.count(1)
         self.rx = Receiver(EngineKvLoads(self.d), self, self.transport, holder="d1",
-                           compat=COMPAT, config=cfg, new_attempt=lambda: f"a{next(attempts)}",
-                           **kw)
+                           compat=COMPAT, config=cfg, new_attempt=lambda: f"a{next(attempts)}")
+        self.relay_trusted = True  # may D share KV pulled from P (RelayLink.trusted)
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, Any] = {}
 
@@ -122,6 +123,9 @@ class Pair:
 
     def peer(self, relay: str) -> PeerInfo:
         return PeerInfo("p", self.table.engine_id)
+
+    def trusted(self, relay: str) -> bool:
+        return self.relay_trusted
 
     # -- driving -------------------------------------------------------------------
     @staticmethod
@@ -208,8 +212,9 @@ class Pair:
     def assert_all_free(self) -> None:
         self.p_pool.check_integrity()
         self.d_pool.check_integrity()
-        assert self.p_pool.num_free == NBLOCKS, self.p_pool.owners()
-        assert self.d_pool.num_free == NBLOCKS, self.d_pool.owners()
+        # (with prefix caching, published blocks rest in the cache)
+        assert self.p_pool.num_in_use == 0, self.p_pool.owners()
+        assert self.d_pool.num_in_use == 0, self.d_pool.owners()
         assert not self.table.leases
         assert self.table.stats.created == sum(self.table.stats.released.values())
         assert not self.rx.loads and not self.d.requests

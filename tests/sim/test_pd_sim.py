@@ -33,7 +33,7 @@ def test_a_failing_seed_prints_its_replay_command(
     # The naive design: decode on whatever the transfer copied, without the fence.
     def no_fence(self: R.Receiver, load: R.Load, reply: object, now: float) -> None:
         if not load.aborted:
-            self.engine.load_done(load.request_id)
+            self.engine.load_done(load.request_id, shareable=True)
         self._finish_load(load)
 
     monkeypatch.setattr(R.Receiver, "_on_committed", no_fence)
@@ -64,3 +64,40 @@ def test_the_simulator_finds_the_replay_bug_without_attempts(
     assert any("r0 decodes on bad KV" in line for line in lines), lines
     monkeypatch.undo()
     assert run_pd(range(95, 110), out=lines.append) == 0
+
+
+def test_the_simulator_exercises_partial_pulls() -> None:
+    """Decode engines pull only what their prefix cache lacks in some seeds, and some
+    aborts land while such a pull is in flight (the CI seeds cover both)."""
+    cached = seeds_with = aborts = 0
+    for seed in range(SEEDS // 5):
+        err, w = run_seed(seed)
+        assert err is None, err
+        n = w.d.receiver.stats.cached_blocks + w.d2.receiver.stats.cached_blocks
+        cached += n
+        seeds_with += n > 0
+        aborts += w.partial_pull_aborts
+    assert seeds_with >= 50 and cached > seeds_with and aborts > 0, (seeds_with, aborts)
+
+
+def test_the_simulator_finds_a_partial_pull_into_the_shared_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A receiver that lays the pulled tail over the request's first blocks (the shared,
+    cached prefix) corrupts KV that other requests decode on: the sim catches it."""
+    orig = R.Receiver._on_acquired
+
+    def misplaced(self: R.Receiver, load: R.Load, reply: Any, now: float) -> None:
+        first = load.first_block
+        if first:
+            local = load.local_blocks
+            load.local_blocks = local[first:] + local[:first]
+        orig(self, load, reply, now)
+        if first:
+            load.local_blocks = local
+
+    monkeypatch.setattr(R.Receiver, "_on_acquired", misplaced)
+    lines: list[str] = []
+    assert run_pd(range(SEEDS // 5), out=lines.append) > 0
+    assert any("decodes on bad KV" in line or "writes into block" in line
+               for line in lines), lines[:5]

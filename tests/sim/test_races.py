@@ -241,24 +241,25 @@ def test_race07_rejected_before_admission_tells_prefill_at_once() -> None:
 
 
 def test_race08_nothing_to_pull_is_still_reported() -> None:
-    """D already holds the whole prompt: the naive receiver never told P, whose
-    blocks leaked until a timeout. Here RELEASE(ok) goes out without an ACQUIRE."""
-
-    def cached(request_id: str) -> int:
-        block_ids = pair.d.requests[request_id].block_ids
-        tags = kv_tags(pair.d.requests[request_id].token_ids) + [0] * 4  # the tail: unused
-        for i, b in enumerate(block_ids):
-            pair.d_kv.set_block(b, [tags[4 * i + j] for j in range(4)])
-        return len(block_ids)
-
-    pair = Pair(prefix_cached=cached)
-    kv = pair.prefill("r")
-    pair.submit("r", kv)
-    pair.step_d()
-    assert [type(m) for m in pair.outbox] == [P.Release] and not pair.transport.handles
+    """D already holds the whole prompt in its prefix cache: the naive receiver never
+    told P, whose blocks leaked until a timeout. Here D still acquires the lease (P
+    frees every block at that ACQUIRE, and its answer checks D's params) and commits
+    an empty copy; nothing is read."""
+    pair = Pair(caching=True)
+    warm = pair.prefill("warm", prompt_len=8)  # two full blocks, now cached on D
+    pair.submit("warm", warm, prompt_len=8)
     pair.converse()
-    assert decoded(pair, "r", kv) == pair.expect(1)
-    assert pair.table.stats.released == {"done": 1}
+    kv = pair.prefill("r", prompt_len=8)
+    pair.submit("r", kv, prompt_len=8)
+    pair.step_d()
+    assert [type(m) for m in pair.outbox] == [P.Acquire]
+    pair.deliver_to_p()
+    assert not pair.table.leases[kv.lease_id].block_ids  # all released at ACQUIRE
+    pair.deliver_to_d()
+    assert [type(m) for m in pair.outbox] == [P.Release] and len(pair.transport.handles) == 1
+    pair.converse()
+    assert decoded(pair, "r", kv) == pair.expect(1, prompt_len=8)
+    assert pair.table.stats.released == {"done": 2}
     pair.assert_all_free()
 
 
@@ -350,6 +351,9 @@ def test_race11_abort_while_the_peer_writes_into_our_blocks() -> None:
 
         def peer(self, r: str) -> PeerInfo:
             return PeerInfo(r, "p1")
+
+        def trusted(self, r: str) -> bool:
+            return True
 
     rx = Receiver(EngineKvLoads(engine), Link(), tr, holder="d1", compat="c",
                   config=ReceiverConfig())

@@ -167,6 +167,50 @@ def test_auth_failure_is_answered_at_once_logged_and_surfaced(
         p.close()
 
 
+def test_a_relay_that_cannot_prove_the_secret_is_refused() -> None:
+    """Authentication is mutual: a decode engine with a secret talks to no relay that
+    does not prove it (a forged relay named in a client's params could otherwise feed
+    it KV that its prefix cache would share with other clients)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def forged_relay() -> None:  # says ok to any HELLO, proves nothing
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(P.encode(P.Challenge("p-forged", secrets.token_bytes(16))))
+            hello = P.recv_frame(conn, frame_timeout=5.0)
+            assert isinstance(hello, P.Hello) and len(hello.nonce) == 16
+            conn.sendall(P.encode(P.Reply(hello.seq, "ok", engine_id="p-forged",
+                                          mac=b"\0" * 32)))
+            with contextlib.suppress(OSError):
+                conn.recv(1)
+
+    t = threading.Thread(target=forged_relay, daemon=True)
+    t.start()
+    d = RelayClient(compat=COMPAT, transport="tcp", client_id="d-1", secret=b"s3cret")
+    with pytest.raises(RelayUnavailable) as info:
+        d.open(addr)
+    assert info.value.code is E.AUTH_FAILED and "did not prove" in str(info.value)
+    t.join(5)
+    listener.close()
+    # The genuine relay proves it.
+    p = Prefill(secret=b"s3cret")
+    try:
+        sock, _ = d.open(p.server.address)
+        sock.close()
+    finally:
+        p.close()
+
+
+def test_which_relays_a_decode_engine_trusts_with_its_prefix_cache() -> None:
+    plain = RelayClient(compat=COMPAT, transport="tcp", client_id="d-1")
+    assert plain.trusted("127.0.0.1:9000") and plain.trusted("localhost:9000")
+    assert plain.trusted("[::1]:9000") and plain.trusted("127.8.0.1:9000")
+    assert not plain.trusted("10.0.0.7:9000") and not plain.trusted("example.com:9000")
+    keyed = RelayClient(compat=COMPAT, transport="tcp", client_id="d-1", secret=b"k")
+    assert keyed.trusted("10.0.0.7:9000")  # every relay it talks to proved the secret
+
+
 def test_client_codes_for_refused_and_unreachable(prefill: Prefill) -> None:
     wrong = RelayClient(compat="other", transport="tcp", client_id="d")
     wrong.send(prefill.server.address, P.Heartbeat(5, "p-1", "L", "d", "a"))

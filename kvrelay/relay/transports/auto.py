@@ -39,6 +39,9 @@ class AutoLink:
     def peer(self, relay: str) -> PeerInfo:
         return self.client_for(relay).peer(relay)
 
+    def trusted(self, relay: str) -> bool:
+        return self.client_for(relay).trusted(relay)
+
 
 class AutoTransport:
     name = "auto"
