@@ -90,8 +90,8 @@ def test_kv_aware_routing_keeps_a_shared_prefix_on_one_p_and_one_d(
 ) -> None:
     """Two long prefixes, three requests each, interleaved and one at a time, through a
     fresh proxy (empty records): each prefix stays on one P and one D, the two prefixes
-    on different engines, and each P's own prefix cache hits the whole shared prefix on
-    the second and third request. Least-outstanding routing sends all six to the first
+    on different engines, and each engine's own prefix cache hits the whole shared
+    prefix on the second and third request. Least-outstanding routing sends all six to the first
     engine of each role (a tie every time), so none of this holds without it."""
     from tokenizers import Tokenizer
 
@@ -118,12 +118,14 @@ def test_kv_aware_routing_keeps_a_shared_prefix_on_one_p_and_one_d(
     assert [delta(p, "kvrelay_requests_finished_total", reason="remote_decode")
             for p in ps] == [3, 3]
     assert [delta(d, "kvrelay_requests_finished_total", reason="length") for d in ds] == [3, 3]
-    # Which prefix went where: P a took the first (it was routed first, both idle and
-    # empty), P b the second; requests 2 and 3 of each hit its whole shared prefix
-    # in full blocks of 4 tokens (a token at the boundary may merge with the tail).
-    for p, prefix in zip(ps, prefixes, strict=True):
+    # Which prefix went where: the first engine of each role took the first prefix (it
+    # was routed first, all idle and empty), the second the other. Requests 2 and 3 of
+    # each hit its whole shared prefix, in full blocks of 4 tokens (a token at the
+    # boundary may merge with the tail): on P, and on D, which pulls only the rest.
+    for p, d, prefix in zip(ps, ds, prefixes, strict=True):
         shared = (len(tok.encode(prefix).ids) - 1) // 4 * 4
         assert delta(p, "kvrelay_prefix_cache_hits_total") >= 2 * shared, p.name
+        assert delta(d, "kvrelay_prefix_cache_hits_total") >= 2 * shared, d.name
     route = metrics(proxy.url)
     for role in ("prefill", "decode"):
         assert sample(route, "kvrelay_proxy_route_total", role=role,
