@@ -41,6 +41,7 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.relay",
     "kvrelay.bench.grammar",
     "kvrelay.bench.prefix",
+    "kvrelay.bench.routing",
 ]
 
 

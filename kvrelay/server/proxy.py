@@ -4,10 +4,12 @@ Per request (DESIGN section 1):
 1. validate the body as an engine would (the same 400s, before any engine is asked),
    and split it into legs: one per prompt of a batch and per choice (``n``), each a
    one-prompt ``n=1`` request (kvrelay.server.proxy_merge);
-2. per leg, pick a prefill engine and a decode engine, least outstanding requests
-   among the healthy ones; send the prefill engine the leg with ``max_tokens`` 1, not
-   streamed, and ``kv_transfer_params: {"do_remote_decode": true}``; it answers with
-   the first token and the lease (``kv_transfer_params``). Every leg's prefill runs at
+2. per leg, pick a prefill engine and a decode engine among the healthy ones: by default
+   the one that most likely holds the prompt's prefix in its cache, unless it is too busy,
+   else the one with the fewest outstanding requests (kvrelay.server.proxy_affinity);
+   send the prefill engine the leg with ``max_tokens`` 1, not streamed, and
+   ``kv_transfer_params: {"do_remote_decode": true}``; it answers with the first token
+   and the lease (``kv_transfer_params``). Every leg's prefill runs at
    once; the client leaving meanwhile cancels them (P aborts the prefill);
 3. stream each first token to the client at once (first-token seeding: the time to
    first token is the prefill's, not prefill + transfer + decode);
@@ -38,6 +40,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrelay.server.protocol import ApiError, install_error_handlers
+from kvrelay.server.proxy_affinity import POLICIES, RoutingConfig
 from kvrelay.server.proxy_routing import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -118,7 +121,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "proxy", help="an OpenAI-compatible front for prefill and decode engines",
         description="Route each request through a prefill engine and a decode engine "
-        "(least outstanding requests among the healthy), seeding the first token.",
+        "(by expected prefix-cache reuse and load among the healthy), seeding the first "
+        "token.",
     )
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
                    help="prefill engines (kvrelay serve --role prefill), e.g. http://h:8100")
@@ -130,9 +134,38 @@ def register(subparsers: Any) -> None:
                    help="require and forward 'Authorization: Bearer KEY'")
     p.add_argument("--health-interval", type=float, default=2.0, metavar="SECONDS",
                    help="how often each engine's /health is checked")
+    d = RoutingConfig()
+    p.add_argument("--routing", choices=POLICIES, default=d.policy,
+                   help="kv-aware: the engine holding the longest prefix of the prompt, "
+                   "within the balance threshold, else the least loaded; least-outstanding: "
+                   "always the least loaded")
+    p.add_argument("--routing-cache-threshold", type=float, default=d.cache_threshold,
+                   metavar="FRACTION", help="kv-aware: route by prefix only when the match "
+                   "covers at least this fraction of the prompt's text")
+    p.add_argument("--routing-balance-abs-threshold", type=int,
+                   default=d.balance_abs_threshold, metavar="N",
+                   help="kv-aware: route by prefix only while that engine has at most N "
+                   "more outstanding requests than the least loaded")
+    p.add_argument("--routing-chunk-chars", type=int, default=d.chunk_chars, metavar="N",
+                   help="kv-aware: characters of prompt text per recorded chunk")
+    p.add_argument("--routing-cache-size", type=int, default=d.cache_size, metavar="CHUNKS",
+                   help="kv-aware: chunks remembered per engine (LRU)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
+
+
+def routing_config(args: Any) -> RoutingConfig:
+    from kvrelay.cli import UsageError
+
+    try:
+        return RoutingConfig(
+            policy=args.routing, chunk_chars=args.routing_chunk_chars,
+            cache_threshold=args.routing_cache_threshold,
+            balance_abs_threshold=args.routing_balance_abs_threshold,
+            cache_size=args.routing_cache_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def run(args: Any) -> int:
@@ -145,10 +178,11 @@ def run(args: Any) -> int:
     if args.log_level != "debug":
         # httpx logs every request at info: with health polling, most of the log.
         logging.getLogger("httpx").setLevel(logging.WARNING)
+    routing = routing_config(args)
     proxy = Proxy(args.prefill, args.decode, api_key=args.api_key,
-                  health_interval=args.health_interval)
-    log.info("proxy on http://%s:%d/v1: prefill %s, decode %s", args.host, args.port,
-             " ".join(args.prefill), " ".join(args.decode))
+                  health_interval=args.health_interval, routing=routing)
+    log.info("proxy on http://%s:%d/v1: prefill %s, decode %s; routing %s", args.host,
+             args.port, " ".join(args.prefill), " ".join(args.decode), routing)
     config = uvicorn.Config(create_proxy_app(proxy), host=args.host, port=args.port,
                             log_level=args.log_level, access_log=args.log_level == "debug")
     server = GracefulServer(config, drain=lambda: None, drain_after=10.0)

@@ -35,6 +35,10 @@ class Leg:
     usage: dict[str, int] | None = None
     roled: bool = False  # chat stream: the role chunk of this choice went out
     shift: int = 0  # completion stream: text the client got from P before D's text
+    # The prompt for KV-aware routing (kvrelay.server.proxy_affinity): its chunks' hash
+    # chain and its length in characters.
+    chain: list[int] = field(default_factory=list)
+    text_len: int = 0
 
     def prefilled(self, first: dict[str, Any], prefill_url: str) -> None:
         """P's answer: the first token, and the lease unless that token ended it."""

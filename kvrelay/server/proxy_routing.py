@@ -31,6 +31,15 @@ from kvrelay.server.protocol import (
     sse,
     validate,
 )
+from kvrelay.server.proxy_affinity import (
+    PrefixRecord,
+    Reason,
+    RoutingConfig,
+    chain_hashes,
+    chat_text,
+    choose,
+    completion_text,
+)
 from kvrelay.server.proxy_merge import Frame, Leg
 from kvrelay.server.responses import EventStream, until_disconnect
 
@@ -57,15 +66,21 @@ class Refused(Exception):
 class Upstream:
     url: str
     role: str
+    prefixes: PrefixRecord  # the prompt prefixes sent here (KV-aware routing)
     outstanding: int = 0
+    # A failed health check is not a reason to forget ``prefixes``: under load a check
+    # can time out on an engine that lost nothing, and a record gone stale (the engine
+    # restarted) costs one miss per prefix, after which the engine holds it again.
     healthy: bool = True
 
 
 class Upstreams:
-    def __init__(self, role: str, urls: list[str]) -> None:
+    def __init__(self, role: str, urls: list[str], config: RoutingConfig) -> None:
         if not urls:
             raise ValueError(f"at least one --{role} URL is required")
-        self.all = [Upstream(u.rstrip("/"), role) for u in urls]
+        self.role, self.config = role, config
+        self.all = [Upstream(u.rstrip("/"), role, PrefixRecord(config.cache_size))
+                    for u in urls]
 
     def candidates(self) -> list[Upstream]:
         """The healthy by outstanding requests, then the rest: a failed health check is
@@ -77,6 +92,15 @@ class Upstreams:
         """Least outstanding among the healthy; None when none is healthy."""
         best = self.candidates()[0]
         return best if best.healthy else None
+
+    def route(self, leg: Leg) -> tuple[Upstream, Reason]:
+        """The engine for ``leg`` by expected prefix reuse and load (proxy_affinity);
+        with KV-aware routing its record takes the leg's prompt at once, so requests
+        with the same prefix that follow it (also ones already in flight) find it."""
+        up, reason = choose(self.all, leg.chain, leg.text_len, self.config)
+        if self.config.kv_aware:
+            up.prefixes.insert(leg.chain)
+        return up, reason
 
 
 class ProxyMetrics:
@@ -102,6 +126,12 @@ class ProxyMetrics:
             "kvrelay_proxy_engine_healthy", "1 if the engine answers /health", ["role", "url"],
             registry=r,
         )
+        self.route = Counter(
+            "kvrelay_proxy_route", "Engines picked per choice, by role and the reason: "
+            "prefix_match (the longest cached prefix), least_outstanding (no match worth "
+            "it, or KV-aware routing off), load_balance (a match, on an engine too busy), "
+            "no_healthy", ["role", "reason"], registry=r,
+        )
         self.ttft = Histogram(
             "kvrelay_proxy_time_to_first_token_seconds",
             "Time to the first token as the client sees it", registry=r,
@@ -118,9 +148,11 @@ class Proxy:
         api_key: str | None = None,
         health_interval: float = 2.0,
         timeout: float = 600.0,
+        routing: RoutingConfig | None = None,
     ) -> None:
-        self.prefill = Upstreams("prefill", prefill)
-        self.decode = Upstreams("decode", decode)
+        self.routing = routing or RoutingConfig()
+        self.prefill = Upstreams("prefill", prefill, self.routing)
+        self.decode = Upstreams("decode", decode, self.routing)
         self.api_key = api_key
         self.health_interval = health_interval
         self.timeout = timeout
@@ -184,6 +216,7 @@ class Proxy:
         req.check()
         frame = Frame(chat, include_usage=req.include_usage_in_stream())
         legs = _split(data, req, chat)
+        self._route_keys(legs, req, chat)
         t0 = asyncio.get_running_loop().time()
         streaming = False
         try:
@@ -207,6 +240,30 @@ class Proxy:
         self.metrics.ttft.observe(asyncio.get_running_loop().time() - t0)
         return JSONResponse(merge.full_body(frame, legs, choices))
 
+    def _route_keys(self, legs: list[Leg], req: Any, chat: bool) -> None:
+        if not self.routing.kv_aware:
+            return
+        chunk = self.routing.chunk_chars
+        text = chat_text(req.template_messages()) if chat else ""
+        chain = chain_hashes(text, chunk) if chat else []
+        for leg in legs:
+            if not chat and leg.counts_prompt:  # a completion prompt's first choice
+                text = completion_text(leg.body["prompt"])
+                chain = chain_hashes(text, chunk)
+            leg.chain, leg.text_len = chain, len(text)
+
+    def _pick(self, ups: Upstreams, leg: Leg) -> Upstream:
+        up, reason = ups.route(leg)
+        self.metrics.route.labels(ups.role, reason.value).inc()
+        log.debug("route %s %s: %s (outstanding %d)", ups.role, up.url, reason.value,
+                  up.outstanding)
+        return up
+
+    def _prefill_order(self, leg: Leg) -> list[Upstream]:
+        """The routed prefill engine, then the others to retry on, least loaded first."""
+        first = self._pick(self.prefill, leg)
+        return [first, *(up for up in self.prefill.candidates() if up is not first)]
+
     def _release_all(self, legs: list[Leg]) -> None:
         """Every lease still the proxy's (D never got it): back to its prefill engine."""
         for leg in legs:
@@ -226,7 +283,7 @@ class Proxy:
 
     # -- prefill -----------------------------------------------------------------------
     async def _prefill_leg(self, path: str, leg: Leg) -> None:
-        for attempt, up in enumerate(self.prefill.candidates()):
+        for attempt, up in enumerate(self._prefill_order(leg)):
             try:
                 first = await self._prefill(up, path, leg.body)
             except UpstreamDown as exc:
@@ -278,7 +335,7 @@ class Proxy:
         frame.saw(leg.first or {})
         if leg.ended_at_prefill:
             return merge.leg_choice(leg, None)
-        up = self.decode.candidates()[0]
+        up = self._pick(self.decode, leg)
         body = self._decode_body(leg, stream=False)
         async with self._outstanding(up):
             try:
@@ -359,7 +416,7 @@ class Proxy:
         self, path: str, leg: Leg, frame: Frame, events: asyncio.Queue[tuple[Leg, str, Any]]
     ) -> dict[str, Any] | None:
         """D's chunks for the leg; returns the error event that ended it, if any."""
-        up = self.decode.candidates()[0]
+        up = self._pick(self.decode, leg)
         body = self._decode_body(leg, stream=True)
         kind = "d" if leg.first is not None else "c"
         async with self._outstanding(up):

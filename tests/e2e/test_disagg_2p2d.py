@@ -2,17 +2,20 @@
 proxy, 200 requests at concurrency 16 with AsyncOpenAI. Zero failed requests, every
 answer has its 8 tokens, greedy answers equal a colocated engine's, both engines of
 each role took work, and all four pools are entirely free at the end with no lease held.
+Then KV-aware routing: requests sharing a long prefix land on one P and one D.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
+from kvrelay.bench.serve import WORDS
 from tests.e2e.cluster import Cluster, Proc, metric, metrics, pools_free, sample
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(150)]
@@ -33,7 +36,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list
         for x in (*ps, *ds, colo):
             x.wait_healthy()
         proxy = c.proxy(ps, ds).wait_healthy()
-        yield {"p": ps, "d": ds, "colo": [colo], "proxy": [proxy], "model": [model]}  # type: ignore[list-item]
+        yield {"p": ps, "d": ds, "colo": [colo], "proxy": [proxy], "model": [model],  # type: ignore[list-item]
+               "cluster": [c]}
     finally:
         c.close()
         print(c.logs())  # shown by pytest when a test failed
@@ -79,3 +83,52 @@ def test_2p2d_200_requests_concurrency_16(cluster: dict[str, list]) -> None:
         assert sample(metrics(p.url), "kvrelay_requests_finished_total", reason="remote_decode") \
             > 0, p.name
     pools_free(*cluster["d"], prefill=tuple(cluster["p"]), timeout=10)
+
+
+def test_kv_aware_routing_keeps_a_shared_prefix_on_one_p_and_one_d(
+    cluster: dict[str, list]
+) -> None:
+    """Two long prefixes, three requests each, interleaved and one at a time, through a
+    fresh proxy (empty records): each prefix stays on one P and one D, the two prefixes
+    on different engines, and each engine's own prefix cache hits the whole shared
+    prefix on the second and third request. Least-outstanding routing sends all six to the first
+    engine of each role (a tie every time), so none of this holds without it."""
+    from tokenizers import Tokenizer
+
+    ps, ds, model = cluster["p"], cluster["d"], cluster["model"][0]
+    proxy = cluster["cluster"][0].proxy(ps, ds, name="proxy-kv-aware").wait_healthy()
+    rng = random.Random(13)
+    prefixes = [" ".join(rng.choice(WORDS) for _ in range(90)) for _ in range(2)]
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    before = {e.name: metrics(e.url) for e in (*ps, *ds)}
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0,
+                           timeout=60)
+    kw = {"model": model.name, "max_tokens": 2, "temperature": 0.0,
+          "extra_body": {"ignore_eos": True}}
+    for i in range(3):
+        for j, prefix in enumerate(prefixes):
+            prompt = f"{prefix}. Question {i} of {j}: what next?"
+            r = client.completions.create(prompt=prompt, **kw)
+            assert r.usage.completion_tokens == 2
+    pools_free(*ds, prefill=tuple(ps), timeout=10)
+
+    def delta(e: Proc, name: str, **labels: str) -> float:
+        return sample(metrics(e.url), name, **labels) - sample(before[e.name], name, **labels)
+
+    assert [delta(p, "kvrelay_requests_finished_total", reason="remote_decode")
+            for p in ps] == [3, 3]
+    assert [delta(d, "kvrelay_requests_finished_total", reason="length") for d in ds] == [3, 3]
+    # Which prefix went where: the first engine of each role took the first prefix (it
+    # was routed first, all idle and empty), the second the other. Requests 2 and 3 of
+    # each hit its whole shared prefix, in full blocks of 4 tokens (a token at the
+    # boundary may merge with the tail): on P, and on D, which pulls only the rest.
+    for p, d, prefix in zip(ps, ds, prefixes, strict=True):
+        shared = (len(tok.encode(prefix).ids) - 1) // 4 * 4
+        assert delta(p, "kvrelay_prefix_cache_hits_total") >= 2 * shared, p.name
+        assert delta(d, "kvrelay_prefix_cache_hits_total") >= 2 * shared, d.name
+    route = metrics(proxy.url)
+    for role in ("prefill", "decode"):
+        assert sample(route, "kvrelay_proxy_route_total", role=role,
+                      reason="prefix_match") == 4, role
+        assert sample(route, "kvrelay_proxy_route_total", role=role,
+                      reason="least_outstanding") == 2, role
