@@ -267,12 +267,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &kvr::isa, "the instruction set the kernels run with");
   m.def("set_isa", &kvr::set_isa, "use the kernels of an instruction set this CPU has");
   m.def("max_threads", []() { return omp_get_max_threads(); });
-  m.def("rms_norm", &kvr::rms_norm);
-  m.def("add_rms_norm", &kvr::add_rms_norm);
-  m.def("silu_mul", &kvr::silu_mul);
-  m.def("attention", &kvr::attention);
+  // Every kernel runs without the GIL, as ATen's own ops do: the server's event loop
+  // thread (HTTP streaming, detokenizing) keeps running during a step's kernels
+  // instead of waiting for the engine thread to reach a Python bytecode boundary.
+  using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("rms_norm", &kvr::rms_norm, nogil());
+  m.def("add_rms_norm", &kvr::add_rms_norm, nogil());
+  m.def("silu_mul", &kvr::silu_mul, nogil());
+  m.def("attention", &kvr::attention, nogil());
   m.def("has_bf16_gemm", &kvr::has_bf16_gemm, "AVX-512 BF16 small-M GEMM available");
-  m.def("pack_bf16_gemm", &kvr::pack_bf16_gemm);
+  m.def("pack_bf16_gemm", &kvr::pack_bf16_gemm, nogil());
   m.def("bf16_gemm", &kvr::bf16_gemm, pybind11::arg("x"), pybind11::arg("packed"),
-        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), nogil());
 }
