@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -67,6 +67,22 @@ class KernelBackend(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(T, 2I) -> (T, I): silu(gate) * up."""
+        ...
+
+    def small_gemm(self) -> SmallGemm | None:
+        """A GEMM for decode-sized row counts that model.Linear runs instead of
+        oneDNN's (native: bfloat16 with AVX-512 BF16), or None."""
+        ...
+
+
+class SmallGemm(Protocol):
+    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The weight (N, K) in the kernel's layout, or None if it cannot take it."""
+        ...
+
+    @property
+    def run(self) -> Callable[..., torch.Tensor]:
+        """run(x (M, K), packed, N, bias or None) -> (M, N) in x's dtype."""
         ...
 
 
@@ -170,6 +186,9 @@ class TorchBackend:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def small_gemm(self) -> SmallGemm | None:
+        return None
 
 
 def select_backend(

@@ -75,7 +75,7 @@ def _other_engines() -> int:
 
 
 _wait: WaitChoice | None = None
-_kernels: dict[str, str] = {"backend": "unset", "isa": "", "reason": ""}
+_kernels: dict[str, str] = {"backend": "unset", "isa": "", "reason": "", "gemm": ""}
 
 
 def apply_wait_policy(requested: str | None = None, threads: int | None = None) -> WaitChoice:
@@ -117,7 +117,15 @@ def record_kernels(backend: str, isa: str, reason: str) -> None:
              wait or "libgomp default", _wait.reason if _wait else "not chosen by kvrelay")
 
 
+def record_gemm(gemm: str, why: str) -> None:
+    """The GEMM of decode-sized steps: ``native-bf16`` (model.SMALL_GEMM_ROWS rows or
+    fewer), ``onednn`` or ``torch``; ``why``: why not the native one."""
+    _kernels.update(gemm=gemm)
+    log.info("decode GEMMs: %s%s", gemm, f" ({why})" if why else "")
+
+
 def info() -> dict[str, str]:
     """Labels for the /metrics info gauge."""
     wait = _wait.policy if _wait else os.environ.get("OMP_WAIT_POLICY", "")
-    return {"backend": _kernels["backend"], "isa": _kernels["isa"], "omp_wait_policy": wait}
+    return {"backend": _kernels["backend"], "isa": _kernels["isa"], "omp_wait_policy": wait,
+            "gemm": _kernels["gemm"]}

@@ -8,33 +8,50 @@ layer is four matmuls.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kvrelay.model import kernel_choice
 from kvrelay.model.attention import ChunkSpec
-from kvrelay.model.backend import KernelBackend, StepMetadata, select_backend
+from kvrelay.model.backend import KernelBackend, SmallGemm, StepMetadata, select_backend
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.rope import RotaryTable
+
+# Up to this many rows (a decode step's batch) a bfloat16 GEMM runs the native
+# AVX-512 BF16 kernel over its own packed weight when it has one: at 1-16 rows it
+# streams the weights 1.1-2x faster than oneDNN (docs/model.md, "Decode GEMMs").
+SMALL_GEMM_ROWS = 16
 
 
 class Linear:
     """y = x W^T + b. On CPU the weight is reordered once, at load, into oneDNN's
     blocked layout: F.linear reorders (bfloat16) or runs an unpacked GEMM (float32)
-    on every call; packed is 1.3-2.5x faster at decode batch sizes (docs/model.md)."""
+    on every call; packed is 1.3-2.5x faster at decode batch sizes (docs/model.md).
+    With ``small`` (native.SmallGemm, bfloat16 on an AVX-512 BF16 CPU) calls of at
+    most SMALL_GEMM_ROWS rows go to the native kernel instead."""
 
-    __slots__ = ("bias", "packed", "weight")
+    __slots__ = ("bias", "packed", "small", "small_w", "weight")
+    small: Callable[..., torch.Tensor] | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
+        small: SmallGemm | None = None,
+    ) -> None:
         self.weight = weight
         self.bias = bias
         self.packed: torch.Tensor | None = None
         if pack:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        self.small_w = small.pack(weight) if small is not None else None
+        self.small = small.run if small is not None and self.small_w is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and x.shape[0] <= SMALL_GEMM_ROWS:
+            y: torch.Tensor = self.small(x, self.small_w, self.weight.shape[0], self.bias)
+            return y
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -99,9 +116,19 @@ class LlamaModel:
 
         pack = can_pack(dtype, device)
         self.packed = pack
+        self.rope = RotaryTable(cfg, max_len, dtype, device, rope_freq_factors)
+        self.backend: KernelBackend = select_backend(cfg, self.rope, dtype, device, kernels)
+        small = self.backend.small_gemm()
+        self.small_gemm = small is not None  # the native small-M GEMM is in use
+        kernel_choice.record_gemm(
+            "native-bf16" if small else "onednn" if pack else "torch",
+            "" if small else getattr(self.backend, "gemm_off", None) or "not the native backend",
+        )
         self.embed = get("model.embed_tokens.weight")
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
-        self.lm_head = Linear(self.embed if tied else get("lm_head.weight"), None, pack)
+        self.lm_head = Linear(
+            self.embed if tied else get("lm_head.weight"), None, pack, small
+        )
         self.norm = get("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
@@ -115,21 +142,22 @@ class LlamaModel:
                         cat(*(n + ".weight" for n in qkv)),
                         cat(*(n + ".bias" for n in qkv)) if cfg.qkv_bias else None,
                         pack,
+                        small,
                     ),
                     o=Linear(
                         get(a + "o_proj.weight"),
                         get(a + "o_proj.bias") if cfg.o_bias else None,
                         pack,
+                        small,
                     ),
                     ffn_norm=get(p + "post_attention_layernorm.weight"),
                     gate_up=Linear(
-                        cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), None, pack
+                        cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), None, pack,
+                        small,
                     ),
-                    down=Linear(get(p + "mlp.down_proj.weight"), None, pack),
+                    down=Linear(get(p + "mlp.down_proj.weight"), None, pack, small),
                 )
             )
-        self.rope = RotaryTable(cfg, max_len, dtype, device, rope_freq_factors)
-        self.backend: KernelBackend = select_backend(cfg, self.rope, dtype, device, kernels)
 
     def build_metadata(
         self, chunks: Sequence[ChunkSpec], positions: torch.Tensor, block_size: int

@@ -12,6 +12,7 @@ other than the CPU, or a self-check at load that disagrees with torch.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -76,6 +77,33 @@ def _self_check(mod: Any, dtype: torch.dtype) -> str | None:
     return None
 
 
+class NativeSmallGemm:
+    """bfloat16 y = x W^T + b for a few rows with AVX-512 BF16 ``vdpbf16ps``
+    (csrc/gemm_bf16.cpp): the weight packed once into the instruction's pair layout,
+    each byte of it read once per call, columns split across the threads."""
+
+    def __init__(self, mod: Any) -> None:
+        self._pack = mod.pack_bf16_gemm
+        self.run = mod.bf16_gemm
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        if weight.dtype is not torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+            return None
+        packed: torch.Tensor = self._pack(weight.contiguous())
+        return packed
+
+
+def small_gemm_unavailable(mod: Any, dtype: torch.dtype) -> str | None:
+    """Why the native small-M GEMM is not used, or None when it is."""
+    if dtype is not torch.bfloat16:
+        return f"{dtype} (it is bfloat16-only)"
+    if os.environ.get("KVRELAY_NATIVE_GEMM", "1") == "0":
+        return "KVRELAY_NATIVE_GEMM=0"
+    if not mod.has_bf16_gemm():
+        return "the CPU lacks AVX-512 BF16"
+    return None
+
+
 class NativeStep:
     """Per-step inputs of the attention kernel, built once for every layer."""
 
@@ -103,6 +131,10 @@ class NativeBackend:
         self.dtype = dtype
         self.cos, self.sin = rope.float32_tables()
         self.eps = cfg.rms_norm_eps
+        self.gemm_off = small_gemm_unavailable(mod, dtype)
+
+    def small_gemm(self) -> NativeSmallGemm | None:
+        return NativeSmallGemm(self._ops) if self.gemm_off is None else None
 
     def build_metadata(
         self, chunks: Sequence[ChunkSpec], positions: torch.Tensor, block_size: int

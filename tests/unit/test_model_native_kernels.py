@@ -186,8 +186,8 @@ def test_select_backend_follows_request_and_env(monkeypatch: pytest.MonkeyPatch)
     assert kernel_choice.info()["backend"] == "torch"
     monkeypatch.delenv("KVRELAY_KERNELS")
     assert select_backend(cfg, rope, torch.float32, cpu).name == "native"
-    assert kernel_choice.info() | {"omp_wait_policy": ""} == {
-        "backend": "native", "isa": _best, "omp_wait_policy": ""}
+    assert kernel_choice.info() | {"omp_wait_policy": "", "gemm": ""} == {
+        "backend": "native", "isa": _best, "omp_wait_policy": "", "gemm": ""}
     # float16 and head dims that are not multiples of 16 fall back, never fail.
     assert select_backend(cfg, rope, torch.float16, cpu).name == "torch"
     assert select_backend(_cfg(4, 2, 8), rope, torch.float32, cpu, "native").name == "torch"
@@ -215,3 +215,88 @@ def test_attention_refuses_block_ids_outside_the_cache() -> None:
     with pytest.raises(RuntimeError, match="outside the cache"):
         nat.attention(qkv, cache, 0, meta)
     assert cache.abs().sum() == 0  # nothing written
+
+
+_bf16_gemm = _mod is not None and _mod.has_bf16_gemm()
+needs_bf16_gemm = pytest.mark.skipif(not _bf16_gemm, reason="the CPU lacks AVX-512 BF16")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 21])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 96), (832, 576), (576, 1536)])
+def test_bf16_gemm_no_worse_than_torch(rows: int, n: int, k: int) -> None:
+    """The small-M GEMM against a float32 reference: within bfloat16 rounding, and
+    on average no further from it than torch's bfloat16 GEMM (N not a multiple of 16
+    and more rows than one tile included)."""
+    assert _mod is not None
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    packed = _mod.pack_bf16_gemm(w)
+    for b in (None, bias):
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        out = _mod.bf16_gemm(x, packed, n, b)
+        theirs = torch.nn.functional.linear(x, w, b)
+        assert out.dtype is torch.bfloat16 and out.shape == (rows, n)
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * k**0.5)
+        err, torch_err = (out.float() - ref).abs().mean(), (theirs.float() - ref).abs().mean()
+        assert err <= torch_err * 1.05 + 1e-6
+
+
+@needs_bf16_gemm
+def test_bf16_gemm_rejects_bad_input() -> None:
+    assert _mod is not None
+    w = torch.randn(32, 64).bfloat16()
+    packed = _mod.pack_bf16_gemm(w)
+    with pytest.raises(RuntimeError, match="does not match"):
+        _mod.bf16_gemm(torch.randn(2, 64).bfloat16(), packed, 48)
+    with pytest.raises(RuntimeError, match="even K"):
+        odd = _mod.pack_bf16_gemm(w[:, :63].contiguous())
+        _mod.bf16_gemm(torch.randn(2, 63).bfloat16(), odd, 32)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        _mod.bf16_gemm(torch.randn(2, 64), packed, 32)
+    with pytest.raises(RuntimeError, match="bias"):
+        _mod.bf16_gemm(torch.randn(2, 64).bfloat16(), packed, 32, torch.ones(3).bfloat16())
+
+
+@needs_bf16_gemm
+def test_model_uses_the_small_gemm_only_where_it_may(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 on the native backend: decode-sized calls go to the native GEMM (same
+    result as calling it directly), larger ones to oneDNN; float32, the torch
+    backend and KVRELAY_NATIVE_GEMM=0 keep oneDNN."""
+    from kvrelay.model.model import SMALL_GEMM_ROWS, LlamaModel
+
+    cfg = _cfg(4, 2, 16)
+    g = torch.Generator().manual_seed(0)
+    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "lm_head.weight": (32, h),
+              "model.norm.weight": (h,)}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
+    state = {name: torch.randn(*shape, generator=g) for name, shape in shapes.items()}
+    cpu = torch.device("cpu")
+
+    def build(dtype: torch.dtype, kernels: str | None = None) -> LlamaModel:
+        return LlamaModel(cfg, state, dtype=dtype, device=cpu, max_len=64, kernels=kernels)
+
+    m = build(torch.bfloat16)
+    assert m.small_gemm and kernel_choice.info()["gemm"] == "native-bf16"
+    lin = m.layers[0].gate_up
+    x = torch.randn(SMALL_GEMM_ROWS, cfg.hidden_size).bfloat16()
+    assert _mod is not None
+    direct = _mod.bf16_gemm(x, _mod.pack_bf16_gemm(lin.weight), lin.weight.shape[0])
+    assert torch.equal(lin(x), direct)
+    big = torch.randn(SMALL_GEMM_ROWS + 1, cfg.hidden_size).bfloat16()
+    onednn = torch.ops.mkldnn._linear_pointwise(big, lin.packed, None, "none", [], "")
+    assert torch.equal(lin(big), onednn)
+    assert not build(torch.float32).small_gemm
+    assert not build(torch.bfloat16, "torch").small_gemm
+    assert kernel_choice.info()["gemm"] == "onednn"
+    monkeypatch.setenv("KVRELAY_NATIVE_GEMM", "0")
+    assert not build(torch.bfloat16).small_gemm

@@ -209,6 +209,56 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   return out;
 }
 
+// AVX-512 BF16 (vdpbf16ps) for the small-M GEMM; off when the ISA is forced to AVX2.
+bool has_bf16_gemm() {
+  __builtin_cpu_init();
+  return isa() == "avx512" && __builtin_cpu_supports("avx512bf16");
+}
+
+// (N, K) bfloat16 -> the pair layout of gemm_bf16.cpp, (ceil(N/16), ceil(K/2), 32).
+torch::Tensor pack_bf16_gemm(const torch::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
+                  w.scalar_type() == torch::kBFloat16,
+              "pack_bf16_gemm takes a contiguous bfloat16 (N, K) CPU matrix");
+  const int64_t N = w.size(0), K = w.size(1);
+  auto out = torch::empty({(N + 15) / 16, (K + 1) / 2, 32}, w.options());
+  pack_bf16_pairs((const uint16_t*)w.data_ptr(), N, K, (uint16_t*)out.data_ptr());
+  return out;
+}
+
+// y = x W^T (+ bias) with W packed by pack_bf16_gemm; x (M, K) bfloat16, K even.
+torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
+                        const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(has_bf16_gemm(), "bf16_gemm needs AVX-512 BF16");
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && wp.scalar_type() == torch::kBFloat16,
+              "bf16_gemm takes bfloat16 x and weight");
+  const int64_t M = x.size(0), K = x.size(1), nblk = (N + 15) / 16;
+  TORCH_CHECK(K % 2 == 0, "bf16_gemm needs an even K, got ", K);
+  TORCH_CHECK(wp.is_contiguous() && wp.dim() == 3 && wp.size(0) == nblk && wp.size(1) == K / 2 &&
+                  wp.size(2) == 32,
+              "packed weight does not match N=", N, ", K=", K);
+  torch::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "bias must have N=", N, " values");
+    b = bias->to(torch::kFloat32).contiguous();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const uint16_t* xp = (const uint16_t*)x.data_ptr();
+  const uint16_t* wpp = (const uint16_t*)wp.data_ptr();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  uint16_t* yp = (uint16_t*)y.data_ptr();
+  const int64_t ldx = x.stride(0);
+#pragma omp parallel if (N * K >= kParallelElems)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    // Contiguous block ranges, one per thread: each streams its own part of W once.
+    const int64_t b0 = nblk * t / nt, b1 = nblk * (t + 1) / nt;
+    if (b0 < b1) gemm_bf16_pairs(xp, ldx, M, wpp, K, b0, b1, bp, yp, N, N);
+  }
+  return y;
+}
+
 }  // namespace
 }  // namespace kvr
 
@@ -217,8 +267,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &kvr::isa, "the instruction set the kernels run with");
   m.def("set_isa", &kvr::set_isa, "use the kernels of an instruction set this CPU has");
   m.def("max_threads", []() { return omp_get_max_threads(); });
-  m.def("rms_norm", &kvr::rms_norm);
-  m.def("add_rms_norm", &kvr::add_rms_norm);
-  m.def("silu_mul", &kvr::silu_mul);
-  m.def("attention", &kvr::attention);
+  // Every kernel runs without the GIL, as ATen's own ops do: the server's event loop
+  // thread (HTTP streaming, detokenizing) keeps running during a step's kernels
+  // instead of waiting for the engine thread to reach a Python bytecode boundary.
+  using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("rms_norm", &kvr::rms_norm, nogil());
+  m.def("add_rms_norm", &kvr::add_rms_norm, nogil());
+  m.def("silu_mul", &kvr::silu_mul, nogil());
+  m.def("attention", &kvr::attention, nogil());
+  m.def("has_bf16_gemm", &kvr::has_bf16_gemm, "AVX-512 BF16 small-M GEMM available");
+  m.def("pack_bf16_gemm", &kvr::pack_bf16_gemm, nogil());
+  m.def("bf16_gemm", &kvr::bf16_gemm, pybind11::arg("x"), pybind11::arg("packed"),
+        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), nogil());
 }

@@ -46,6 +46,16 @@ inline int64_t attend_scratch_floats(int rows, int ctx, int D) {
 }
 
 const Kernels* kernels_avx512(DType dt);
+
+// bfloat16 GEMM for decode-sized M with AVX-512 BF16 (gemm_bf16.cpp). The weight
+// (N, K) is packed by pack_bf16_pairs into ceil(N/16) * ceil(K/2) * 32 values;
+// gemm_bf16_pairs computes the columns of blocks [blk0, blk1) (16 columns each) for
+// all M rows (K even), bias optional (float32), output rounded to bfloat16.
+constexpr int kGemmRows = 8;
+void pack_bf16_pairs(const uint16_t* w, int64_t N, int64_t K, uint16_t* out);
+void gemm_bf16_pairs(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp, int64_t K,
+                     int64_t blk0, int64_t blk1, const float* bias, uint16_t* y, int64_t ldy,
+                     int64_t N);
 const Kernels* kernels_avx2(DType dt);
 
 }  // namespace kvr
