@@ -49,7 +49,8 @@ class Linear:
         self.small = small.run if small is not None and self.small_w is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and x.shape[0] <= SMALL_GEMM_ROWS:
+        # (0 rows: a chunked prefill step that samples nothing gives lm_head no rows)
+        if self.small is not None and 0 < x.shape[0] <= SMALL_GEMM_ROWS:
             y: torch.Tensor = self.small(x, self.small_w, self.weight.shape[0], self.bias)
             return y
         if self.packed is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -300,3 +301,35 @@ def test_model_uses_the_small_gemm_only_where_it_may(monkeypatch: pytest.MonkeyP
     assert kernel_choice.info()["gemm"] == "onednn"
     monkeypatch.setenv("KVRELAY_NATIVE_GEMM", "0")
     assert not build(torch.bfloat16).small_gemm
+
+
+@needs_bf16_gemm
+def test_a_bfloat16_prefill_chunk_that_samples_nothing(tmp_path: Path) -> None:
+    """Bug (review): a prefill chunk that samples nothing (a prompt longer than the token
+    budget) gave lm_head zero rows, which went to the native GEMM and killed the process
+    with SIGSEGV. Zero rows now go to oneDNN, and the kernel itself answers an empty
+    result."""
+    from kvrelay.config import SchedulerConfig
+    from kvrelay.core.engine import Engine
+    from kvrelay.model import load_model
+    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.sampling_params import SamplingParams
+
+    assert _mod is not None
+    packed = _mod.pack_bf16_gemm(torch.randn(32, 64).bfloat16())
+    assert _mod.bf16_gemm(torch.empty(0, 64).bfloat16(), packed, 32).shape == (0, 32)
+    model = load_model(str(write_tiny_hf_model(tmp_path / "llama", seed=2)), dtype="bfloat16",
+                       block_size=4, num_blocks=64)
+    assert model.runner.model.small_gemm  # type: ignore[attr-defined]
+    outputs = []
+    for budget in (64, 8):  # the whole prompt in one step, then in chunks of 8
+        engine = Engine(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=512,
+                                        max_num_batched_tokens=budget), model.runner)
+        engine.add_request("x", [5 + i % 300 for i in range(20)],
+                           SamplingParams(temperature=0.0, max_tokens=3))
+        tokens: list[int] = []
+        while engine.has_work():
+            for out in engine.step():
+                tokens += out.new_token_ids
+        outputs.append(tokens)
+    assert len(outputs[0]) == 3 and outputs[1] == outputs[0]
