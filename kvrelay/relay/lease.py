@@ -128,6 +128,7 @@ class Lease:
     # A partial pull: how many leading blocks the holder had cached (released at its
     # ACQUIRE; ``block_ids`` and ``generations`` then hold the rest, the pulled range).
     first_block: int = 0
+    prompt_digest: bytes = b""  # protocol.prompt_digest of the request's prompt
 
     def held_by(self, holder: str, attempt: str) -> bool:
         return self.holder == holder and self.attempt == attempt
@@ -211,6 +212,7 @@ class LeaseTable:
         *,
         num_tokens: int,
         first_token: int,
+        prompt_digest: bytes = b"",
     ) -> Lease:
         """Take a finished request's blocks: one hand-over, then the timer is armed.
 
@@ -229,6 +231,7 @@ class LeaseTable:
             generations=self.blocks.generations(ids),
             num_tokens=num_tokens,
             first_token=first_token,
+            prompt_digest=prompt_digest,
             created=now,
             deadline=now + self.acquire_timeout,
             hard_deadline=now + self.hard_cap,

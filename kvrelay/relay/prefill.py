@@ -48,6 +48,7 @@ class PrefillRelay:
         lease = self.table.create(
             req.request_id, req.block_ids, self.clock(),
             num_tokens=req.prompt_len, first_token=req.token_ids[-1],
+            prompt_digest=P.prompt_digest(req.token_ids[:req.prompt_len]),
         )
         self.kv_params[req.request_id] = KvTransferParams(
             lease.lease_id, self.address, self.table.engine_id, list(lease.block_ids),
@@ -89,4 +90,5 @@ def answer_reply(seq: int, ans: Answer) -> P.Reply:
         reply.generations = lease.generations
         reply.num_tokens = lease.num_tokens
         reply.first_token = lease.first_token
+        reply.prompt_digest = lease.prompt_digest
     return reply

@@ -39,6 +39,8 @@ import select
 import socket
 import struct
 import time
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -173,6 +175,7 @@ class Reply(msgspec.Struct, tag="reply", omit_defaults=True):
     # (any value a peer puts on the wire is overwritten); empty in the simulators.
     relay: str = ""
     mac: bytes = b""  # the reply to HELLO: P's proof of the secret (relay_proof)
+    prompt_digest: bytes = b""  # the lease's prompt (prompt_digest): D checks its own
 
 
 Request = Hello | Acquire | Heartbeat | Release | Abort | Read
@@ -221,6 +224,12 @@ def check_hello_mac(secret: bytes | None, nonce: bytes, hello: Hello) -> bool:
     if secret is None:
         return True
     return hmac.compare_digest(hello.mac, hello_mac(secret, nonce, hello))
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """Names a prompt's token ids: a lease carries its prompt's, and D refuses to decode
+    (and to publish in its prefix cache) KV of a lease whose prompt is not its own."""
+    return hashlib.sha256(b"kvrelay-prompt\0" + array("q", token_ids).tobytes()).digest()
 
 
 def relay_proof(secret: bytes, challenge_nonce: bytes, hello: Hello) -> bytes:

@@ -169,6 +169,7 @@ class Load:
     handle: Any = None
     local_blocks: list[int] = field(default_factory=list)
     first_block: int = 0  # leading blocks found in our prefix cache: not pulled
+    prompt_digest: bytes = b""  # protocol.prompt_digest of the request's prompt
     told: bool = False  # P has been sent this lease's outcome
     aborted: bool = False  # the client aborted while a transfer could still write
     fail_reason: str = ""  # why a draining transfer was stopped (empty: abort)
@@ -219,7 +220,7 @@ class Receiver:
         """Admit a request whose prompt KV waits in a lease. On rejection P is told
         (ABORT) at once and ``RequestRejected`` propagates to the caller."""
         load = Load(request_id, kv, Phase.ADMITTING, now, attempt=self.new_attempt(),
-                    heard_at=now)
+                    heard_at=now, prompt_digest=P.prompt_digest(prompt_token_ids))
         try:
             if kv.compat != self.compat:
                 raise RequestRejected(
@@ -350,7 +351,7 @@ class Receiver:
             self._on_refused(load, reply)
             self._finish_load(load)  # the lease is gone (or not ours): nothing to tell
             return
-        mismatch = self._mismatch(kv, reply, first, need)
+        mismatch = self._mismatch(load, reply)
         if mismatch:
             self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{mismatch}", fail=True)
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
@@ -501,9 +502,15 @@ class Receiver:
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
 
     @staticmethod
-    def _mismatch(kv: RemoteKv, reply: P.Reply, first: int, need: int) -> str:
-        """Why the params the client sent disagree with the lease P holds ('' if not).
-        The reply covers the lease's blocks from ``first`` (the partial pull) on."""
+    def _mismatch(load: Load, reply: P.Reply) -> str:
+        """Why the request and its params disagree with the lease P holds ('' if not).
+        The reply covers the lease's blocks from ``first`` (the partial pull) on. The
+        lease must hold the KV of this very prompt: a genuine lease of another prompt of
+        the same length would otherwise decode, and be published under this prompt's
+        hashes in the prefix cache (poisoning every later request with its prefix)."""
+        kv, first, need = load.kv, load.first_block, len(load.local_blocks)
+        if reply.prompt_digest != load.prompt_digest:
+            return "the lease holds the KV of another prompt"
         if len(reply.block_ids) < need - first:
             return (f"the lease holds {first + len(reply.block_ids)} blocks, the prompt "
                     f"needs {need}")

@@ -13,7 +13,7 @@ import pytest
 
 from kvrelay.core.block_pool import request_owner
 from kvrelay.relay import protocol as P
-from kvrelay.relay.receiver import INVALID_PARAMS, Phase, ReceiverConfig
+from kvrelay.relay.receiver import INVALID_PARAMS, Phase, ReceiverConfig, RemoteKv
 from tests.sim.race_harness import BS, Pair
 
 PROMPT = 9  # two full blocks of 4 and one partial block
@@ -182,4 +182,28 @@ def test_kv_from_an_untrusted_relay_is_never_published() -> None:
     pair.converse()
     assert pair.outputs["r"] == pair.expect(1, PROMPT)[1:]
     assert pair.d_pool.num_cached == 0
+    pair.assert_all_free()
+
+
+def test_a_genuine_lease_of_another_prompt_neither_decodes_nor_poisons_the_cache() -> None:
+    """Review finding: a client with a genuine lease for prompt Y sent prompt X (same
+    length) to D with Y's params; D pulled Y's KV, published it under X's hashes, and
+    every later request starting with X decoded on Y's KV. The lease now carries its
+    prompt's digest: D refuses it (the client's error) and publishes nothing."""
+    pair = Pair(caching=True)
+    x = pair.prompt(PROMPT)
+    y = [(7 * i + 5) % 997 for i in range(PROMPT)]
+    pair.p.add_request("y", y, pair.params(1), remote_decode=True)
+    for _ in range(20):
+        pair.p.step()
+    kv_y = RemoteKv.from_dict(pair.relay.kv_params.pop("y").to_dict())
+    pair.rx.submit("evil", x, pair.params(1), kv_y, pair.now)
+    pair.converse()
+    error = pair.finished["evil"].error
+    assert error.startswith(INVALID_PARAMS) and "another prompt" in error, error
+    assert pair.d_pool.num_cached == 0 and not pair.transport.handles
+    kv = pair.prefill("honest", PROMPT)  # an honest request with prompt X decodes right
+    pair.submit("honest", kv, PROMPT)
+    pair.converse()
+    assert pair.outputs["honest"] == pair.expect(1, PROMPT)[1:]
     pair.assert_all_free()

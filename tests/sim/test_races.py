@@ -362,7 +362,8 @@ def test_race11_abort_while_the_peer_writes_into_our_blocks() -> None:
     engine.step()
     rx.tick(0.0)
     rx.on_reply(P.Reply(sent[0].seq, "ok", block_ids=[0, 1, 2], generations=[0, 0, 0],
-                        num_tokens=9, first_token=5), 0.0)
+                        num_tokens=9, first_token=5,
+                        prompt_digest=P.prompt_digest(list(range(9)))), 0.0)
     load = rx.loads["r"]
     deadline = time.monotonic() + 5
     while not relay.conns and time.monotonic() < deadline:
