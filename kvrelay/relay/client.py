@@ -113,7 +113,7 @@ class RelayClient:
                 raise RelayUnavailable(f"the prefill relay at {relay} refused hello: {err}",
                                        _code(code, P.ErrorCode.REFUSED))
             if self.secret is not None and not hmac.compare_digest(
-                    reply.mac, P.relay_proof(self.secret, challenge.nonce, hello)):
+                    reply.mac, P.relay_proof(self.secret, challenge.nonce, hello, relay)):
                 log.warning("relay %s did not prove the relay secret: not a prefill engine "
                             "of this cluster", relay)
                 raise RelayUnavailable(f"the prefill relay at {relay} did not prove the relay "

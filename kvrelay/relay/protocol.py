@@ -216,7 +216,7 @@ def decode(payload: bytes) -> Message:
 
 def hello_mac(secret: bytes, nonce: bytes, hello: Hello) -> bytes:
     fields = (hello.version, hello.compat, hello.layout, hello.transport, hello.client_id)
-    text = nonce + "|".join(str(f) for f in fields).encode()
+    text = nonce + hello.nonce + "|".join(str(f) for f in fields).encode()
     return hmac.new(secret, text, hashlib.sha256).digest()
 
 
@@ -232,10 +232,14 @@ def prompt_digest(token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(b"kvrelay-prompt\0" + array("q", token_ids).tobytes()).digest()
 
 
-def relay_proof(secret: bytes, challenge_nonce: bytes, hello: Hello) -> bytes:
+def relay_proof(secret: bytes, challenge_nonce: bytes, hello: Hello, relay: str) -> bytes:
     """P's answer to D's nonce: only a holder of the secret can make it, and it is
-    bound to this connection (both nonces) and to this decode engine."""
-    text = b"kvrelay-relay-proof\0" + challenge_nonce + hello.nonce + hello.client_id.encode()
+    bound to this connection (both nonces), to this decode engine and to the address P
+    advertises (``relay``, the one in its kv_transfer_params). D checks it against the
+    address it dialled: a relay that forwards the handshake to a real P (a client may
+    name any address in its params) proves P's address, not its own, and is refused."""
+    text = (b"kvrelay-relay-proof\0" + challenge_nonce + hello.nonce
+            + hello.client_id.encode() + b"\0" + relay.encode())
     return hmac.new(secret, text, hashlib.sha256).digest()
 
 

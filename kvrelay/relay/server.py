@@ -388,7 +388,8 @@ class RelayServer:
                 f"transport {hello.transport!r} is not offered; offered: {sorted(cfg.transports)}",
                 E.REFUSED,
             )
-        proof = P.relay_proof(cfg.secret, nonce, hello) if cfg.secret is not None else b""
+        proof = (P.relay_proof(cfg.secret, nonce, hello, self.relay.address)
+                 if cfg.secret is not None else b"")
         conn.sendall(P.encode(P.Reply(hello.seq, "ok", engine_id=self.table.engine_id,
                                       transport=cfg.transports[hello.transport], mac=proof)))
         return hello

@@ -202,6 +202,42 @@ def test_a_relay_that_cannot_prove_the_secret_is_refused() -> None:
         p.close()
 
 
+def test_a_relay_forwarding_the_handshake_to_a_real_prefill_is_refused() -> None:
+    """Review finding: a client may name any relay address in its params; a relay that
+    forwarded the handshake to a genuine P passed on P's proof, and D then took (and
+    published) whatever bytes it chose. P's proof now covers the address P advertises,
+    which D checks against the address it dialled."""
+    p = Prefill(secret=b"s3cret")
+    listener = socket.create_server(("127.0.0.1", 0))
+    forwarder = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def pipe(a: socket.socket, b: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := a.recv(65536):
+                b.sendall(data)
+        with contextlib.suppress(OSError):
+            b.shutdown(socket.SHUT_WR)
+
+    def forward() -> None:
+        conn, _ = listener.accept()
+        upstream = socket.create_connection(p.addr)
+        threading.Thread(target=pipe, args=(upstream, conn), daemon=True).start()
+        pipe(conn, upstream)
+
+    t = threading.Thread(target=forward, daemon=True)
+    t.start()
+    try:
+        d = RelayClient(compat=COMPAT, transport="tcp", client_id="d-1", secret=b"s3cret")
+        with pytest.raises(RelayUnavailable) as info:
+            d.open(forwarder)
+        assert info.value.code is E.AUTH_FAILED
+        sock, _ = d.open(p.server.address)  # the genuine address: proved
+        sock.close()
+    finally:
+        listener.close()
+        p.close()
+
+
 def test_which_relays_a_decode_engine_trusts_with_its_prefix_cache() -> None:
     plain = RelayClient(compat=COMPAT, transport="tcp", client_id="d-1")
     assert plain.trusted("127.0.0.1:9000") and plain.trusted("localhost:9000")
