@@ -175,13 +175,8 @@ class Scheduler:
         if not self.pool.can_allocate(need, reusing=hits):
             return 0
         self.waiting.popitem(last=False)
-        if self.caching:
-            self.pool.share(hits, req.owner)
-            req.block_ids = list(hits)
-            req.num_published = len(hits)
-            req.num_computed_tokens = start
-            self.prefix_stats.queries += req.num_tokens_scheduled_to_exist
-            self.prefix_stats.hits += start
+        self._share_hits(req, hits, queried=req.num_tokens_scheduled_to_exist)
+        req.num_computed_tokens = start
         grown = self._grow(req, start + n)
         assert grown, "can_allocate said the blocks were there"
         return n
@@ -195,6 +190,18 @@ class Scheduler:
         most = (req.num_tokens_scheduled_to_exist - 1) // bs
         extend_hashes(req.block_hashes, req.token_ids, bs, most, self._root)
         return self.pool.match(req.block_hashes[:most])
+
+    def _share_hits(self, req: Request, hits: list[int], *, queried: int) -> None:
+        """An admitted request takes one reference to each cached block of its prefix
+        (``_prefix_hits``); ``queried`` tokens were looked up (counted in tokens, like
+        vLLM's prefix cache stats)."""
+        if not self.caching:
+            return
+        self.pool.share(hits, req.owner)
+        req.block_ids = list(hits)
+        req.num_published = len(hits)
+        self.prefix_stats.queries += queried
+        self.prefix_stats.hits += len(hits) * self.config.block_size
 
     def publish_computed(self, req: Request, end: int) -> None:
         """A completed step wrote the request's KV up to position ``end``: publish its
@@ -218,14 +225,8 @@ class Scheduler:
         if not self.pool.can_allocate(need, reusing=hits):
             return False
         self.waiting.popitem(last=False)
-        if hits:
-            self.pool.share(hits, req.owner)
-            req.block_ids = list(hits)
-            req.num_published = len(hits)
+        self._share_hits(req, hits, queried=req.prompt_len)
         req.num_cached_blocks = len(hits)
-        if self.caching:
-            self.prefix_stats.queries += req.prompt_len
-            self.prefix_stats.hits += len(hits) * self.config.block_size
         grown = self._grow(req, req.prompt_len)
         assert grown, "can_allocate said the blocks were there"
         req.transition(Event.AWAIT_KV)
