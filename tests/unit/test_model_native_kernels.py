@@ -125,17 +125,27 @@ def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...]) -> No
     torch.testing.assert_close(nat_cache, ref_cache, rtol=1e-5, atol=1e-5)
 
 
-def test_attention_bfloat16_no_worse_than_torch(isa: str) -> None:
+# (head_dim, heads, kv_heads, block_size): the AVX-512 BF16 decode kernel takes head
+# dims 64 and 128 (query rows of a KV head in one or more register groups) and blocks
+# of 16 or 32; head dim 80 and blocks of 8 fall back to the generic tile kernel.
+BF16_SHAPES = [(64, 9, 3, 16), (128, 16, 2, 32), (128, 32, 4, 16), (64, 8, 8, 32),
+               (80, 4, 2, 16), (64, 6, 2, 8)]
+
+
+@pytest.mark.parametrize("shape", BF16_SHAPES, ids=lambda s: "d{}-h{}-kv{}-bs{}".format(*s))
+def test_attention_bfloat16_no_worse_than_torch(isa: str, shape: tuple[int, ...]) -> None:
     """bfloat16: against a float32 reference on the same (bf16-representable) inputs,
     the native error (mean and max over outputs) is no larger than the torch path's,
     within one bfloat16 rounding of the output for the max."""
-    cfg = _cfg(9, 3, 64)
-    bs, nb = 16, 200
+    D, H, KVH, bs = shape
+    cfg = _cfg(H, KVH, D)
+    nb = 24 * (-(-200 // bs)) + 1
     chunks = _random_step(random.Random(3), 24, bs, nb)
     g = torch.Generator().manual_seed(11)
     shape = (nb, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim)
     cache = torch.randn(shape, generator=g).to(torch.bfloat16)
-    qkv = torch.randn(sum(c.length for c in chunks), 15 * 64, generator=g).to(torch.bfloat16)
+    width = (H + 2 * KVH) * D
+    qkv = torch.randn(sum(c.length for c in chunks), width, generator=g).to(torch.bfloat16)
     pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
     ref_b = TorchBackend(cfg, RotaryTable(cfg, 512, torch.float32, torch.device("cpu")),
                          torch.float32)
@@ -223,7 +233,7 @@ needs_bf16_gemm = pytest.mark.skipif(not _bf16_gemm, reason="the CPU lacks AVX-5
 
 
 @needs_bf16_gemm
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 21])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 21, 64, 130])
 @pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 96), (832, 576), (576, 1536)])
 def test_bf16_gemm_no_worse_than_torch(rows: int, n: int, k: int) -> None:
     """The small-M GEMM against a float32 reference: within bfloat16 rounding, and

@@ -124,6 +124,8 @@ std::vector<float>& scratch(int64_t floats) {
   return buf;
 }
 
+bool has_bf16_gemm();
+
 // One layer's attention. qkv (T, (H + 2 KVH) D): q and k are rotated in place, k and v
 // written to the cache at k_rows (layer-0 K rows of KVH * D values, as
 // attention.AttnMetadata.write_rows), then every query token attends to its
@@ -184,11 +186,12 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
     work += double(n) * (pos0 + n) * H * D;
     for (int i = 0; i < n; i += tile_tokens)
       for (int h = 0; h < KVH; ++h)
-        tiles.push_back({tok0 + i, std::min(tile_tokens, n - i), pos0 + i, h,
-                         tables.data_ptr<int64_t>() + s * W});
+        tiles.push_back({tok0 + i, std::min(tile_tokens, n - i), pos0 + i, h, row_table});
   }
   const int64_t n_tiles = int64_t(tiles.size());
   const int64_t need = attend_scratch_floats(tile_tokens * G, max_ctx, int(D));
+  // Decode tiles of a bfloat16 cache: the AVX-512 BF16 kernel where the CPU has it.
+  const bool bf16_decode = qkv.scalar_type() == torch::kBFloat16 && has_bf16_gemm();
   char* qp = (char*)qkv.data_ptr();
   char* cp = (char*)cache.data_ptr();
   const float* cs = cos.data_ptr<float>();
@@ -204,7 +207,9 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
     float* buf = scratch(need).data();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_tiles; ++i)
-      k->attend(qkv.data_ptr(), out.data_ptr(), cache.data_ptr(), g, tiles[i], buf);
+      if (!(bf16_decode && attend_decode_bf16(qkv.data_ptr(), out.data_ptr(), cache.data_ptr(),
+                                               g, tiles[i], buf)))
+        k->attend(qkv.data_ptr(), out.data_ptr(), cache.data_ptr(), g, tiles[i], buf);
   }
   return out;
 }
@@ -244,7 +249,7 @@ torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t
     b = bias->to(torch::kFloat32).contiguous();
   }
   auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;  // the row kernels are for 1..16 rows
+  if (M == 0) return y;  // the row kernels take 1 or more rows
   const uint16_t* xp = (const uint16_t*)x.data_ptr();
   const uint16_t* wpp = (const uint16_t*)wp.data_ptr();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;

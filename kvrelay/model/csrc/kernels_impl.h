@@ -27,22 +27,7 @@ template <> inline bf16 from_f<bf16>(float x) {
 // What the torch path rounds to between ops: identity for float32.
 template <typename T> static inline float round_t(float x) { return to_f(from_f<T>(x)); }
 
-// exp for x <= 0 (softmax after subtracting the max), Cephes' polynomial:
-// about 1 ulp, vectorizes (no libm call).
-static inline float exp_neg(float x) {
-  float xc = x < -87.0f ? -87.0f : x;
-  float n = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float y = p * r * r + r + 1.0f;
-  float scale = __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
-  return x < -87.0f ? 0.0f : y * scale;
-}
+#include "softmax.h"
 
 template <typename T>
 static float sum_squares(const T* __restrict x, int n) {
@@ -296,19 +281,7 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
     }
     if (pass == 1) break;
     for (int r = 0; r < rows; ++r) {
-      const int len = t.pos0 + r / G + 1;
-      float* sr = s + r * ctx;
-      float m = sr[0];
-      for (int p = 1; p < len; ++p) m = sr[p] > m ? sr[p] : m;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int p = 0; p < len; ++p) {
-        sr[p] = exp_neg(sr[p] - m);
-        sum += sr[p];
-      }
-      const float inv = 1.0f / sum;
-#pragma omp simd
-      for (int p = 0; p < len; ++p) sr[p] *= inv;
+      softmax_row(s + r * ctx, t.pos0 + r / G + 1);
 #pragma omp simd
       for (int d = 0; d < D; ++d) acc[r * D + d] = 0.f;
     }
