@@ -1,12 +1,14 @@
-// Decode attention over a bfloat16 cache with AVX-512 BF16: tiles of one query token
-// (a decode step's rows), head_dim 64 or 128, blocks a multiple of 16 positions.
-// The generic tile kernel (kernels_impl.h) converts every K and V row to float32 and
-// reduces each score with a horizontal sum; here the score of a K row is vdpbf16ps
-// over the bfloat16 row as it sits in the block (q . k, float32 accumulation), 16
+// Attention over a bfloat16 cache with AVX-512 BF16, head_dim 64 or 128, blocks a
+// multiple of 16 positions: decode tiles (one query token) and prefill tiles.
+// Decode: the generic tile kernel (kernels_impl.h) converts every K and V row to
+// float32 and reduces each score with a horizontal sum; here the score of a K row is
+// vdpbf16ps over the bfloat16 row as it sits in the block (q . k, float32 sums), 16
 // scores are reduced together by one shuffle tree, and V rows are widened in
 // registers and accumulated into float32 registers: about 3.5x fewer instructions
 // per context position, which leaves the kernel bound by reading the cache (a
 // software prefetch of the next block, as the generic kernel does, made it slower).
+// Prefill: see prefill() below. The probabilities stay float32 in both (torch's
+// bfloat16 path rounds them to bfloat16 before multiplying by V).
 // No torch and no OpenMP here: bindings.cpp runs the tiles in parallel.
 #include "kernels.h"
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
@@ -98,17 +100,107 @@ void decode(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const AttnG
   }
 }
 
+// Prefill tiles (n query tokens x the G heads of KV head kvh, up to 64 rows): the
+// scores of a 16-key chunk are a small GEMM. The chunk's K rows are transposed once
+// into vdpbf16ps' pair layout (kt[d / 2] = the 16 keys' (k[d], k[d + 1])), then four
+// query rows at a time accumulate their 16 scores in four registers, one vdpbf16ps per
+// pair of dimensions: no reduction, 32 multiply-adds per instruction. Scores a row
+// must not see (later positions) are stored as 0 and the softmax stops before them, so
+// the V pass needs no mask: V rows widened to float32 once per chunk, then RB rows at
+// a time accumulate in registers.
+template <int D>
+void prefill(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const AttnGeom& g,
+             const AttnTile& t, float* scratch) {
+  constexpr int NP = D / 2;                   // 32-bit pairs of a head
+  constexpr int NV = D / 16;                  // float32 vectors of a head
+  constexpr int RB = NV >= 16 ? 1 : 16 / NV;  // rows whose V sums fit 16 registers
+  const int G = g.H / g.KVH, rows = t.n * G, ctx = t.pos0 + t.n;
+  const int64_t row = int64_t(g.KVH) * D, v_off = int64_t(g.bs) * row;
+  float* s = scratch;                                 // rows x ctx
+  float* acc = s + int64_t(rows) * ctx;               // rows x D
+  uint32_t* kt = (uint32_t*)(acc + int64_t(rows) * D);  // NP x 16
+  float* vf = (float*)(kt + NP * 16);                 // 16 x D
+  const uint16_t* base = cache + g.layer_off + int64_t(t.kvh) * D;
+  auto q_row = [&](int r) {  // row r: token r / G, head kvh * G + r % G
+    return (const uint32_t*)(qb + int64_t(t.tok0 + r / G) * g.q_stride +
+                             int64_t(t.kvh * G + r % G) * D);
+  };
+  const __m512 scale = _mm512_set1_ps(g.scale);
+  for (int p = 0; p < ctx; p += 16) {
+    const int nk = ctx - p < 16 ? ctx - p : 16, rel = p - t.pos0;
+    const uint16_t* k = base + t.table[p / g.bs] * g.block_stride + (p % g.bs) * row;
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t* kj = (const uint32_t*)(k + j * row);
+      for (int d = 0; d < NP; ++d) kt[d * 16 + j] = j < nk ? kj[d] : 0u;
+    }
+    for (int r = (rel > 0 ? rel : 0) * G; r < rows; r += 4) {
+      const int nr = rows - r < 4 ? rows - r : 4;
+      const uint32_t* qr[4];
+      for (int i = 0; i < 4; ++i) qr[i] = q_row(r + (i < nr ? i : 0));
+      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+      for (int d = 0; d < NP; ++d) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + d * 16);
+        for (int i = 0; i < 4; ++i)
+          a[i] = _mm512_dpbf16_ps(a[i], kv, (__m512bh)_mm512_set1_epi32(int(qr[i][d])));
+      }
+      for (int i = 0; i < nr; ++i) {
+        int lim = (r + i) / G - rel + 1;  // keys of the chunk this row sees
+        lim = lim < nk ? lim : nk;
+        _mm512_mask_storeu_ps(s + int64_t(r + i) * ctx + p, __mmask16((1u << nk) - 1),
+                              _mm512_maskz_mul_ps(__mmask16((1u << lim) - 1), a[i], scale));
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) softmax_row(s + int64_t(r) * ctx, t.pos0 + r / G + 1);
+  for (int64_t i = 0; i < int64_t(rows) * D; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
+  for (int p = 0; p < ctx; p += 16) {
+    const int nk = ctx - p < 16 ? ctx - p : 16, rel = p - t.pos0;
+    const uint16_t* v = base + t.table[p / g.bs] * g.block_stride + v_off + (p % g.bs) * row;
+    for (int j = 0; j < nk; ++j)
+      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(vf + j * D + c * 16, widen(v + j * row + c * 16));
+    for (int r = (rel > 0 ? rel : 0) * G; r < rows; r += RB) {
+      const int nr = rows - r < RB ? rows - r : RB;
+      __m512 a[RB][NV];
+      for (int i = 0; i < RB; ++i)
+        for (int c = 0; c < NV; ++c)
+          a[i][c] = i < nr ? _mm512_loadu_ps(acc + (r + i) * D + c * 16) : _mm512_setzero_ps();
+      for (int j = 0; j < nk; ++j) {
+        __m512 x[NV];
+        for (int c = 0; c < NV; ++c) x[c] = _mm512_loadu_ps(vf + j * D + c * 16);
+        for (int i = 0; i < RB; ++i) {
+          if (i >= nr) break;
+          const __m512 w = _mm512_set1_ps(s[int64_t(r + i) * ctx + p + j]);
+          for (int c = 0; c < NV; ++c) a[i][c] = _mm512_fmadd_ps(w, x[c], a[i][c]);
+        }
+      }
+      for (int i = 0; i < nr; ++i)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (r + i) * D + c * 16, a[i][c]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    uint16_t* dst = ob + int64_t(t.tok0 + r / G) * g.out_stride + int64_t(t.kvh * G + r % G) * D;
+    for (int c = 0; c < NV; ++c)
+      _mm256_storeu_si256((__m256i*)(dst + c * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * D + c * 16)));
+  }
+}
+
 }  // namespace
 
-bool attend_decode_bf16(const void* q, void* out, const void* cache, const AttnGeom& g,
+bool attend_bf16(const void* q, void* out, const void* cache, const AttnGeom& g,
                         const AttnTile& t, float* scratch) {
-  if (t.n != 1 || g.bs % 16 != 0) return false;
+  if (g.bs % 16 != 0 || (g.D != 64 && g.D != 128)) return false;
   const auto* qb = (const uint16_t*)q;
   auto* ob = (uint16_t*)out;
   const auto* cb = (const uint16_t*)cache;
-  if (g.D == 64) decode<64>(qb, ob, cb, g, t, scratch);
-  else if (g.D == 128) decode<128>(qb, ob, cb, g, t, scratch);
-  else return false;
+  if (t.n == 1) {
+    if (g.D == 64) decode<64>(qb, ob, cb, g, t, scratch);
+    else decode<128>(qb, ob, cb, g, t, scratch);
+  } else {
+    if (g.D == 64) prefill<64>(qb, ob, cb, g, t, scratch);
+    else prefill<128>(qb, ob, cb, g, t, scratch);
+  }
   return true;
 }
 

@@ -190,8 +190,8 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   }
   const int64_t n_tiles = int64_t(tiles.size());
   const int64_t need = attend_scratch_floats(tile_tokens * G, max_ctx, int(D));
-  // Decode tiles of a bfloat16 cache: the AVX-512 BF16 kernel where the CPU has it.
-  const bool bf16_decode = qkv.scalar_type() == torch::kBFloat16 && has_bf16_gemm();
+  // A bfloat16 cache: the AVX-512 BF16 kernels where the CPU has them.
+  const bool bf16 = qkv.scalar_type() == torch::kBFloat16 && has_bf16_gemm();
   char* qp = (char*)qkv.data_ptr();
   char* cp = (char*)cache.data_ptr();
   const float* cs = cos.data_ptr<float>();
@@ -207,8 +207,8 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
     float* buf = scratch(need).data();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_tiles; ++i)
-      if (!(bf16_decode && attend_decode_bf16(qkv.data_ptr(), out.data_ptr(), cache.data_ptr(),
-                                               g, tiles[i], buf)))
+      if (!(bf16 && attend_bf16(qkv.data_ptr(), out.data_ptr(), cache.data_ptr(), g,
+                                tiles[i], buf)))
         k->attend(qkv.data_ptr(), out.data_ptr(), cache.data_ptr(), g, tiles[i], buf);
   }
   return out;

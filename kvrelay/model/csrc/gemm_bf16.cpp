@@ -14,11 +14,19 @@ namespace {
 
 constexpr int kLanes = 16;
 
+// Lines of weights to fetch into L2 while a tile computes from L2 (see gemm_bf16_pairs):
+// `per_step` 64-byte lines from `next` at each k pair, until `end`.
+struct Ahead {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int per_step = 0;
+};
+
 // MR rows x NB column blocks of 16, over every k pair.
 template <int MR, int NB>
 inline void tile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict wp,
                  int64_t kpairs, int64_t blk, const float* __restrict bias,
-                 uint16_t* __restrict y, int64_t ldy, int64_t N) {
+                 uint16_t* __restrict y, int64_t ldy, int64_t N, Ahead& ahead) {
   __m512 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -27,6 +35,8 @@ inline void tile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __re
   const int32_t* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = (const int32_t*)(x + m * ldx);
   for (int64_t kp = 0; kp < kpairs; ++kp) {
+    for (int i = 0; i < ahead.per_step && ahead.next < ahead.end; ++i, ahead.next += 64)
+      _mm_prefetch(ahead.next, _MM_HINT_T1);
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) {
       _mm_prefetch((const char*)(w[j] + (kp + 16) * 2 * kLanes), _MM_HINT_T0);
@@ -51,16 +61,16 @@ inline void tile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __re
 
 template <int MR>
 void rows(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kpairs, int64_t blk0,
-          int64_t blk1, const float* bias, uint16_t* y, int64_t ldy, int64_t N) {
+          int64_t blk1, const float* bias, uint16_t* y, int64_t ldy, int64_t N, Ahead& ahead) {
   // Accumulators: MR * NB of the 32 vector registers, leaving room for NB weights.
   constexpr int NB = MR <= 4 ? 4 : 2;
   int64_t b = blk0;
-  for (; b + NB <= blk1; b += NB) tile<MR, NB>(x, ldx, wp, kpairs, b, bias, y, ldy, N);
-  for (; b < blk1; ++b) tile<MR, 1>(x, ldx, wp, kpairs, b, bias, y, ldy, N);
+  for (; b + NB <= blk1; b += NB) tile<MR, NB>(x, ldx, wp, kpairs, b, bias, y, ldy, N, ahead);
+  for (; b < blk1; ++b) tile<MR, 1>(x, ldx, wp, kpairs, b, bias, y, ldy, N, ahead);
 }
 
 using RowsFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t,
-                        const float*, uint16_t*, int64_t, int64_t);
+                        const float*, uint16_t*, int64_t, int64_t, Ahead&);
 constexpr RowsFn kRows[kGemmRows + 1] = {nullptr,  rows<1>, rows<2>, rows<3>, rows<4>,
                                           rows<5>,  rows<6>, rows<7>, rows<8>};
 
@@ -81,18 +91,31 @@ void gemm_bf16_pairs(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* 
                      int64_t blk0, int64_t blk1, const float* bias, uint16_t* y, int64_t ldy,
                      int64_t N) {
   const int64_t kpairs = K / 2;  // K even: checked by the caller
+  Ahead none;
+  if (M <= kGemmRows) {
+    kRows[M](x, ldx, wp, kpairs, blk0, blk1, bias, y, ldy, N, none);
+    return;
+  }
   // Beyond kGemmRows rows: row groups inside a span of kSpan blocks, so the span's
   // weights, streamed from memory for the first group, come from L2 for the others.
+  // While the later groups compute from L2, the next span's weights are fetched into
+  // L2 a few lines per k pair: the memory stream then overlaps all the arithmetic
+  // instead of only the first group's (at 16-32 rows the first group's share is too
+  // small to hide it).
   constexpr int64_t kSpan = 8;
+  const int64_t span_bytes = kSpan * kpairs * 2 * kLanes * 2;
+  const int64_t groups = (M + kGemmRows - 1) / kGemmRows;
+  const int64_t steps = (groups - 1) * kSpan * kpairs;  // k-pair steps of the later groups
+  const int per_step = int((span_bytes / 64 + steps - 1) / steps);
   for (int64_t b = blk0; b < blk1; b += kSpan) {
     const int64_t e = blk1 - b < kSpan ? blk1 : b + kSpan;
-    if (M <= kGemmRows) {
-      kRows[M](x, ldx, wp, kpairs, blk0, blk1, bias, y, ldy, N);
-      return;
-    }
+    const int64_t e2 = blk1 - e < kSpan ? blk1 : e + kSpan;
+    Ahead ahead{(const char*)(wp + e * kpairs * 2 * kLanes),
+                (const char*)(wp + e2 * kpairs * 2 * kLanes), per_step};
     for (int64_t m = 0; m < M; m += kGemmRows) {
       const int64_t mr = M - m < kGemmRows ? M - m : kGemmRows;
-      kRows[mr](x + m * ldx, ldx, wp, kpairs, b, e, bias, y + m * ldy, ldy, N);
+      kRows[mr](x + m * ldx, ldx, wp, kpairs, b, e, bias, y + m * ldy, ldy, N,
+                m == 0 ? none : ahead);
     }
   }
 }

@@ -58,10 +58,10 @@ void gemm_bf16_pairs(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* 
                      int64_t N);
 const Kernels* kernels_avx2(DType dt);
 
-// Decode tiles (n == 1) over a bfloat16 cache with AVX-512 BF16 (attn_bf16.cpp); the
-// caller checks the CPU. False when it does not take the tile (head_dim other than 64
-// or 128, blocks not a multiple of 16 positions): Kernels::attend runs it instead.
-bool attend_decode_bf16(const void* q, void* out, const void* cache, const AttnGeom& g,
+// Attention tiles over a bfloat16 cache with AVX-512 BF16 (attn_bf16.cpp); the caller
+// checks the CPU. False when it does not take the tile (head_dim other than 64 or 128,
+// blocks not a multiple of 16 positions): Kernels::attend runs it instead.
+bool attend_bf16(const void* q, void* out, const void* cache, const AttnGeom& g,
                         const AttnTile& t, float* scratch);
 
 }  // namespace kvr
