@@ -22,8 +22,8 @@ from kvrelay.model.rope import RotaryTable
 
 # Up to this many rows (a decode step's batch, a short prefill chunk) a bfloat16
 # GEMM runs the native AVX-512 BF16 kernel over its own packed weight when it has
-# one: 1.2-1.4x faster than oneDNN's packed GEMM at 1-64 rows, on par from 128 rows
-# on, where oneDNN keeps the prefill GEMMs (docs/model.md, "Decode GEMMs").
+# one: 1.2-1.8x faster than oneDNN's packed GEMM at 1-64 rows, on par from 128 rows
+# on; larger prefill chunks keep oneDNN (docs/model.md, "Decode GEMMs").
 SMALL_GEMM_ROWS = 128
 
 

@@ -125,11 +125,12 @@ def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...]) -> No
     torch.testing.assert_close(nat_cache, ref_cache, rtol=1e-5, atol=1e-5)
 
 
-# (head_dim, heads, kv_heads, block_size): the AVX-512 BF16 decode kernel takes head
-# dims 64 and 128 (query rows of a KV head in one or more register groups) and blocks
-# of 16 or 32; head dim 80 and blocks of 8 fall back to the generic tile kernel.
+# (head_dim, heads, kv_heads, block_size): the AVX-512 BF16 kernels (attn_bf16.cpp)
+# take head dims 64 and 128 and blocks of 16 or 32, GQA 1 to 32 (partial groups of
+# query rows with G = 3 at both head dims, 2-token prefill tiles at G = 32); head dim
+# 80 and blocks of 8 fall back to the generic tile kernel.
 BF16_SHAPES = [(64, 9, 3, 16), (128, 16, 2, 32), (128, 32, 4, 16), (64, 8, 8, 32),
-               (80, 4, 2, 16), (64, 6, 2, 8)]
+               (128, 6, 2, 16), (64, 32, 1, 16), (80, 4, 2, 16), (64, 6, 2, 8)]
 
 
 @pytest.mark.parametrize("shape", BF16_SHAPES, ids=lambda s: "d{}-h{}-kv{}-bs{}".format(*s))
@@ -157,6 +158,38 @@ def test_attention_bfloat16_no_worse_than_torch(isa: str, shape: tuple[int, ...]
     t_err, n_err = errs
     assert n_err.mean() <= t_err.mean(), (n_err.mean(), t_err.mean())
     assert n_err.max() <= t_err.max() + ref.abs().max() / 128
+
+
+@pytest.mark.skipif(_mod is None or not _mod.has_bf16_gemm(),
+                    reason="the CPU lacks AVX-512 BF16")
+@pytest.mark.parametrize("shape", BF16_SHAPES[:6], ids=lambda s: "d{}-h{}-kv{}-bs{}".format(*s))
+def test_attention_bf16_kernels_match_the_generic_kernel(shape: tuple[int, ...]) -> None:
+    """The AVX-512 BF16 decode and prefill kernels against the generic tile kernel (the
+    AVX2 path) on the same step: both keep scores and probabilities in float32, so they
+    differ by summation order and the final rounding to bfloat16 only. A mask or row
+    mapping error (one key too many at context ~100 moves an output by about 1/100 of
+    a V row) is far outside this bound."""
+    assert _mod is not None
+    D, H, KVH, bs = shape
+    cfg = _cfg(H, KVH, D)
+    nb = 24 * (-(-200 // bs)) + 1
+    chunks = _random_step(random.Random(5), 24, bs, nb)
+    g = torch.Generator().manual_seed(13)
+    cache = torch.randn((nb, cfg.num_layers, 2, bs, KVH, D), generator=g).to(torch.bfloat16)
+    width = (H + 2 * KVH) * D
+    qkv = torch.randn(sum(c.length for c in chunks), width, generator=g).to(torch.bfloat16)
+    pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
+    _, nat = _backends(cfg, torch.bfloat16)
+    outs = []
+    for isa in ("avx512", "avx2"):
+        assert _mod.set_isa(isa)
+        try:
+            outs.append(nat.attention(qkv.clone(), cache.clone(), 1,
+                                      nat.build_metadata(chunks, pos, bs)).float())
+        finally:
+            _mod.set_isa(_best)
+    fast, generic = outs
+    torch.testing.assert_close(fast, generic, rtol=1 / 128, atol=generic.abs().max().item() / 256)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

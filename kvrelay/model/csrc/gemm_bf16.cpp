@@ -59,11 +59,14 @@ inline void tile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __re
   }
 }
 
+// Column blocks per tile of mr rows: the MR * NB accumulators take at most 16 of the
+// 32 vector registers, leaving room for NB weights.
+constexpr int blocks_per_tile(int64_t mr) { return mr <= 4 ? 4 : 2; }
+
 template <int MR>
 void rows(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kpairs, int64_t blk0,
           int64_t blk1, const float* bias, uint16_t* y, int64_t ldy, int64_t N, Ahead& ahead) {
-  // Accumulators: MR * NB of the 32 vector registers, leaving room for NB weights.
-  constexpr int NB = MR <= 4 ? 4 : 2;
+  constexpr int NB = blocks_per_tile(MR);
   int64_t b = blk0;
   for (; b + NB <= blk1; b += NB) tile<MR, NB>(x, ldx, wp, kpairs, b, bias, y, ldy, N, ahead);
   for (; b < blk1; ++b) tile<MR, 1>(x, ldx, wp, kpairs, b, bias, y, ldy, N, ahead);
@@ -104,8 +107,11 @@ void gemm_bf16_pairs(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* 
   // small to hide it).
   constexpr int64_t kSpan = 8;
   const int64_t span_bytes = kSpan * kpairs * 2 * kLanes * 2;
-  const int64_t groups = (M + kGemmRows - 1) / kGemmRows;
-  const int64_t steps = (groups - 1) * kSpan * kpairs;  // k-pair steps of the later groups
+  int64_t steps = 0;  // k-pair steps of the later groups' tiles in one span (rows<MR>)
+  for (int64_t m = kGemmRows; m < M; m += kGemmRows) {
+    const int64_t nb = blocks_per_tile(M - m < kGemmRows ? M - m : kGemmRows);
+    steps += (kSpan + nb - 1) / nb * kpairs;
+  }
   const int per_step = int((span_bytes / 64 + steps - 1) / steps);
   for (int64_t b = blk0; b < blk1; b += kSpan) {
     const int64_t e = blk1 - b < kSpan ? blk1 : b + kSpan;
