@@ -19,6 +19,10 @@ namespace {
 
 #include "softmax.h"
 
+// Two bfloat16 values read or written as one 32-bit unit (vdpbf16ps' pair), over
+// memory that also holds uint16_t or float: may_alias keeps that defined.
+typedef uint32_t pair __attribute__((may_alias));
+
 // out[j] = the sum of a[j]'s 16 lanes, for 16 vectors: 15 adds, 30 shuffles.
 inline __m512 sum16(const __m512 (&a)[16]) {
   __m512 b[8], c[4], d[2];
@@ -118,11 +122,11 @@ void prefill(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const Attn
   const int64_t row = int64_t(g.KVH) * D, v_off = int64_t(g.bs) * row;
   float* s = scratch;                                 // rows x ctx
   float* acc = s + int64_t(rows) * ctx;               // rows x D
-  uint32_t* kt = (uint32_t*)(acc + int64_t(rows) * D);  // NP x 16
+  pair* kt = (pair*)(acc + int64_t(rows) * D);  // NP x 16
   float* vf = (float*)(kt + NP * 16);                 // 16 x D
   const uint16_t* base = cache + g.layer_off + int64_t(t.kvh) * D;
   auto q_row = [&](int r) {  // row r: token r / G, head kvh * G + r % G
-    return (const uint32_t*)(qb + int64_t(t.tok0 + r / G) * g.q_stride +
+    return (const pair*)(qb + int64_t(t.tok0 + r / G) * g.q_stride +
                              int64_t(t.kvh * G + r % G) * D);
   };
   const __m512 scale = _mm512_set1_ps(g.scale);
@@ -130,12 +134,12 @@ void prefill(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const Attn
     const int nk = ctx - p < 16 ? ctx - p : 16, rel = p - t.pos0;
     const uint16_t* k = base + t.table[p / g.bs] * g.block_stride + (p % g.bs) * row;
     for (int j = 0; j < 16; ++j) {
-      const uint32_t* kj = (const uint32_t*)(k + j * row);
-      for (int d = 0; d < NP; ++d) kt[d * 16 + j] = j < nk ? kj[d] : 0u;
+      const pair* kj = (const pair*)(k + j * row);
+      for (int d = 0; d < NP; ++d) kt[d * 16 + j] = j < nk ? kj[d] : pair(0);
     }
     for (int r = (rel > 0 ? rel : 0) * G; r < rows; r += 4) {
       const int nr = rows - r < 4 ? rows - r : 4;
-      const uint32_t* qr[4];
+      const pair* qr[4];
       for (int i = 0; i < 4; ++i) qr[i] = q_row(r + (i < nr ? i : 0));
       __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                      _mm512_setzero_ps()};

@@ -32,8 +32,9 @@ inline void tile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __re
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   const uint16_t* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = wp + (blk + j) * kpairs * 2 * kLanes;
-  const int32_t* xr[MR];
-  for (int m = 0; m < MR; ++m) xr[m] = (const int32_t*)(x + m * ldx);
+  typedef int32_t pair __attribute__((may_alias));  // x's k pairs, read as one unit
+  const pair* xr[MR];
+  for (int m = 0; m < MR; ++m) xr[m] = (const pair*)(x + m * ldx);
   for (int64_t kp = 0; kp < kpairs; ++kp) {
     for (int i = 0; i < ahead.per_step && ahead.next < ahead.end; ++i, ahead.next += 64)
       _mm_prefetch(ahead.next, _MM_HINT_T1);
