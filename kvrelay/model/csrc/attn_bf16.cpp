@@ -12,6 +12,9 @@
 // No torch and no OpenMP here: bindings.cpp runs the tiles in parallel.
 #include "kernels.h"
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+// GCC 12 warns that its own intrinsics' "undefined" vectors (`__Y = __Y`) may be used
+// uninitialized once inlined here; they are not.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 namespace kvr {
