@@ -123,14 +123,14 @@ void prefill(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const Attn
   constexpr int RB = NV >= 16 ? 1 : 16 / NV;  // rows whose V sums fit 16 registers
   const int G = g.H / g.KVH, rows = t.n * G, ctx = t.pos0 + t.n;
   const int64_t row = int64_t(g.KVH) * D, v_off = int64_t(g.bs) * row;
-  float* s = scratch;                                 // rows x ctx
-  float* acc = s + int64_t(rows) * ctx;               // rows x D
+  float* s = scratch;                           // rows x ctx
+  float* acc = s + int64_t(rows) * ctx;         // rows x D
   pair* kt = (pair*)(acc + int64_t(rows) * D);  // NP x 16
-  float* vf = (float*)(kt + NP * 16);                 // 16 x D
+  float* vf = (float*)(kt + NP * 16);           // 16 x D
   const uint16_t* base = cache + g.layer_off + int64_t(t.kvh) * D;
   auto q_row = [&](int r) {  // row r: token r / G, head kvh * G + r % G
     return (const pair*)(qb + int64_t(t.tok0 + r / G) * g.q_stride +
-                             int64_t(t.kvh * G + r % G) * D);
+                         int64_t(t.kvh * G + r % G) * D);
   };
   const __m512 scale = _mm512_set1_ps(g.scale);
   for (int p = 0; p < ctx; p += 16) {
@@ -160,12 +160,14 @@ void prefill(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const Attn
     }
   }
   for (int r = 0; r < rows; ++r) softmax_row(s + int64_t(r) * ctx, t.pos0 + r / G + 1);
-  for (int64_t i = 0; i < int64_t(rows) * D; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
+  for (int64_t i = 0; i < int64_t(rows) * D; i += 16)
+    _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
   for (int p = 0; p < ctx; p += 16) {
     const int nk = ctx - p < 16 ? ctx - p : 16, rel = p - t.pos0;
     const uint16_t* v = base + t.table[p / g.bs] * g.block_stride + v_off + (p % g.bs) * row;
     for (int j = 0; j < nk; ++j)
-      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(vf + j * D + c * 16, widen(v + j * row + c * 16));
+      for (int c = 0; c < NV; ++c)
+        _mm512_storeu_ps(vf + j * D + c * 16, widen(v + j * row + c * 16));
     for (int r = (rel > 0 ? rel : 0) * G; r < rows; r += RB) {
       const int nr = rows - r < RB ? rows - r : RB;
       __m512 a[RB][NV];
@@ -186,7 +188,8 @@ void prefill(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const Attn
     }
   }
   for (int r = 0; r < rows; ++r) {
-    uint16_t* dst = ob + int64_t(t.tok0 + r / G) * g.out_stride + int64_t(t.kvh * G + r % G) * D;
+    uint16_t* dst =
+        ob + int64_t(t.tok0 + r / G) * g.out_stride + int64_t(t.kvh * G + r % G) * D;
     for (int c = 0; c < NV; ++c)
       _mm256_storeu_si256((__m256i*)(dst + c * 16),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * D + c * 16)));
@@ -196,7 +199,7 @@ void prefill(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const Attn
 }  // namespace
 
 bool attend_bf16(const void* q, void* out, const void* cache, const AttnGeom& g,
-                        const AttnTile& t, float* scratch) {
+                 const AttnTile& t, float* scratch) {
   if (g.bs % 16 != 0 || (g.D != 64 && g.D != 128)) return false;
   const auto* qb = (const uint16_t*)q;
   auto* ob = (uint16_t*)out;

@@ -62,6 +62,6 @@ const Kernels* kernels_avx2(DType dt);
 // checks the CPU. False when it does not take the tile (head_dim other than 64 or 128,
 // blocks not a multiple of 16 positions): Kernels::attend runs it instead.
 bool attend_bf16(const void* q, void* out, const void* cache, const AttnGeom& g,
-                        const AttnTile& t, float* scratch);
+                 const AttnTile& t, float* scratch);
 
 }  // namespace kvr
