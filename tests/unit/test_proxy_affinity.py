@@ -4,6 +4,7 @@ an engine by match and load (kvrelay.server.proxy_affinity)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -25,16 +26,8 @@ texts = st.text(alphabet="ab", max_size=40)
 chunks = st.integers(min_value=1, max_value=6)
 
 
-def common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def lcp(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """Length of the common prefix of two strings or two hash chains."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -49,7 +42,7 @@ def test_chains_agree_exactly_as_far_as_whole_chunks_of_text_agree(a: str, b: st
                                                                    k: int) -> None:
     ca, cb = chain_hashes(a, k), chain_hashes(b, k)
     assert len(ca) == len(a) // k and len(cb) == len(b) // k
-    assert lcp(ca, cb) == min(common_prefix(a, b) // k, len(ca), len(cb))
+    assert common_prefix(ca, cb) == min(common_prefix(a, b) // k, len(ca), len(cb))
 
 
 def test_a_chunk_is_named_with_everything_before_it() -> None:
@@ -98,7 +91,7 @@ def test_record_is_bounded_prefix_closed_and_matches_the_longest_prefix(
             if h in record and parent[h] is not None:
                 assert parent[h] in record
     q = chain_hashes(query, k)
-    assert unbounded.match(q) == max(lcp(q, chain_hashes(p, k)) for p in prompts)
+    assert unbounded.match(q) == max(common_prefix(q, chain_hashes(p, k)) for p in prompts)
     assert record.match(q) <= unbounded.match(q)
 
 
