@@ -14,7 +14,9 @@ has a core of its own for every OpenMP thread: the CPUs in its affinity mask, le
 the other kvrelay engines' threads on the host, less the current run queue (1-minute
 load average, rounded), cover the threads it will start. The default stays
 ``passive``: an ACTIVE engine spins on its cores even when idle, so engines started
-later on the same host (1P1D on one machine) would find them taken.
+later on the same host (1P1D on one machine) would find them taken. ``passive`` spins
+briefly before it sleeps (``PASSIVE_SPINS``; ``GOMP_SPINCOUNT`` in the environment
+wins, 0 sleeps at once): enough to span the gaps inside a step, over before the next.
 """
 
 from __future__ import annotations
@@ -22,11 +24,20 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 log = logging.getLogger("kvrelay.model")
 
 WAIT_POLICIES = ("active", "passive", "auto")
+# Under PASSIVE a waiting OpenMP thread first spins this many times (libgomp's
+# GOMP_SPINCOUNT, one `pause` each: about 0.1 ms on Zen 4), then sleeps. A decode step's
+# parallel regions come microseconds apart, and waking a thread that slept costs tens
+# of microseconds on a VM, ~150 times a step; the spin ends well before the next step.
+PASSIVE_SPINS = 2000
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,7 +85,47 @@ def _other_engines() -> int:
     return n
 
 
+def set_thread_count(threads: int) -> None:
+    """Give the calling thread's parallel regions ``threads`` threads.
+
+    OpenMP's thread count is per thread (libgomp's nthreads-var): ``torch.set_num_threads``
+    on one thread does not reach a thread started later, whose parallel regions (oneDNN's,
+    ATen's and the native kernels') would take one thread per CPU. The thread that runs
+    the model calls this first."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def run_in_own_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread that ends when it returns, and its OpenMP thread pool with it.
+
+    libgomp keeps a pool of worker threads for every thread that ever opened a parallel
+    region. Once the pools together hold more threads than there are CPUs, it stops
+    spinning in every team (about 100 spins, then sleep), and each of a decode step's
+    ~150 parallel regions sleeps and wakes its threads again: 23 vs 15 ms a batch-8 step
+    on 2 vCPUs (docs/model.md). Loading the model on the main thread left such a pool
+    beside the engine thread's; loaded here, the engine thread's pool is the only one.
+    """
+    box: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # re-raised on the caller's thread
+            errors.append(exc)
+
+    t = threading.Thread(target=run, name="kvrelay-load")
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+    return box[0]
+
+
 _wait: WaitChoice | None = None
+_spins_ours = False  # GOMP_SPINCOUNT was set by apply_wait_policy, not the environment
 _kernels: dict[str, str] = {"backend": "unset", "isa": "", "reason": "", "gemm": ""}
 
 
@@ -83,7 +134,7 @@ def apply_wait_policy(requested: str | None = None, threads: int | None = None) 
     libgomp has read it already and the call only records what is in force).
     ``requested`` defaults to ``KVRELAY_OMP_WAIT_POLICY``, then ``passive``; threads to
     one per CPU of the affinity mask (torch's default)."""
-    global _wait
+    global _wait, _spins_ours
     env = os.environ.get("OMP_WAIT_POLICY")
     if env and (_wait is None or _wait.requested == "env"):
         _wait = WaitChoice(env.upper(), "env", "OMP_WAIT_POLICY set in the environment")
@@ -106,6 +157,13 @@ def apply_wait_policy(requested: str | None = None, threads: int | None = None) 
                     choice.policy, os.environ.get("OMP_WAIT_POLICY", "libgomp's default"))
         return _wait or choice
     os.environ["OMP_WAIT_POLICY"] = choice.policy
+    # The spin count is ours to set only when the environment did not (an earlier call,
+    # the import-time default, may have set it).
+    if "GOMP_SPINCOUNT" not in os.environ or _spins_ours:
+        os.environ.pop("GOMP_SPINCOUNT", None)
+        _spins_ours = choice.policy == "PASSIVE"
+        if _spins_ours:
+            os.environ["GOMP_SPINCOUNT"] = str(PASSIVE_SPINS)
     _wait = choice
     return choice
 
@@ -113,8 +171,10 @@ def apply_wait_policy(requested: str | None = None, threads: int | None = None) 
 def record_kernels(backend: str, isa: str, reason: str) -> None:
     _kernels.update(backend=backend, isa=isa, reason=reason)
     wait = _wait.policy if _wait else os.environ.get("OMP_WAIT_POLICY", "")
-    log.info("kernels: %s (%s); OpenMP wait policy %s (%s)", backend, isa or reason,
-             wait or "libgomp default", _wait.reason if _wait else "not chosen by kvrelay")
+    spins = os.environ.get("GOMP_SPINCOUNT")
+    log.info("kernels: %s (%s); OpenMP wait policy %s%s (%s)", backend, isa or reason,
+             wait or "libgomp default", f", GOMP_SPINCOUNT={spins}" if spins else "",
+             _wait.reason if _wait else "not chosen by kvrelay")
 
 
 def record_gemm(gemm: str, why: str) -> None:
@@ -128,4 +188,4 @@ def info() -> dict[str, str]:
     """Labels for the /metrics info gauge."""
     wait = _wait.policy if _wait else os.environ.get("OMP_WAIT_POLICY", "")
     return {"backend": _kernels["backend"], "isa": _kernels["isa"], "omp_wait_policy": wait,
-            "gemm": _kernels["gemm"]}
+            "omp_spincount": os.environ.get("GOMP_SPINCOUNT", ""), "gemm": _kernels["gemm"]}

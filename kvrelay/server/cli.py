@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.cli import EXIT_FAILURE, UsageError
+from kvrelay.model import kernel_choice
 
 if TYPE_CHECKING:
     from kvrelay.model.interface import LoadedModel
@@ -189,8 +190,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
     metrics = ServerMetrics(engine, names[0])
     if isinstance(hooks, PrefillHooks | DecodeHooks):
         metrics.register(RelayExport(hooks))  # with model_name, as every engine series
-    return ServerState(EngineLoop(engine, hooks=hooks), served, metrics, args.api_key,
-                       role=role, release_lease=release)
+    loop = EngineLoop(engine, hooks=hooks, threads=torch.get_num_threads())
+    return ServerState(loop, served, metrics, args.api_key, role=role, release_lease=release)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -203,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        state = build_state(args)
+        # The engine thread's OpenMP pool should be the only one (run_in_own_thread).
+        state = kernel_choice.run_in_own_thread(lambda: build_state(args))
     except (OSError, ValueError) as exc:  # no such model, bad flag values: say which
         raise UsageError(f"cannot start: {exc}") from exc
     config = uvicorn.Config(

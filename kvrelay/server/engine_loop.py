@@ -26,6 +26,7 @@ from typing import Any
 from kvrelay.core.engine import Engine, RequestOutput, RequestRejected
 from kvrelay.core.lifecycle import FinishReason
 from kvrelay.core.runner import Batch
+from kvrelay.model import kernel_choice
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.sampling_params import SamplingParams
 
@@ -118,9 +119,17 @@ class EngineLoop:
     """Runs ``engine`` in a dedicated thread; ``add``/``abort`` are safe from asyncio."""
 
     def __init__(
-        self, engine: Engine, *, idle_poll_s: float = 0.5, hooks: LoopHooks | None = None
+        self,
+        engine: Engine,
+        *,
+        idle_poll_s: float = 0.5,
+        hooks: LoopHooks | None = None,
+        threads: int | None = None,
     ) -> None:
+        """``threads``: OpenMP threads of the model's parallel regions on the loop thread
+        (the count is per thread: ``kernel_choice.set_thread_count``); None leaves it."""
         self.engine = engine
+        self._threads = threads
         self.hooks = hooks or LoopHooks()
         self.stats = LoopStats()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -193,6 +202,8 @@ class EngineLoop:
     # -- the loop thread ------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self._threads:
+                kernel_choice.set_thread_count(self._threads)
             hooks = self.hooks
             while True:
                 engine = self.engine

@@ -47,7 +47,7 @@ def _policy_in_child(env: dict[str, str], argv: list[str]) -> str:
         "a = c.build_parser().parse_args(sys.argv[1:])\n"
         "c._apply_process_settings(a)\n"
         "import os, torch\n"
-        "print(os.environ['OMP_WAIT_POLICY'])\n"
+        "print(os.environ['OMP_WAIT_POLICY'], os.environ.get('GOMP_SPINCOUNT'))\n"
     )
     clean = {k: v for k, v in os.environ.items() if "OMP" not in k}
     out = subprocess.run(
@@ -59,12 +59,17 @@ def _policy_in_child(env: dict[str, str], argv: list[str]) -> str:
 
 def test_default_is_passive_and_flag_and_env_apply_before_torch() -> None:
     argv = ["bench", "core"]
-    assert _policy_in_child({}, argv) == "PASSIVE"
-    assert _policy_in_child({}, ["--omp-wait-policy", "active", *argv]) == "ACTIVE"
-    assert _policy_in_child({"KVRELAY_OMP_WAIT_POLICY": "active"}, argv) == "ACTIVE"
-    # An explicit OMP_WAIT_POLICY wins over both.
+    # PASSIVE spins briefly first (the gaps between a step's parallel regions).
+    assert _policy_in_child({}, argv) == f"PASSIVE {kernel_choice.PASSIVE_SPINS}"
+    assert _policy_in_child({"GOMP_SPINCOUNT": "0"}, argv) == "PASSIVE 0"
     assert _policy_in_child(
-        {"OMP_WAIT_POLICY": "PASSIVE"}, ["--omp-wait-policy", "active", *argv]) == "PASSIVE"
+        {"GOMP_SPINCOUNT": "0"}, ["--omp-wait-policy", "passive", *argv]) == "PASSIVE 0"
+    assert _policy_in_child({}, ["--omp-wait-policy", "active", *argv]) == "ACTIVE None"
+    assert _policy_in_child({"KVRELAY_OMP_WAIT_POLICY": "active"}, argv) == "ACTIVE None"
+    # An explicit OMP_WAIT_POLICY wins over both, and kvrelay adds no spin to it.
+    assert _policy_in_child(
+        {"OMP_WAIT_POLICY": "PASSIVE"}, ["--omp-wait-policy", "active", *argv]
+    ) == "PASSIVE None"
 
 
 def test_metrics_export_the_kernels_in_use() -> None:
@@ -79,3 +84,82 @@ def test_metrics_export_the_kernels_in_use() -> None:
     text = ServerMetrics(engine, "m").render().decode()
     line = next(x for x in text.splitlines() if x.startswith("kvrelay_kernels_info{"))
     assert 'backend="native"' in line and 'isa="avx2"' in line and line.endswith(" 1.0")
+
+
+_POOLS = """
+import os, threading, time, torch
+from kvrelay.model import kernel_choice as kc
+
+def threads() -> int:
+    # Pool workers leave after their thread is joined: count once the number holds still.
+    n = -1
+    while n != (n := len(os.listdir("/proc/self/task"))):
+        time.sleep(0.2)
+    return n
+
+x = torch.randn(1 << 22)
+def work() -> None:
+    kc.set_thread_count(2)
+    (x * 2).sum()  # an ATen parallel region: starts this thread's OpenMP pool
+
+kc.run_in_own_thread(work)  # torch starts a thread of its own the first time
+start = threads()
+kc.run_in_own_thread(work)
+after = threads()
+hold, ready = threading.Event(), threading.Event()
+def kept() -> None:
+    work()
+    ready.set()
+    hold.wait()
+t = threading.Thread(target=kept)
+t.start()
+ready.wait()
+print(start, after, threads())
+hold.set()
+t.join()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for a worker")
+def test_a_thread_run_in_its_own_thread_leaves_no_openmp_pool_behind() -> None:
+    # libgomp stops spinning in every team once its pools hold more threads than CPUs,
+    # so the server loads the model on a thread that ends, not on the main thread.
+    out = subprocess.run([sys.executable, "-c", _POOLS], capture_output=True, text=True,
+                         check=True, timeout=120)
+    start, after, held = map(int, out.stdout.split())
+    assert after == start  # the loader thread's pool ended with it
+    assert held == start + 2  # the control: a live thread keeps itself and a worker
+
+
+def test_the_engine_loop_thread_takes_the_thread_count_it_is_given() -> None:
+    # OpenMP's thread count is per thread: torch.set_num_threads on the main thread
+    # (`--threads`) does not reach the loop thread unless the loop sets it there.
+    import asyncio
+
+    import torch
+
+    from kvrelay.config import SchedulerConfig
+    from kvrelay.core.engine import Engine, RequestOutput
+    from kvrelay.core.fake_runner import FakeRunner
+    from kvrelay.sampling_params import SamplingParams
+    from kvrelay.server.engine_loop import EngineLoop
+
+    seen: list[int] = []
+
+    class Recording(FakeRunner):
+        def execute(self, batch):  # type: ignore[no-untyped-def]
+            seen.append(torch.get_num_threads())
+            return super().execute(batch)
+
+    async def main() -> None:
+        config = SchedulerConfig(num_blocks=8, block_size=4, max_model_len=32)
+        loop = EngineLoop(Engine(config, Recording(100)), idle_poll_s=0.05, threads=3)
+        loop.start(asyncio.get_running_loop())
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        await loop.add("r", [1, 2], SamplingParams(max_tokens=2), q)
+        while not (await asyncio.wait_for(q.get(), 5)).finished:
+            pass
+        await asyncio.to_thread(loop.stop)
+
+    asyncio.run(main())
+    assert seen and set(seen) == {3}

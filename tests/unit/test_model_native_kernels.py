@@ -230,8 +230,9 @@ def test_select_backend_follows_request_and_env(monkeypatch: pytest.MonkeyPatch)
     assert kernel_choice.info()["backend"] == "torch"
     monkeypatch.delenv("KVRELAY_KERNELS")
     assert select_backend(cfg, rope, torch.float32, cpu).name == "native"
-    assert kernel_choice.info() | {"omp_wait_policy": "", "gemm": ""} == {
-        "backend": "native", "isa": _best, "omp_wait_policy": "", "gemm": ""}
+    assert kernel_choice.info() | {"omp_wait_policy": "", "omp_spincount": "", "gemm": ""} == {
+        "backend": "native", "isa": _best, "omp_wait_policy": "", "omp_spincount": "",
+        "gemm": ""}
     # float16 and head dims that are not multiples of 16 fall back, never fail.
     assert select_backend(cfg, rope, torch.float16, cpu).name == "torch"
     assert select_backend(_cfg(4, 2, 8), rope, torch.float32, cpu, "native").name == "torch"
