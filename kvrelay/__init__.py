@@ -10,9 +10,10 @@ __version__ = "0.1.0"
 
 # OpenMP threads that spin between parallel regions lose badly when the cores are
 # shared: measured 5x slower decode steps with 2 threads on 2 busy cores
-# (docs/model.md). So PASSIVE unless KVRELAY_OMP_WAIT_POLICY (or `kvrelay
+# (docs/model.md). So PASSIVE, after a spin of about 0.1 ms that spans the gaps inside
+# a step (GOMP_SPINCOUNT), unless KVRELAY_OMP_WAIT_POLICY (or `kvrelay
 # --omp-wait-policy`) asks otherwise. Only takes effect when torch is imported after
-# kvrelay; OMP_WAIT_POLICY in the environment wins.
+# kvrelay; OMP_WAIT_POLICY and GOMP_SPINCOUNT in the environment win.
 _kernel_choice.apply_wait_policy()
 
 if TYPE_CHECKING:

@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--omp-wait-policy", choices=["active", "passive", "auto"], default=None,
-        help="how idle OpenMP threads wait: spin (active), sleep (passive, the default) or "
-        "chosen from the CPUs free for --threads (auto) (env KVRELAY_OMP_WAIT_POLICY)",
+        help="how idle OpenMP threads wait: spin (active), sleep after a ~0.1 ms spin "
+        "(passive, the default) or chosen from the CPUs free for --threads (auto: spin, or "
+        "sleep at once) (env KVRELAY_OMP_WAIT_POLICY)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:

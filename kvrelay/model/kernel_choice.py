@@ -17,6 +17,8 @@ load average, rounded), cover the threads it will start. The default stays
 later on the same host (1P1D on one machine) would find them taken. ``passive`` spins
 briefly before it sleeps (``PASSIVE_SPINS``; ``GOMP_SPINCOUNT`` in the environment
 wins, 0 sleeps at once): enough to span the gaps inside a step, over before the next.
+When ``auto`` finds the cores shared it sleeps at once (spin 0); an ``OMP_WAIT_POLICY``
+from the environment gets libgomp's own spin (0 for PASSIVE), kvrelay adds none.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class WaitChoice:
     policy: str  # "ACTIVE" | "PASSIVE"
     requested: str  # "active" | "passive" | "auto" | "env" (OMP_WAIT_POLICY was set)
     reason: str
+    spins: int | None = None  # GOMP_SPINCOUNT to set with PASSIVE; None: libgomp's own
 
 
 def decide_wait_policy(
@@ -57,13 +60,17 @@ def decide_wait_policy(
         raise ValueError(
             f"OpenMP wait policy {requested!r} is not one of {', '.join(WAIT_POLICIES)}"
         )
-    if requested != "auto":
-        return WaitChoice(requested.upper(), requested, "requested")
+    if requested == "active":
+        return WaitChoice("ACTIVE", requested, "requested")
+    if requested == "passive":
+        return WaitChoice("PASSIVE", requested, "requested", PASSIVE_SPINS)
     busy = max(other_engines, round(load))
     why = f"{cpus} CPUs in the affinity mask, ~{busy} busy, {threads} threads"
     if cpus - busy >= threads:
         return WaitChoice("ACTIVE", "auto", why + ": a core per thread")
-    return WaitChoice("PASSIVE", "auto", why + ": cores are shared, threads sleep")
+    # Threads that outnumber the free cores: even a short spin holds a core a partner
+    # needs (docs/model.md, the spin table's last row).
+    return WaitChoice("PASSIVE", "auto", why + ": cores are shared, threads sleep at once", 0)
 
 
 def _other_engines() -> int:
@@ -88,10 +95,11 @@ def _other_engines() -> int:
 def set_thread_count(threads: int) -> None:
     """Give the calling thread's parallel regions ``threads`` threads.
 
-    OpenMP's thread count is per thread (libgomp's nthreads-var): ``torch.set_num_threads``
-    on one thread does not reach a thread started later, whose parallel regions (oneDNN's,
-    ATen's and the native kernels') would take one thread per CPU. The thread that runs
-    the model calls this first."""
+    OpenMP's thread count is per thread (libgomp's nthreads-var). torch copies its
+    process-wide count (``--threads``) into a new thread only lazily, at some of that
+    thread's ops; regions opened before that, and by code that asks OpenMP directly (the
+    native kernels, oneDNN), take one thread per CPU. The thread that runs the model calls
+    this before its first step."""
     import torch
 
     torch.set_num_threads(threads)
@@ -101,11 +109,12 @@ def run_in_own_thread(fn: Callable[[], T]) -> T:
     """``fn()`` on a thread that ends when it returns, and its OpenMP thread pool with it.
 
     libgomp keeps a pool of worker threads for every thread that ever opened a parallel
-    region. Once the pools together hold more threads than there are CPUs, it stops
-    spinning in every team (about 100 spins, then sleep), and each of a decode step's
-    ~150 parallel regions sleeps and wakes its threads again: 23 vs 15 ms a batch-8 step
-    on 2 vCPUs (docs/model.md). Loading the model on the main thread left such a pool
-    beside the engine thread's; loaded here, the engine thread's pool is the only one.
+    region. Once the pools together hold more threads than there are CPUs, every waiting
+    thread uses libgomp's throttled spin count instead of ``GOMP_SPINCOUNT`` (0 under
+    PASSIVE), so each of a decode step's ~150 parallel regions sleeps and wakes its
+    threads again: 23 vs 15 ms a batch-8 step on 2 vCPUs (docs/model.md). Loading the
+    model on the main thread left such a pool beside the engine thread's; loaded here,
+    the engine thread's pool is the only one.
     """
     box: list[T] = []
     errors: list[BaseException] = []
@@ -116,7 +125,8 @@ def run_in_own_thread(fn: Callable[[], T]) -> T:
         except BaseException as exc:  # re-raised on the caller's thread
             errors.append(exc)
 
-    t = threading.Thread(target=run, name="kvrelay-load")
+    # A daemon: Ctrl-C during a long load ends the process instead of waiting for it.
+    t = threading.Thread(target=run, name="kvrelay-load", daemon=True)
     t.start()
     t.join()
     if errors:
@@ -150,20 +160,26 @@ def apply_wait_policy(requested: str | None = None, threads: int | None = None) 
     others = _other_engines() if requested == "auto" else 0
     load = os.getloadavg()[0] if requested == "auto" else 0.0
     choice = decide_wait_policy(requested, cpus, threads, others, load)
-    if "torch" in sys.modules and choice.policy != os.environ.get("OMP_WAIT_POLICY"):
-        if not explicit:
-            return choice  # the import-time default, after an earlier torch import
-        log.warning("OpenMP wait policy %s asked for after torch was imported: %s stays",
-                    choice.policy, os.environ.get("OMP_WAIT_POLICY", "libgomp's default"))
-        return _wait or choice
-    os.environ["OMP_WAIT_POLICY"] = choice.policy
     # The spin count is ours to set only when the environment did not (an earlier call,
     # the import-time default, may have set it).
-    if "GOMP_SPINCOUNT" not in os.environ or _spins_ours:
+    users_spins = "GOMP_SPINCOUNT" in os.environ and not _spins_ours
+    spins = os.environ.get("GOMP_SPINCOUNT") if users_spins else (
+        None if choice.spins is None else str(choice.spins))
+    wanted = (choice.policy, spins)
+    in_force = (os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
+    if "torch" in sys.modules and wanted != in_force:
+        if not explicit:
+            return choice  # the import-time default, after an earlier torch import
+        log.warning("OpenMP wait policy %s (GOMP_SPINCOUNT %s) asked for after torch was "
+                    "imported: %s (GOMP_SPINCOUNT %s) stays", *wanted,
+                    in_force[0] or "libgomp's default", in_force[1])
+        return _wait or choice
+    os.environ["OMP_WAIT_POLICY"] = choice.policy
+    if not users_spins:
         os.environ.pop("GOMP_SPINCOUNT", None)
-        _spins_ours = choice.policy == "PASSIVE"
-        if _spins_ours:
-            os.environ["GOMP_SPINCOUNT"] = str(PASSIVE_SPINS)
+        _spins_ours = spins is not None
+        if spins is not None:
+            os.environ["GOMP_SPINCOUNT"] = spins
     _wait = choice
     return choice
 

@@ -13,8 +13,10 @@ from kvrelay.model.kernel_choice import decide_wait_policy
 
 
 def test_explicit_policies_are_taken_as_given() -> None:
-    assert decide_wait_policy("active", 2, 8, 3, 9.0).policy == "ACTIVE"
-    assert decide_wait_policy("passive", 64, 1, 0, 0.0).policy == "PASSIVE"
+    active = decide_wait_policy("active", 2, 8, 3, 9.0)
+    assert (active.policy, active.spins) == ("ACTIVE", None)
+    passive = decide_wait_policy("passive", 64, 1, 0, 0.0)
+    assert (passive.policy, passive.spins) == ("PASSIVE", kernel_choice.PASSIVE_SPINS)
 
 
 @pytest.mark.parametrize(
@@ -32,6 +34,8 @@ def test_auto_spins_only_with_a_free_core_per_thread(
 ) -> None:
     choice = decide_wait_policy("auto", cpus, threads, others, load)
     assert choice.policy == policy
+    # Shared cores: not even the short spin of `passive` (it holds a core a partner needs).
+    assert choice.spins == (None if policy == "ACTIVE" else 0)
     assert choice.requested == "auto" and f"{threads} threads" in choice.reason
 
 
@@ -59,12 +63,15 @@ def _policy_in_child(env: dict[str, str], argv: list[str]) -> str:
 
 def test_default_is_passive_and_flag_and_env_apply_before_torch() -> None:
     argv = ["bench", "core"]
+    passive = f"PASSIVE {kernel_choice.PASSIVE_SPINS}"
     # PASSIVE spins briefly first (the gaps between a step's parallel regions).
-    assert _policy_in_child({}, argv) == f"PASSIVE {kernel_choice.PASSIVE_SPINS}"
+    assert _policy_in_child({}, argv) == passive
     assert _policy_in_child({"GOMP_SPINCOUNT": "0"}, argv) == "PASSIVE 0"
     assert _policy_in_child(
         {"GOMP_SPINCOUNT": "0"}, ["--omp-wait-policy", "passive", *argv]) == "PASSIVE 0"
     assert _policy_in_child({}, ["--omp-wait-policy", "active", *argv]) == "ACTIVE None"
+    assert _policy_in_child({"KVRELAY_OMP_WAIT_POLICY": "active"},
+                            ["--omp-wait-policy", "passive", *argv]) == passive
     assert _policy_in_child({"KVRELAY_OMP_WAIT_POLICY": "active"}, argv) == "ACTIVE None"
     # An explicit OMP_WAIT_POLICY wins over both, and kvrelay adds no spin to it.
     assert _policy_in_child(
@@ -84,10 +91,11 @@ def test_metrics_export_the_kernels_in_use() -> None:
     text = ServerMetrics(engine, "m").render().decode()
     line = next(x for x in text.splitlines() if x.startswith("kvrelay_kernels_info{"))
     assert 'backend="native"' in line and 'isa="avx2"' in line and line.endswith(" 1.0")
+    assert f'omp_spincount="{os.environ.get("GOMP_SPINCOUNT", "")}"' in line
 
 
 _POOLS = """
-import os, threading, time, torch
+import os, sys, time, torch
 from kvrelay.model import kernel_choice as kc
 
 def threads() -> int:
@@ -97,43 +105,44 @@ def threads() -> int:
         time.sleep(0.2)
     return n
 
+torch.set_num_threads(2)  # torch starts a helper thread of its own here
 x = torch.randn(1 << 22)
 def work() -> None:
     kc.set_thread_count(2)
     (x * 2).sum()  # an ATen parallel region: starts this thread's OpenMP pool
 
-kc.run_in_own_thread(work)  # torch starts a thread of its own the first time
 start = threads()
 kc.run_in_own_thread(work)
 after = threads()
-hold, ready = threading.Event(), threading.Event()
-def kept() -> None:
-    work()
-    ready.set()
-    hold.wait()
-t = threading.Thread(target=kept)
-t.start()
-ready.wait()
+work()  # the control: on the main thread, the pool stays
 print(start, after, threads())
-hold.set()
-t.join()
 """
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for a worker")
-def test_a_thread_run_in_its_own_thread_leaves_no_openmp_pool_behind() -> None:
+def test_work_run_in_its_own_thread_leaves_no_openmp_pool_behind() -> None:
     # libgomp stops spinning in every team once its pools hold more threads than CPUs,
     # so the server loads the model on a thread that ends, not on the main thread.
     out = subprocess.run([sys.executable, "-c", _POOLS], capture_output=True, text=True,
                          check=True, timeout=120)
-    start, after, held = map(int, out.stdout.split())
-    assert after == start  # the loader thread's pool ended with it
-    assert held == start + 2  # the control: a live thread keeps itself and a worker
+    start, after, on_main = map(int, out.stdout.split())
+    assert after == start  # the loading thread's pool ended with it
+    assert on_main == start + 1  # the same work on a thread that stays keeps a worker
+
+
+def test_run_in_own_thread_returns_the_value_and_raises_the_error() -> None:
+    assert kernel_choice.run_in_own_thread(lambda: 41 + 1) == 42
+
+    def fail() -> None:
+        raise FileNotFoundError("no such model: m")
+
+    with pytest.raises(FileNotFoundError, match="no such model: m"):
+        kernel_choice.run_in_own_thread(fail)
 
 
 def test_the_engine_loop_thread_takes_the_thread_count_it_is_given() -> None:
-    # OpenMP's thread count is per thread: torch.set_num_threads on the main thread
-    # (`--threads`) does not reach the loop thread unless the loop sets it there.
+    # OpenMP's thread count is per thread, and torch hands its process-wide count to a
+    # new thread only lazily: the loop thread sets it before its first step.
     import asyncio
 
     import torch
@@ -161,5 +170,9 @@ def test_the_engine_loop_thread_takes_the_thread_count_it_is_given() -> None:
             pass
         await asyncio.to_thread(loop.stop)
 
-    asyncio.run(main())
+    before = torch.get_num_threads()
+    try:
+        asyncio.run(main())
+    finally:
+        torch.set_num_threads(before)  # the count is also torch's process-wide setting
     assert seen and set(seen) == {3}
