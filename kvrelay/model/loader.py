@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kvrelay.core.runner import Runner
+from kvrelay.model import hugepages
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer
 from kvrelay.model.graph_runner import cuda_capture, enable_decode_graphs, graphs_wanted
@@ -170,7 +171,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     # until used; torch.zeros writes every byte at load (about 2 s per GiB here).
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
+    cache = torch.from_numpy(raw).view(dtype).view(shape)
+    hugepages.advise(cache)  # before the first write: its pages fault in as 2 MiB pages
+    return cache
 
 
 def _read(

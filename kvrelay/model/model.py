@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvrelay.model import kernel_choice
+from kvrelay.model import hugepages, kernel_choice
 from kvrelay.model.attention import ChunkSpec
 from kvrelay.model.backend import KernelBackend, SmallGemm, StepMetadata, select_backend
 from kvrelay.model.config import ModelConfig
@@ -160,6 +160,13 @@ class LlamaModel:
                     down=Linear(get(p + "mlp.down_proj.weight"), None, pack, small),
                 )
             )
+        if small is not None and device.type == "cpu" and hugepages.enabled():
+            # The decode GEMMs' weights, in the order a step reads them, on 2 MiB pages.
+            linears = [x for y in self.layers for x in (y.qkv, y.o, y.gate_up, y.down)]
+            packed = [(x, x.small_w) for x in [*linears, self.lm_head] if x.small_w is not None]
+            gathered = hugepages.gather([w for _, w in packed])
+            for (x, _), w in zip(packed, gathered, strict=True):
+                x.small_w = w
 
     def build_metadata(
         self, chunks: Sequence[ChunkSpec], positions: torch.Tensor, block_size: int
