@@ -8,7 +8,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kvrelay.core.runner import Runner
@@ -167,13 +166,10 @@ def cpu_has_native_bf16() -> bool:
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    # numpy takes zeroed pages from the OS (calloc), so a 1 GiB cache costs nothing
-    # until used; torch.zeros writes every byte at load (about 2 s per GiB here).
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
-    cache = torch.from_numpy(raw).view(dtype).view(shape)
-    hugepages.advise(cache)  # before the first write: its pages fault in as 2 MiB pages
-    return cache
+    # Zeroed pages from a fresh mapping, so a 1 GiB cache costs nothing until used
+    # (torch.zeros writes every byte at load, about 2 s per GiB here), advised for
+    # 2 MiB pages before the first write.
+    return hugepages.zeros(shape, dtype)
 
 
 def _read(

@@ -40,13 +40,17 @@ class Linear:
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
         small: SmallGemm | None = None,
+        arena: hugepages.Arena | None = None,
     ) -> None:
+        """``arena``: where the small GEMM's packed weight goes (2 MiB pages)."""
         self.weight = weight
         self.bias = bias
         self.packed: torch.Tensor | None = None
         if pack:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
         self.small_w = small.pack(weight) if small is not None else None
+        if arena is not None and self.small_w is not None:
+            self.small_w = arena.copy(self.small_w)
         self.small = small.run if small is not None and self.small_w is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,10 +130,12 @@ class LlamaModel:
             "native-bf16" if small else "onednn" if pack else "torch",
             "" if small else getattr(self.backend, "gemm_off", None) or "not the native backend",
         )
+        # The decode GEMMs' packed weights on 2 MiB pages (hugepages), copied as packed.
+        arena = hugepages.Arena() if small is not None and hugepages.enabled() else None
         self.embed = get("model.embed_tokens.weight")
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
         self.lm_head = Linear(
-            self.embed if tied else get("lm_head.weight"), None, pack, small
+            self.embed if tied else get("lm_head.weight"), None, pack, small, arena
         )
         self.norm = get("model.norm.weight")
         self.layers: list[LayerWeights] = []
@@ -145,28 +151,23 @@ class LlamaModel:
                         cat(*(n + ".bias" for n in qkv)) if cfg.qkv_bias else None,
                         pack,
                         small,
+                        arena,
                     ),
                     o=Linear(
                         get(a + "o_proj.weight"),
                         get(a + "o_proj.bias") if cfg.o_bias else None,
                         pack,
                         small,
+                        arena,
                     ),
                     ffn_norm=get(p + "post_attention_layernorm.weight"),
                     gate_up=Linear(
                         cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), None, pack,
-                        small,
+                        small, arena,
                     ),
-                    down=Linear(get(p + "mlp.down_proj.weight"), None, pack, small),
+                    down=Linear(get(p + "mlp.down_proj.weight"), None, pack, small, arena),
                 )
             )
-        if small is not None and device.type == "cpu" and hugepages.enabled():
-            # The decode GEMMs' weights, in the order a step reads them, on 2 MiB pages.
-            linears = [x for y in self.layers for x in (y.qkv, y.o, y.gate_up, y.down)]
-            packed = [(x, x.small_w) for x in [*linears, self.lm_head] if x.small_w is not None]
-            gathered = hugepages.gather([w for _, w in packed])
-            for (x, _), w in zip(packed, gathered, strict=True):
-                x.small_w = w
 
     def build_metadata(
         self, chunks: Sequence[ChunkSpec], positions: torch.Tensor, block_size: int

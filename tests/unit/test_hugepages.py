@@ -8,43 +8,59 @@ import torch
 from kvrelay.model import hugepages
 
 
-def _huge_kib_at(address: int) -> int:
-    """AnonHugePages of the mapping of this process that holds ``address``."""
-    inside = False
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address``."""
+    fields: dict[str, str] | None = None
     with open("/proc/self/smaps") as f:
         for line in f:
-            head = line.split()[0]
+            head, _, rest = line.partition(" ")
             if "-" in head and not head.endswith(":"):
+                if fields is not None:
+                    return fields
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+                fields = {} if lo <= address < hi else None
+            elif fields is not None:
+                fields[head.rstrip(":")] = rest.strip()
+    if fields is None:
+        raise AssertionError(f"no mapping holds {address:#x}")
+    return fields
 
 
-def test_gather_copies_into_one_aligned_buffer() -> None:
+def test_arena_copies_in_order_aligned_and_in_chunks() -> None:
+    arena = hugepages.Arena(chunk_bytes=4 << 20)
     ts = [torch.randn(3, 5).bfloat16(), torch.arange(7, dtype=torch.int64),
-          torch.randn(1000, 33)]
-    out = hugepages.gather(ts)
-    assert [o.dtype for o in out] == [t.dtype for t in ts]
-    assert all(torch.equal(o, t) for o, t in zip(out, ts, strict=True))
-    assert out[0].data_ptr() % hugepages.HUGE_PAGE == 0
+          torch.randn(1000, 33), torch.randn(2 << 20)]  # the last (8 MiB) takes a chunk
+    out = [arena.copy(t) for t in ts]
+    assert all(o.dtype == t.dtype and torch.equal(o, t) for o, t in zip(out, ts, strict=True))
+    assert out[0].data_ptr() % hugepages.HUGE_PAGE == 0  # a chunk starts on a 2 MiB page
     assert all(o.data_ptr() % 64 == 0 for o in out)
-    assert len({o.untyped_storage().data_ptr() for o in out}) == 1  # one buffer
+    storages = [o.untyped_storage().data_ptr() for o in out]
+    assert storages[0] == storages[1] == storages[2] != storages[3]
     ts[2].zero_()
     assert out[2].abs().sum() > 0  # copies, not views of the inputs
 
 
+def test_zeros_are_zero_and_lazily_committed() -> None:
+    z = hugepages.zeros((64, 1024, 1024), torch.bfloat16)  # 128 MiB
+    assert z.shape == (64, 1024, 1024) and z.dtype == torch.bfloat16
+    assert z[::7, ::97, ::89].abs().sum() == 0
+    assert int(_mapping_of(z.data_ptr())["Rss"].split()[0]) < 64 << 10  # kB: mostly untouched
+
+
 @pytest.mark.skipif(hugepages.thp_mode() not in ("madvise", "always") or not hugepages.enabled(),
                     reason="transparent huge pages are off on this machine")
-def test_gathered_weights_fault_in_as_huge_pages() -> None:
-    w = torch.randn(4096, 2048).bfloat16()  # 16 MiB
-    (g,) = hugepages.gather([w])
-    assert torch.equal(g, w)
-    assert _huge_kib_at(g.data_ptr()) >= 2048
+def test_arena_and_cache_memory_is_advised_and_faults_in_as_huge_pages() -> None:
+    (w,) = [hugepages.Arena().copy(torch.randn(4096, 2048).bfloat16())]  # 16 MiB
+    cache = hugepages.zeros((8 << 20,), torch.float32)
+    for t in (w, cache):
+        assert "hg" in _mapping_of(t.data_ptr())["VmFlags"].split()  # MADV_HUGEPAGE
+    cache[:] = 1.0
+    assert int(_mapping_of(w.data_ptr())["AnonHugePages"].split()[0]) >= 2048
+    assert int(_mapping_of(cache.data_ptr())["AnonHugePages"].split()[0]) >= 2048
 
 
 def test_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVRELAY_HUGEPAGES", "0")
     assert not hugepages.enabled()
-    assert not hugepages.advise(torch.empty(8 << 20, dtype=torch.uint8))
+    t = hugepages.zeros((8 << 20,), torch.uint8)
+    assert "hg" not in _mapping_of(t.data_ptr())["VmFlags"].split()
