@@ -16,9 +16,9 @@ pages are huge anyway).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
-from pathlib import Path
 
 import torch
 
@@ -28,16 +28,6 @@ _ALIGN = 64  # each tensor in an arena starts on a cache line
 
 def enabled() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KVRELAY_HUGEPAGES", "1") != "0"
-
-
-def thp_mode() -> str:
-    """The kernel's transparent huge page mode (``always``, ``madvise``, ``never``), or
-    ``unknown``."""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "unknown"
-    return text.partition("[")[2].partition("]")[0] or "unknown"
 
 
 def fresh(nbytes: int) -> torch.Tensor:
@@ -56,11 +46,7 @@ def fresh(nbytes: int) -> torch.Tensor:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor on fresh, advised memory (see ``fresh``)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    n = itemsize
-    for d in shape:
-        n *= d
-    return fresh(n).view(dtype).view(shape)
+    return fresh(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 class Arena:

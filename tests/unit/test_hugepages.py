@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from kvrelay.model import hugepages
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode (``always``, ``madvise``, ``never``)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    return text.partition("[")[2].partition("]")[0] or "unknown"
 
 
 def _mapping_of(address: int) -> dict[str, str]:
@@ -47,7 +58,7 @@ def test_zeros_are_zero_and_lazily_committed() -> None:
     assert int(_mapping_of(z.data_ptr())["Rss"].split()[0]) < 64 << 10  # kB: mostly untouched
 
 
-@pytest.mark.skipif(hugepages.thp_mode() not in ("madvise", "always") or not hugepages.enabled(),
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always") or not hugepages.enabled(),
                     reason="transparent huge pages are off on this machine")
 def test_arena_and_cache_memory_is_advised_and_faults_in_as_huge_pages() -> None:
     (w,) = [hugepages.Arena().copy(torch.randn(4096, 2048).bfloat16())]  # 16 MiB
