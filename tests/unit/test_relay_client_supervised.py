@@ -20,8 +20,10 @@ import pytest
 
 from kvrelay.core.fake_runner import expected_output
 from kvrelay.relay import protocol as P
+from kvrelay.relay.client import RelayClient
+from kvrelay.relay.transports.tcp import TcpTransport
 from kvrelay.sampling_params import SamplingParams
-from tests.unit.test_relay_roundtrip import NBLOCKS, VOCAB, Decode, Prefill
+from tests.unit.test_relay_roundtrip import COMPAT, NBLOCKS, VOCAB, Decode, Prefill
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,6 +55,8 @@ def genuine_pull_loads(p: Prefill, d: Decode, rid: str) -> None:
     assert d.receiver.stats.loaded == loaded + 1
     assert d.pool.num_free == NBLOCKS
     wait_for(lambda: p.pool.num_free == NBLOCKS, "P's pool to be whole")
+    if isinstance(d.transport, TcpTransport):
+        assert d.transport._slots == {}, "a finished transfer left its relay's slot entry"
 
 
 @pytest.mark.parametrize("field", ["lease_id", "engine_id"])
@@ -165,3 +169,63 @@ def test_a_reader_thread_that_cannot_start_fails_its_message_only(
     finally:
         monkeypatch.setattr(threading.Thread, "start", real_start)
         d.close()
+
+
+def test_the_tcp_pool_is_capped_and_ages_out_relays_never_named_again() -> None:
+    """Bug (issue 21): pooled data sockets were kept per relay string without a cap,
+    and dropped only when the same string was used again: each spelling of a relay
+    left a socket for ever (CLOSE_WAIT once P closed its end, and one of P's
+    per-address slots). Now at most ``max_idle`` in all, each closed after ``idle_s``
+    whichever relay asks next."""
+    ends: list[socket.socket] = []
+
+    def connect(relay: str) -> socket.socket:
+        mine, theirs = socket.socketpair()
+        ends.append(theirs)
+        return mine
+
+    t = TcpTransport(connect=connect, max_idle=4, idle_s=0.3)
+    try:
+        given = []
+        for i in range(10):
+            sock, pooled = t._take(f"relay-{i}:9000")
+            assert not pooled
+            t._give_back(f"relay-{i}:9000", sock)
+            given.append(sock)
+        assert [s.fileno() == -1 for s in given] == [True] * 6 + [False] * 4
+        assert sum(len(v) for v in t._idle.values()) == 4
+        time.sleep(0.35)  # older than idle_s: whoever takes next sweeps them
+        sock, pooled = t._take("another:9000")
+        assert not pooled and all(s.fileno() == -1 for s in given) and t._idle == {}
+        sock.close()
+    finally:
+        t.close()
+        for e in ends:
+            e.close()
+
+
+def test_senders_are_capped_at_max_relays_least_recently_used_first(prefill: Prefill) -> None:
+    """Bug (issue 21): one sender thread per relay a client named, without a cap (300
+    spellings: 300 threads). At max_relays the least recently used sender is retired
+    (after sending what it had queued); every message is still answered."""
+    dead = []
+    for _ in range(8):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead.append(f"127.0.0.1:{s.getsockname()[1]}")
+    before = threading.active_count()
+    client = RelayClient(compat=COMPAT, transport="tcp", client_id="d-1", max_relays=3,
+                         connect_timeout=0.5)
+    try:
+        for i, relay in enumerate(dead):
+            client.send(relay, P.Abort(i + 1, "p-1", "nope", "d-1", "a"))
+            assert client.sender_threads <= 3
+        replies = [client.replies.get(timeout=10.0) for _ in dead]
+        assert sorted(r.seq for r in replies) == list(range(1, 9))
+        assert {r.code for r in replies} == {"unreachable"}
+        wait_for(lambda: threading.active_count() <= before + 3, "retired senders to end")
+        client.send(prefill.server.address, P.Abort(99, "p-1", "nope", "d-1", "a"))
+        reply = client.replies.get(timeout=5.0)
+        assert reply.seq == 99 and reply.code == "unknown_lease"
+    finally:
+        client.close()

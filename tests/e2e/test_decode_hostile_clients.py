@@ -1,0 +1,122 @@
+"""A real decode engine against params a hostile client writes (issue 21).
+
+One prefill engine and one decode engine (tcp) as real processes on localhost, the
+tiny model. Clients POST kv_transfer_params straight to D, as a client that bypasses
+the proxy may. Each test ends with a genuine pull from the same P that loads its KV:
+no request, however forged, may cut D off from P or leak a resource.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import Cluster, Proc, metric, metrics, pools_free
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+
+class Pair:
+    def __init__(self, c: Cluster, model: str) -> None:
+        self.model = model
+        self.p = c.prefill()
+        self.d = c.decode("decode", "tcp")
+        for x in (self.p, self.d):
+            x.wait_healthy()
+        self.n = 0
+
+    def body(self, max_tokens: int = 4) -> dict[str, Any]:
+        self.n += 1  # a prompt of its own: no prefix-cache hit on D, every block pulled
+        return {"model": self.model, "prompt": f"{self.n} hostile {self.n} params",
+                "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+    def lease(self, body: dict[str, Any]) -> dict[str, Any]:
+        r = httpx.post(self.p.url + "/v1/completions", timeout=30,
+                       json={**body, "kv_transfer_params": {"do_remote_decode": True}})
+        assert r.status_code == 200, r.text
+        return dict(r.json()["kv_transfer_params"])
+
+    def decode(self, body: dict[str, Any], params: dict[str, Any]) -> httpx.Response:
+        return httpx.post(self.d.url + "/v1/completions", timeout=30,
+                          json={**body, "kv_transfer_params": params})
+
+    def pull_loads(self) -> None:
+        """A genuine lease of P, pulled by D: 200, the KV loaded (one more completed
+        pull), no fallback."""
+        before = metrics(self.d.url)
+        body = self.body()
+        r = self.decode(body, self.lease(body))
+        assert r.status_code == 200, r.text
+        after = metrics(self.d.url)
+        assert metric(after, "kvrelay_kv_load_fallbacks_total") == metric(
+            before, "kvrelay_kv_load_fallbacks_total"), "the genuine pull fell back"
+        assert metric(after, "kvrelay_kv_transfer_seconds_count") == metric(
+            before, "kvrelay_kv_transfer_seconds_count") + 1, "the genuine pull loaded no KV"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    from kvrelay.model.testing import write_tiny_hf_model
+
+    model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
+    c = Cluster(model, tmp_path_factory.mktemp("decode-hostile-logs"))
+    try:
+        yield Pair(c, model.name)
+    finally:
+        c.close()
+        print(c.logs())  # shown by pytest when a test failed
+
+
+def _error(r: httpx.Response) -> dict[str, Any]:
+    return dict(r.json()["error"])
+
+
+@pytest.mark.parametrize("field", ["lease_id", "engine_id"])
+def test_an_oversized_lease_field_is_a_400_and_the_next_pull_loads(pair: Pair,
+                                                                   field: str) -> None:
+    """Bug (issue 21): a 2 MiB lease_id (or engine_id) naming a real P's relay was
+    admitted; D's ACQUIRE exceeded the frame limit, killed the sender thread, and every
+    later genuine pull from that P fell back `unreachable` (5 of 5), D answering 200
+    after a silent recompute. Now the field's bound is checked at admission."""
+    body = pair.body()
+    params = pair.lease(body)
+    r = pair.decode(body, {**params, field: "x" * (2 << 20)})
+    assert r.status_code == 400, r.text[:300]
+    err = _error(r)
+    assert err["param"] == "kv_transfer_params", err
+    assert f"{field} has 2097152 characters; at most 300" in err["message"], err
+    pair.pull_loads()
+    pools_free(pair.d, prefill=(pair.p,), timeout=10.0)  # the unpulled lease: released
+
+
+def _fds_and_threads(proc: Proc) -> tuple[int, int]:
+    assert proc.proc is not None
+    pid = proc.proc.pid
+    return len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_forty_spellings_of_one_relay_leave_fds_and_threads_flat(pair: Pair) -> None:
+    """Bug (issue 21): D keyed its relay connections, sender threads and pooled data
+    sockets by the relay as written: 40 spellings of one relay (h:05000, h:005000, ...)
+    took D from 11 to 51 fds and from 5 to 85 threads (a control connection, a sender
+    and a reader each, a pooled data socket left for ever). Now one relay is one key."""
+    for _ in range(3):  # warm up: the one connection, sender, reader, pooled socket
+        pair.pull_loads()
+    fds0, threads0 = _fds_and_threads(pair.d)
+    for i in range(40):
+        body = pair.body()
+        params = pair.lease(body)
+        host, _, port = params["relay"].rpartition(":")
+        params["relay"] = f"{host}:{'0' * (i + 1)}{port}"
+        r = pair.decode(body, params)
+        assert r.status_code == 200, r.text
+    pair.pull_loads()
+    fds, threads = _fds_and_threads(pair.d)
+    # A little slack for what the HTTP server itself opens and closes meanwhile.
+    assert fds <= fds0 + 3, f"D went from {fds0} to {fds} fds"
+    assert threads <= threads0 + 3, f"D went from {threads0} to {threads} threads"
