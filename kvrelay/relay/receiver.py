@@ -5,7 +5,8 @@ One ``Load`` per remote request attempt, in explicit phases (``PHASE_TRANSITIONS
     ADMITTING   queued in the engine; no blocks yet
     ACQUIRING   WAITING_FOR_KV: blocks allocated, ACQUIRE sent
     COPYING     LOADING: the transport writes into our blocks; heartbeats renew the lease
-    DRAINING    aborted or failed while copying: the transport may still write, so
+    DRAINING    aborted or failed while copying (a transfer that failed but may still
+                write polls PENDING with an error): the transport may still write, so
                 the blocks stay until poll() says it stopped, or until ``drain_timeout``
                 passes: then they move to a quarantine owner (never reused while a
                 copy may write; they return when the transport finally reports)
@@ -391,6 +392,10 @@ class Receiver:
     def _poll(self, load: Load, now: float) -> None:
         status = self.transport.poll(load.handle)
         if status.state is TransferState.PENDING:
+            if status.error and load.phase is Phase.COPYING:
+                # Failed, but it may still write (a NIXL READ with a failed part): fall
+                # back now; its blocks stay quarantined until the transport says it ended.
+                self._stop_copy(load, "transfer_failed", now)
             return
         del self._transfers[load.request_id]
         rid = load.request_id
