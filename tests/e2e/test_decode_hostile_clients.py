@@ -57,6 +57,8 @@ class Pair:
             before, "kvrelay_kv_load_fallbacks_total"), "the genuine pull fell back"
         assert metric(after, "kvrelay_kv_transfer_seconds_count") == metric(
             before, "kvrelay_kv_transfer_seconds_count") + 1, "the genuine pull loaded no KV"
+        tcp = 'kvrelay_kv_transfers_total{transport="tcp"}'
+        assert metric(after, tcp) == metric(before, tcp) + 1, "not counted as a tcp pull"
 
 
 @pytest.fixture(scope="module")
