@@ -216,6 +216,7 @@ class _Handlers:
         release = self.state.release_lease
         if release is None:
             return
+        await self.state.loop.settled()  # the aborts applied, every lease output queued
         for params in gen.drain_leases():
             with contextlib.suppress(Exception):  # a lease already gone: nothing to do
                 await asyncio.to_thread(release, str(params["engine_id"]),

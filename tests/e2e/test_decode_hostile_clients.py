@@ -122,3 +122,76 @@ def test_forty_spellings_of_one_relay_leave_fds_and_threads_flat(pair: Pair) -> 
     # A little slack for what the HTTP server itself opens and closes meanwhile.
     assert fds <= fds0 + 3, f"D went from {fds0} to {fds} fds"
     assert threads <= threads0 + 3, f"D went from {threads0} to {threads} threads"
+
+
+def test_clients_leaving_p_at_every_moment_leave_no_lease_to_expire(pair: Pair) -> None:
+    """Bug (issue 21, abort storm): a client (the proxy, whose own client left) that
+    went away just as P finished its prefill left a lease nobody released: the output
+    that carried it reached a choice already counted as aborted and was dropped, or
+    arrived after the handler had looked for leases. It was held until it expired.
+    Now every lease made for a client that left is released at once (reason aborted)."""
+    import json
+    import random
+    import socket
+    import threading
+    import time
+
+    rng = random.Random(21)
+    before = metrics(pair.p.url)
+
+    host, port = pair.p.url.removeprefix("http://").split(":")
+
+    def leave_after(seconds: float) -> None:
+        """POST to P, then leave after ``seconds`` unless the answer is already there
+        (a raw socket: whether the answer arrived is known to the byte, so a lease P
+        did deliver is never taken for one it should have released)."""
+        body = json.dumps({**pair.body(1), "kv_transfer_params": {"do_remote_decode": True}})
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(head.encode() + body.encode())
+            time.sleep(seconds)  # the moment this client leaves: the fault, not a wait
+            s.setblocking(False)
+            try:
+                answer = s.recv(1 << 20)
+            except BlockingIOError:
+                return  # nothing yet: gone (the socket closes here)
+            s.setblocking(True)
+            while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < int(
+                    answer.lower().partition(b"content-length: ")[2].split(b"\r\n")[0]):
+                answer += s.recv(1 << 20)
+        # Answered in time: give the lease back as the proxy does when its client left.
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        params = json.loads(answer.partition(b"\r\n\r\n")[2])["kv_transfer_params"]
+        r = httpx.post(pair.p.url + "/v1/kv/release", json={"kv_transfer_params": params},
+                       timeout=10)
+        assert r.status_code == 200, r.text
+        answered.append(1)
+
+    answered: list[int] = []
+    # Leave at every moment of the prefill (a few ms on the tiny model), 4 at a time.
+    delays = [rng.uniform(0.001, 0.08) for _ in range(120)]
+    for i in range(0, len(delays), 4):
+        threads = [threading.Thread(target=leave_after, args=(d,)) for d in delays[i:i + 4]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    # The ledger: a lease expires only if P answered (counted remote_decode) a client
+    # that had left just as the answer went out, which P cannot tell from a delivery;
+    # never a lease of a request P itself saw leave (counted abort): that one is
+    # released at once. Before the fix those were held until they expired.
+    pools_free(pair.p, timeout=6.0)  # 3 lease timeouts: every lease settled
+    after = metrics(pair.p.url)
+
+    def delta(query: str) -> float:
+        return metric(after, query) - metric(before, query)
+
+    expired = delta('kvrelay_leases_released_total{reason="expired"}')
+    answered_unseen = delta('kvrelay_requests_finished_total{reason="remote_decode"}') - sum(
+        answered)
+    assert expired <= answered_unseen, (
+        f"{expired} leases expired, but P answered only {answered_unseen} clients that did "
+        "not get the answer: a lease of a request P saw leave was left to expire")
+    assert delta('kvrelay_leases_released_total{reason="aborted"}') > 0, \
+        "no client left after its lease was made: the test tested nothing"
