@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_TOP_K = 2**31 - 1
+
 
 class InvalidParameter(ValueError):
     """A request parameter is out of range; ``param`` names the field."""
@@ -82,10 +84,11 @@ class SamplingParams:
             f"temperature must be in [0, 2], got {self.temperature}",
         )
         _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        _check(
-            self.top_k == -1 or self.top_k >= 0,
+        _check(  # bounded: a top_k past int64 failed the whole batch's model step
+            self.top_k == -1 or 0 <= self.top_k <= MAX_TOP_K,
             "top_k",
-            f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",
+            f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, "
+            f"got {self.top_k}",
         )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
         _check(

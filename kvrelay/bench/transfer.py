@@ -392,11 +392,11 @@ def nixl_pair(d: Any, peer: Any, remote: list[int], local: list[int],
         assert st.state is TransferState.DONE, st.error
 
     def ref_once() -> None:
-        x = d.agent.read(d._remotes[peer.relay], one_l, one_r, "DRAM", "DRAM")
-        while (st := d.agent.state(x)) is TransferState.PENDING:
+        x, err = d.agent.read(d._remotes[peer.relay], one_l, one_r, "DRAM", "DRAM")
+        while (st := d.agent.state(x))[0] is TransferState.PENDING and not st[1] and not err:
             pass
         d.agent.release(x)
-        assert st is TransferState.DONE, "NIXL's reference READ failed"
+        assert st[0] is TransferState.DONE, f"NIXL's reference READ failed: {err or st[1]}"
 
     once()  # loads P's agent metadata (and connects) before the reference needs it
     return once, ref_once

@@ -21,7 +21,15 @@ make progress, within ``io_timeout``. After a failure to open a connection, the
 messages of the next ``retry_after_s`` get the same answer without a new dial (a
 refusing or unreachable relay is not hammered, and messages do not queue behind
 connect timeouts). A relay's sender thread (and its connection) ends after
-``idle_s`` without a message to send; the next ``send`` starts a new one.
+``idle_s`` without a message to send; the next ``send`` starts a new one. At most
+``max_relays`` relays have a sender at once (params name any relay a client likes):
+a new one retires the least recently used.
+
+Supervision: any exception while sending one message fails that message only (it is
+answered, the connection is dropped and dialled again for the next one); a sender
+that ends for any reason unregisters its peer and answers what was still queued; a
+thread that cannot start fails its message, leaving no peer behind. ``send`` never
+raises into the engine loop.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import OrderedDict
 
 from kvrelay.relay import protocol as P
 from kvrelay.relay.transports.base import PeerInfo
@@ -68,6 +77,7 @@ class RelayClient:
         io_timeout: float = 30.0,
         idle_s: float = 60.0,
         retry_after_s: float = 1.0,
+        max_relays: int = 64,
     ) -> None:
         self.compat = compat
         self.layout = layout
@@ -78,8 +88,13 @@ class RelayClient:
         self.io_timeout = io_timeout
         self.idle_s = idle_s
         self.retry_after_s = retry_after_s
+        if max_relays < 1:
+            raise ValueError(f"max_relays must be >= 1, got {max_relays}")
+        self.max_relays = max_relays
         self.replies: queue.Queue[P.Reply] = queue.Queue()
-        self._peers: dict[str, _Peer] = {}
+        # By relay (host:port, canonical: see remote.canonical_relay), least recently
+        # used first; at most max_relays, so at most 2 * max_relays threads.
+        self._peers: OrderedDict[str, _Peer] = OrderedDict()
         self._lock = threading.Lock()
 
     def open(self, relay: str) -> tuple[socket.socket, PeerInfo]:
@@ -159,18 +174,23 @@ class RelayClient:
         return self.secret is not None or is_local(relay)
 
     def send(self, relay: str, msg: P.Request) -> None:
-        """Queue ``msg`` for ``relay``; never blocks the engine loop on the network.
+        """Queue ``msg`` for ``relay``; never blocks the engine loop on the network, and
+        never raises: a message that cannot even be queued (no thread could start for
+        it) is answered at once like one that could not be delivered.
 
         If no connection can be opened, a synthetic error reply for ``msg.seq`` (code
         ``auth_failed``, ``refused`` or ``unreachable``) is put on ``replies``."""
         with self._lock:  # under the lock: an idle sender cannot retire in between
             p = self._peers.get(relay)
             if p is None:
-                p = self._peers[relay] = _Peer()
-                p.thread = threading.Thread(target=self._send_loop, args=(relay, p),
-                                            daemon=True, name=f"relay-send-{relay}")
-                p.thread.start()
-            p.outbox.put(msg)
+                p = self._start_peer_locked(relay)
+            else:
+                self._peers.move_to_end(relay)
+            if p is not None:
+                p.outbox.put(msg)
+                return
+        self._answer(msg, relay, f"no sender for the prefill relay at {relay}: no thread "
+                     "could be started", P.ErrorCode.UNREACHABLE)
 
     def close(self) -> None:
         with self._lock:
@@ -178,9 +198,10 @@ class RelayClient:
             self._peers.clear()
         for p in peers:
             p.outbox.put(None)
-            if p.sock is not None:
+            sock = p.sock
+            if sock is not None:
                 with contextlib.suppress(OSError):
-                    p.sock.shutdown(socket.SHUT_RDWR)
+                    sock.shutdown(socket.SHUT_RDWR)
 
     @property
     def sender_threads(self) -> int:
@@ -188,41 +209,113 @@ class RelayClient:
             return len(self._peers)
 
     # -- internals -----------------------------------------------------------------
+    def _start_peer_locked(self, relay: str) -> _Peer | None:
+        """A peer for ``relay`` with its sender thread running, registered only once the
+        thread has started (a peer without a thread would queue messages for ever); None
+        when no thread can start. At ``max_relays`` the least recently used peer is
+        retired first, preferring one without a connection (a dead or refusing relay):
+        its thread sends what it has queued, then ends."""
+        if len(self._peers) >= self.max_relays:
+            victim = next((k for k, q in self._peers.items() if q.sock is None),
+                          next(iter(self._peers)))
+            self._peers.pop(victim).outbox.put(None)
+        p = _Peer()
+        p.thread = threading.Thread(target=self._send_loop, args=(relay, p), daemon=True,
+                                    name=f"relay-send-{relay}")
+        try:
+            p.thread.start()
+        except RuntimeError as e:
+            log.warning("relay %s: cannot start a sender thread: %s", relay, e)
+            return None
+        self._peers[relay] = p
+        return p
+
     def _send_loop(self, relay: str, p: _Peer) -> None:
+        """Supervised: whatever fails, fails only the message being sent (and drops the
+        connection); whatever ends the thread, its peer is unregistered and every message
+        still queued for it is answered, so the next ``send`` starts afresh."""
+        try:
+            while (msg := self._next(relay, p)) is not None:
+                try:
+                    self._deliver(relay, p, msg)
+                except Exception as e:  # a bug: fail this message, rebuild the connection
+                    log.exception("relay %s: sending seq %d failed", relay, msg.seq)
+                    self._drop(p, p.sock)
+                    self._answer(msg, relay, f"sending to the prefill relay at {relay} "
+                                 f"failed: {e!r}", P.ErrorCode.UNREACHABLE)
+        finally:
+            self._retire(relay, p)
+
+    def _next(self, relay: str, p: _Peer) -> P.Request | None:
+        """The next message to send; None when told to stop or idle for ``idle_s``."""
         while True:
             try:
-                msg = p.outbox.get(timeout=self.idle_s)
+                return p.outbox.get(timeout=self.idle_s)
             except queue.Empty:
-                with self._lock:
-                    if not p.outbox.empty():
-                        continue
-                    if self._peers.get(relay) is p:  # retire: nothing queued, none can be
-                        del self._peers[relay]
-                break
-            if msg is None:
-                break
-            try:
-                if p.sock is None:
-                    if p.refusal is not None and time.monotonic() < p.retry_at:
-                        raise p.refusal  # it just said no: do not redial per message
-                    try:
-                        sock, p.info = self.open(relay)
-                    except RelayUnavailable as e:
-                        if p.refusal is None or p.refusal.code is not e.code:
-                            log.warning("relay %s: %s (code %s)", relay, e, e.code.value)
-                        p.refusal, p.retry_at = e, time.monotonic() + self.retry_after_s
-                        raise
-                    p.sock, p.refusal = sock, None
-                    threading.Thread(target=self._read_loop, args=(relay, p, sock),
-                                     daemon=True, name=f"relay-read-{relay}").start()
-                p.sock.sendall(P.encode(msg))
-            except RelayUnavailable as e:
-                # Tell the receiver at once: not delivered, and why.
-                self.replies.put(P.Reply(msg.seq, "error", error=str(e), code=e.code.value,
-                                         relay=relay))
-            except OSError:
-                self._drop(p, p.sock)
+                with self._lock:  # retire here: no send() can queue behind our back
+                    if p.outbox.empty():
+                        if self._peers.get(relay) is p:
+                            del self._peers[relay]
+                        return None
+
+    def _retire(self, relay: str, p: _Peer) -> None:
+        with self._lock:  # no send() can reach p after this
+            if self._peers.get(relay) is p:
+                del self._peers[relay]
         self._drop(p, p.sock)
+        while True:
+            try:
+                msg = p.outbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg is not None:
+                self._answer(msg, relay, f"the sender for the prefill relay at {relay} "
+                             "stopped", P.ErrorCode.UNREACHABLE)
+
+    def _deliver(self, relay: str, p: _Peer, msg: P.Request) -> None:
+        try:
+            frame = P.encode(msg)
+        except P.ProtocolError as e:  # e.g. over MAX_FRAME: this message can never go
+            self._answer(msg, relay, f"cannot send to the prefill relay at {relay}: {e}",
+                         P.ErrorCode.BAD_FRAME)
+            return
+        try:
+            sock = self._connection(relay, p)
+        except RelayUnavailable as e:
+            # Tell the receiver at once: not delivered, and why.
+            self._answer(msg, relay, str(e), e.code)
+            return
+        try:
+            sock.sendall(frame)  # ``sock``, not ``p.sock``: the reader may drop it anytime
+        except OSError:
+            self._drop(p, sock)  # the message is lost: the receiver retransmits
+
+    def _connection(self, relay: str, p: _Peer) -> socket.socket:
+        """The peer's open control connection, dialled (and its reader started) if none;
+        raises ``RelayUnavailable``."""
+        sock = p.sock
+        if sock is not None:
+            return sock
+        if p.refusal is not None and time.monotonic() < p.retry_at:
+            raise p.refusal  # it just said no: do not redial per message
+        try:
+            sock, p.info = self.open(relay)
+        except RelayUnavailable as e:
+            if p.refusal is None or p.refusal.code is not e.code:
+                log.warning("relay %s: %s (code %s)", relay, e, e.code.value)
+            p.refusal, p.retry_at = e, time.monotonic() + self.retry_after_s
+            raise
+        p.sock, p.refusal = sock, None
+        try:
+            threading.Thread(target=self._read_loop, args=(relay, p, sock), daemon=True,
+                             name=f"relay-read-{relay}").start()
+        except RuntimeError as e:  # a connection nobody reads is of no use
+            self._drop(p, sock)
+            raise RelayUnavailable(f"cannot read from the prefill relay at {relay}: {e}") from e
+        return sock
+
+    def _answer(self, msg: P.Request, relay: str, error: str, code: P.ErrorCode) -> None:
+        self.replies.put(P.Reply(msg.seq, "error", error=error, code=code.value, relay=relay))
 
     def _read_loop(self, relay: str, p: _Peer, sock: socket.socket) -> None:
         try:
@@ -235,7 +328,10 @@ class RelayClient:
                     self.replies.put(msg)
         except (OSError, ConnectionError, P.ProtocolError):
             pass
-        self._drop(p, sock)
+        except Exception:  # a bug: this connection ends, the sender dials a new one
+            log.exception("relay %s: reading replies failed", relay)
+        finally:
+            self._drop(p, sock)
 
     @staticmethod
     def _drop(p: _Peer, sock: socket.socket | None) -> None:

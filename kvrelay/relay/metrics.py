@@ -13,7 +13,8 @@ counters are totals since start.
                                            the lease, refused (lease released under the
                                            copy, or a block's generation changed); D:
                                            copies discarded for want of a done verdict
-    kvrelay_kv_transfer_bytes_total        counter: KV bytes served (P, tcp) / received (D)
+    kvrelay_kv_transfer_bytes_total{transport} counter: KV bytes served (P, tcp) / received (D)
+    kvrelay_kv_transfers_total{transport}  counter: completed pulls (D)
     kvrelay_kv_pull_skipped_blocks_total   counter: lease blocks not pulled because the
                                            decode engine had them in its prefix cache
                                            (P: released at ACQUIRE; D: shared locally)
@@ -76,8 +77,10 @@ def prefill_metrics(table: LeaseTable, server: RelayServer | None = None) -> lis
     if server is not None:
         s = server.stats
         out += [
-            _counter("kvrelay_kv_transfer_bytes", "KV bytes served to decode engines over tcp",
-                     s.bytes_sent),
+            Family("kvrelay_kv_transfer_bytes", "counter",
+                   "KV bytes served to decode engines, by transport (P serves tcp only: "
+                   "shm, cuda_ipc and nixl reads are one-sided)", ("transport",),
+                   {("tcp",): float(s.bytes_sent)}),
             _counter("kvrelay_relay_protocol_errors",
                      "Relay frames refused as malformed, oversized or out of order",
                      s.protocol_errors),
@@ -105,8 +108,12 @@ def decode_metrics(receiver: Receiver) -> list[Family]:
         cumulative += n
         buckets.append((bound, float(cumulative)))
     return [
-        _counter("kvrelay_kv_transfer_bytes", "KV bytes received from prefill engines",
-                 st.transfer_bytes),
+        Family("kvrelay_kv_transfer_bytes", "counter",
+               "KV bytes received from prefill engines, by the transport that carried them",
+               ("transport",), {(t,): float(n) for t, n in sorted(st.bytes_by_transport.items())}),
+        Family("kvrelay_kv_transfers", "counter",
+               "Completed KV pulls, by the transport that carried them", ("transport",),
+               {(t,): float(n) for t, n in sorted(st.pulls_by_transport.items())}),
         Family("kvrelay_kv_transfer_seconds", "histogram",
                "Duration of completed KV pulls, from the transfer's start to its last byte",
                buckets=buckets, total=st.transfer_seconds_sum),

@@ -5,7 +5,8 @@ One ``Load`` per remote request attempt, in explicit phases (``PHASE_TRANSITIONS
     ADMITTING   queued in the engine; no blocks yet
     ACQUIRING   WAITING_FOR_KV: blocks allocated, ACQUIRE sent
     COPYING     LOADING: the transport writes into our blocks; heartbeats renew the lease
-    DRAINING    aborted or failed while copying: the transport may still write, so
+    DRAINING    aborted or failed while copying (a transfer that failed but may still
+                write polls PENDING with an error): the transport may still write, so
                 the blocks stay until poll() says it stopped, or until ``drain_timeout``
                 passes: then they move to a quarantine owner (never reused while a
                 copy may write; they return when the transport finally reports)
@@ -143,6 +144,10 @@ TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 @dataclass
 class ReceiverStats:
     transfer_bytes: int = 0
+    # Completed pulls and their bytes by the transport that carried them (auto and
+    # cuda_ipc name the one they chose: shm, cuda_ipc or tcp).
+    bytes_by_transport: dict[str, int] = field(default_factory=dict)
+    pulls_by_transport: dict[str, int] = field(default_factory=dict)
     # Completed pulls by duration: a count per TRANSFER_SECONDS_BUCKETS bound.
     transfer_seconds_buckets: list[int] = field(
         default_factory=lambda: [0] * len(TRANSFER_SECONDS_BUCKETS))
@@ -391,12 +396,19 @@ class Receiver:
     def _poll(self, load: Load, now: float) -> None:
         status = self.transport.poll(load.handle)
         if status.state is TransferState.PENDING:
+            if status.error and load.phase is Phase.COPYING:
+                # Failed, but it may still write (a NIXL READ with a failed part): fall
+                # back now; its blocks stay quarantined until the transport says it ended.
+                self._stop_copy(load, "transfer_failed", now)
             return
         del self._transfers[load.request_id]
         rid = load.request_id
         if load.phase is Phase.COPYING and status.state is TransferState.DONE:
             self.stats.transfer_bytes += status.nbytes
             st = self.stats
+            name = self._transport_name(load.handle)
+            st.bytes_by_transport[name] = st.bytes_by_transport.get(name, 0) + status.nbytes
+            st.pulls_by_transport[name] = st.pulls_by_transport.get(name, 0) + 1
             st.transfer_seconds_sum += status.seconds
             st.transfer_seconds_buckets[bisect.bisect_left(TRANSFER_SECONDS_BUCKETS,
                                                            status.seconds)] += 1
@@ -470,6 +482,13 @@ class Receiver:
         self._finish_load(load)
 
     # -- helpers -------------------------------------------------------------------
+    def _transport_name(self, handle: Any) -> str:
+        """The transport that carried ``handle``: a transport that chooses per peer
+        (auto, cuda_ipc with its fallback) says which with ``name_of``."""
+        name_of = getattr(self.transport, "name_of", None)
+        return str(name_of(handle)) if name_of is not None else str(
+            getattr(self.transport, "name", "unknown"))
+
     def _stop_copy(self, load: Load, reason: str, now: float) -> None:
         """The copy failed (lease lost, timeout, P unreachable). The request does not
         wait for the transport to stop writing: if it has not stopped at once, its

@@ -18,11 +18,13 @@ first byte arrived, must complete within ``frame_timeout``; an authenticated
 connection on which no frame starts for ``idle_timeout`` is closed (the client
 reconnects when it next needs to); a reply or a READ stream the peer does not take
 within ``send_timeout`` ends the connection. ``max_connections_per_address`` caps
-one peer address under the global ``max_connections``. When every slot is taken,
-a new connection evicts the oldest connection still in its handshake (so peers
-sitting in the handshake cannot lock out a decode engine that knows the secret);
-if none is in its handshake it is refused. A refused connection is answered with
-an error Reply (code ``refused``) instead of the challenge, then closed.
+one peer address under the global ``max_connections``. When every slot is taken
+(the address's or all of them), a new connection evicts the oldest connection still
+in its handshake that counts against that cap (so peers sitting in the handshake
+cannot lock out a decode engine that knows the secret, even one on their own
+address: a NAT, the same host); if none is in its handshake it is refused. A
+refused connection is answered with an error Reply (code ``refused``) instead of
+the challenge, then closed.
 """
 
 from __future__ import annotations
@@ -148,7 +150,8 @@ class RelayServer:
         # handshake in accept order (the eviction order). Guarded by _conns_lock.
         self._conns: dict[socket.socket, _Conn] = {}
         self._per_address: dict[str, int] = {}
-        self._handshaking: OrderedDict[socket.socket, None] = OrderedDict()
+        self._handshaking: OrderedDict[socket.socket, None] = OrderedDict()  # oldest first
+        self._handshaking_from: dict[str, OrderedDict[socket.socket, None]] = {}
         self._conns_lock = threading.Lock()
         self._stats_lock = threading.Lock()  # counters bumped by connection threads
         self._last_warning: dict[str, float] = {}
@@ -260,36 +263,57 @@ class RelayServer:
                 st = self._conns.get(conn)
                 if st is not None:
                     st.thread = t
-            t.start()
+            try:
+                t.start()
+            except RuntimeError as e:  # no room for a thread: this connection only
+                with self._conns_lock:
+                    self._forget_locked(conn)
+                self._refuse(conn, address, f"the relay cannot serve a connection now: {e}")
 
     def _admit(self, conn: socket.socket, address: str) -> str:
-        """Take a slot for ``conn``; '' when admitted, else why it is refused."""
+        """Take a slot for ``conn``; '' when admitted, else why it is refused. A full cap
+        (the address's, then the global one) first evicts the oldest connection still in
+        its handshake that counts against it: peers sitting in the handshake never lock
+        out a decode engine that knows the secret, not even from their own address."""
         cfg = self.config
-        victim: socket.socket | None = None
+        victims: list[socket.socket] = []
         with self._conns_lock:
             if self._per_address.get(address, 0) >= cfg.max_connections_per_address:
-                self.stats.refused_per_address += 1
-                return (f"too many connections from {address} "
-                        f"(max_connections_per_address={cfg.max_connections_per_address})")
+                mine = self._handshaking_from.get(address)
+                if not mine:
+                    self.stats.refused_per_address += 1
+                    return (f"too many connections from {address} (max_connections_per_"
+                            f"address={cfg.max_connections_per_address})")
+                victims.append(next(iter(mine)))
+                self._forget_locked(victims[-1])
             if len(self._conns) >= cfg.max_connections:
                 if not self._handshaking:
                     return f"the relay is at max_connections={cfg.max_connections}"
-                victim = next(iter(self._handshaking))
-                self._forget_locked(victim)
+                victims.append(next(iter(self._handshaking)))
+                self._forget_locked(victims[-1])
             self._conns[conn] = _Conn(address)
             self._per_address[address] = self._per_address.get(address, 0) + 1
             self._handshaking[conn] = None
-        if victim is not None:
+            self._handshaking_from.setdefault(address, OrderedDict())[conn] = None
+        for victim in victims:
             self.stats.evicted += 1
             with contextlib.suppress(OSError):  # its thread sees EOF and ends
                 victim.shutdown(socket.SHUT_RDWR)
         return ""
 
+    def _handshake_done_locked(self, conn: socket.socket, address: str) -> None:
+        self._handshaking.pop(conn, None)
+        mine = self._handshaking_from.get(address)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self._handshaking_from[address]
+
     def _forget_locked(self, conn: socket.socket) -> None:
         st = self._conns.pop(conn, None)
         if st is None:
             return
-        self._handshaking.pop(conn, None)
+        self._handshake_done_locked(conn, st.address)
         n = self._per_address[st.address] - 1
         if n:
             self._per_address[st.address] = n
@@ -327,8 +351,6 @@ class RelayServer:
             # Bounds every send call; reads wait with poll(2) against their own deadlines.
             P.kernel_timeouts(conn, cfg.send_timeout)
             hello = self._handshake(conn, address)
-            with self._conns_lock:
-                self._handshaking.pop(conn, None)
             while not self._stop.is_set():
                 msg = P.recv_frame(conn, start_by=time.monotonic() + cfg.idle_timeout,
                                    frame_timeout=cfg.frame_timeout)
@@ -390,6 +412,8 @@ class RelayServer:
             )
         proof = (P.relay_proof(cfg.secret, nonce, hello, self.relay.address)
                  if cfg.secret is not None else b"")
+        with self._conns_lock:  # before the answer: the peer may dial again at once
+            self._handshake_done_locked(conn, address)
         conn.sendall(P.encode(P.Reply(hello.seq, "ok", engine_id=self.table.engine_id,
                                       transport=cfg.transports[hello.transport], mac=proof)))
         return hello

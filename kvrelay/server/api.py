@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -40,6 +39,7 @@ from kvrelay.server.protocol import (
     LogprobFormatter,
     bad_request,
     install_error_handlers,
+    load_json,
     new_id,
     now,
     parse_body,
@@ -182,8 +182,9 @@ class _Handlers:
         self._check_auth(request)
         if self.state.release_lease is None:
             raise ApiError(404, "this engine holds no leases (it is not --role prefill)")
+        body = load_json(await read_body(request))  # a 400 for bad or too deep JSON
         try:
-            params = json.loads(await read_body(request))["kv_transfer_params"]
+            params = body["kv_transfer_params"]
             engine_id, lease_id = str(params["engine_id"]), str(params["lease_id"])
         except (ValueError, KeyError, TypeError) as exc:
             raise bad_request("kv_transfer_params", f"expected {{'kv_transfer_params': "
@@ -215,6 +216,7 @@ class _Handlers:
         release = self.state.release_lease
         if release is None:
             return
+        await self.state.loop.settled()  # the aborts applied, every lease output queued
         for params in gen.drain_leases():
             with contextlib.suppress(Exception):  # a lease already gone: nothing to do
                 await asyncio.to_thread(release, str(params["engine_id"]),

@@ -252,10 +252,12 @@ def server_metrics(base_url: str, names: tuple[str, ...]) -> dict[str, float]:
     values: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        # Engine series carry model_name; the names asked for leave it out.
-        name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "").replace(",}", "}")
+        # Engine series carry model_name, transfers their transport; the names asked
+        # for leave them out (summed over them).
+        name = re.sub(r'(model_name|transport)="[^"]*",?', "", name).replace(
+            "{}", "").replace(",}", "}")
         if name in names:
-            values[name] = float(value)
+            values[name] = values.get(name, 0.0) + float(value)
     return values
 
 

@@ -71,7 +71,12 @@ class _Drain:
     pass
 
 
-_Command = _Add | _Abort | _Stop | _Drain
+@dataclass(slots=True)
+class _Barrier:
+    done: asyncio.Future[None]
+
+
+_Command = _Add | _Abort | _Stop | _Drain | _Barrier
 
 
 @dataclass
@@ -184,6 +189,16 @@ class EngineLoop:
         self.stats.aborts_sent += 1
         self._commands.put(_Abort(request_id, reason))
 
+    async def settled(self) -> None:
+        """Returns once the loop thread has applied every command sent before (aborts
+        included) and every output it produced until then has reached its queue (one
+        ``call_soon_threadsafe`` order). At once when the loop is not running."""
+        if not self.alive:
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._commands.put(_Barrier(done))
+        await done
+
     def drain(self) -> None:
         """Refuse new requests and abort every request in the engine (finish reason
         abort): the handlers then end their responses normally. Used when a graceful
@@ -277,6 +292,8 @@ class EngineLoop:
         elif isinstance(cmd, _Drain):
             self._draining = True
             self._abort_all()
+        elif isinstance(cmd, _Barrier):
+            self._call_async(_settle, cmd.done, None)
         else:
             self._stopping = True
 

@@ -203,11 +203,13 @@ class Generation:
 
     # -- internals --------------------------------------------------------------------
     def _apply(self, out: RequestOutput) -> Delta | None:
+        if out.kv_transfer_params is not None:
+            # Kept even for a choice already given up (its client left as P finished):
+            # the lease is made all the same, and only this handler can give it back.
+            self._leases.append(out.kv_transfer_params)
         choice = self._choices.get(out.request_id)
         if choice is None or choice.finish_reason is not None:
             return None  # e.g. the abort that follows a stop-string match
-        if out.kv_transfer_params is not None:
-            self._leases.append(out.kv_transfer_params)
         if not choice.queue_observed and out.scheduled_at is not None:
             choice.queue_observed = True
             self.metrics.queue_time.observe(max(0.0, out.scheduled_at - choice.queued_at))

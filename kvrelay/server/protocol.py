@@ -305,11 +305,11 @@ def load_json(raw: bytes) -> dict[str, Any]:
     them), strings with a lone surrogate (not text: no tokenizer or encoder takes them)."""
     try:
         data = json.loads(raw, parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise bad_request(None, f"the request body is not valid JSON: {exc}") from exc
     except _NotANumber as exc:
         raise bad_request(None, f"the request body is not valid JSON: {exc} is not a JSON "
                           "number (use null or a finite number)") from exc
+    except (ValueError, RecursionError) as exc:  # ValueError: also an int of >4300 digits
+        raise bad_request(None, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise bad_request(None, "the request body must be a JSON object")
     _check_strings(data)

@@ -185,6 +185,35 @@ def test_authenticated_decode_is_served_while_peers_sit_in_the_handshake(node: N
     wait_open(node, 0)
 
 
+def test_handshakes_from_one_address_cannot_lock_out_a_decode_engine_there() -> None:
+    """Bug (issue 21): at the per-address cap (64) a connection was refused outright;
+    only at the global cap was the oldest handshake evicted. So 64 unauthenticated
+    connections from 127.0.0.1 (the same host, a NAT) locked out a decode engine there
+    that knows the secret: "too many connections from 127.0.0.1". Now the oldest
+    handshake from that address gives way."""
+    n = Node("--secret", SECRET, "--handshake-timeout", "20")  # default caps: 256, 64
+    sitting: list[socket.socket] = []
+    try:
+        for _ in range(64):
+            s, first = dial(n.addr, "127.0.0.1")
+            assert isinstance(first, P.Challenge), first
+            sitting.append(s)  # says nothing: sits in the handshake
+        before = n.server_stats()
+        assert before["open"] == 64
+        sock, peer = d_client().open(f"{n.addr[0]}:{n.addr[1]}")
+        with sock:
+            assert peer.engine_id
+            after = n.server_stats()
+            assert after["evicted"] - before["evicted"] == 1
+            assert after["refused_per_address"] == before["refused_per_address"]
+            assert after["open"] == 64
+        assert closed_with_error(sitting[0]) == "closed"  # the oldest one gave way
+    finally:
+        for s in sitting:
+            s.close()
+        n.close()
+
+
 def test_a_killed_prefill_groups_shm_segment_is_swept_by_the_next_prefill() -> None:
     """Bug: when P's resource tracker died with P (process group or container killed)
     its /dev/shm/kvrelay-* segment stayed for good."""

@@ -22,6 +22,41 @@ def test_metrics_after_a_handover_and_an_expiry() -> None:
     assert p["kvrelay_leases_released_total"][("expired",)] == 1.0
     assert p["kvrelay_relay_stale_messages_total"][()] == 1.0
     d = as_dict(decode_metrics(pair.rx))
-    assert d["kvrelay_kv_transfer_bytes_total"][()] > 0
+    name = pair.rx.transport.name  # issue 21: transfers are labelled by their transport
+    assert set(d["kvrelay_kv_transfer_bytes_total"]) == {(name,)}
+    assert d["kvrelay_kv_transfer_bytes_total"][(name,)] == pair.rx.stats.transfer_bytes > 0
+    assert d["kvrelay_kv_transfers_total"] == {(name,): 1.0}
     assert d["kvrelay_kv_transfer_seconds_count"][()] == 1.0
     assert d["kvrelay_kv_load_fallbacks_total"] == {}
+
+
+def test_transfers_are_labelled_by_the_transport_auto_chose() -> None:
+    """Issue 21: an operator sees which transport carried the bytes. With auto, a
+    prefill engine on this host is pulled over shm (tcp for one elsewhere)."""
+    import time
+
+    from kvrelay.relay.transports.auto import AutoLink, AutoTransport
+    from kvrelay.relay.transports.shm import ShmTransport
+    from kvrelay.relay.transports.tcp import TcpTransport
+    from kvrelay.sampling_params import SamplingParams
+    from tests.unit.test_relay_roundtrip import Decode, Prefill
+
+    p, d = Prefill(), Decode("shm")
+    try:
+        tcp_client = type(d.client)(compat=d.client.compat, transport="tcp", client_id="d-1")
+        d.receiver.link = AutoLink(d.client, tcp_client)
+        d.receiver.transport = AutoTransport(ShmTransport(d.kv),
+                                             TcpTransport(d.kv, connect=tcp_client.open_data))
+        for i in range(2):
+            prompt, params = list(range(1, 9 + i)), SamplingParams(max_tokens=3, seed=i)
+            d.receiver.submit(f"r{i}", prompt, params, p.prefill(f"r{i}", prompt, params),
+                              time.monotonic())
+        d.run()
+        m = as_dict(decode_metrics(d.receiver))
+        assert m["kvrelay_kv_transfers_total"] == {("shm",): 2.0}
+        assert m["kvrelay_kv_transfer_bytes_total"] == {
+            ("shm",): float(d.receiver.stats.transfer_bytes)}
+        tcp_client.close()
+    finally:
+        d.close()
+        p.close()

@@ -12,6 +12,7 @@ from kvrelay.sampling_params import InvalidParameter, SamplingParams
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),  # issue 21: failed the whole batch's model step
         ({"min_p": 1.2}, "min_p"),
         ({"logprobs": 21}, "logprobs"),
         ({"stop": [""]}, "stop"),

@@ -247,6 +247,9 @@ def test_hostile_bodies(url: str) -> None:
     assert r.status_code == 400
     r = httpx.post(url + CMPL, content=b" " * (17 * 1024 * 1024))
     assert r.status_code == 413
+    # Issue 21: an integer of more digits than int() takes was a 500.
+    r = httpx.post(url + CMPL, content=b'{"max_tokens": ' + b"9" * 5000 + b"}")
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 
 
 def test_server_survives_bad_input(url: str) -> None:

@@ -45,6 +45,12 @@ class AutoTransport:
         t = self.local if is_local(peer.relay) else self.remote
         return t, t.read(peer, lease_id, holder, remote_blocks, local_blocks, attempt=attempt)
 
+    def name_of(self, handle: tuple[Transport, Any]) -> str:
+        """The transport that carries ``handle`` (for the per-transport metrics)."""
+        t, h = handle
+        name_of = getattr(t, "name_of", None)
+        return str(name_of(h)) if name_of is not None else str(getattr(t, "name", "unknown"))
+
     def poll(self, handle: tuple[Transport, Any]) -> TransferStatus:
         return handle[0].poll(handle[1])
 

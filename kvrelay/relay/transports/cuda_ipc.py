@@ -221,6 +221,12 @@ class CudaIpcTransport:
                                                      local_blocks, attempt=attempt))
         return self._copy(p.remote, list(remote_blocks), list(local_blocks))
 
+    def name_of(self, handle: Any) -> str:
+        """cuda_ipc, or the fallback's name for a read that went to it (metrics)."""
+        if isinstance(handle, FallbackHandle):
+            return str(getattr(self.fallback, "name", "fallback"))
+        return self.name
+
     def poll(self, handle: Any) -> TransferStatus:
         if isinstance(handle, FallbackHandle):
             assert self.fallback is not None

@@ -21,7 +21,13 @@ readable by any agent that has P's metadata, which only an authenticated HELLO g
 D reads only the blocks of a lease it holds (the ACQUIRE reply's block ids), and the
 fence at RELEASE (lease.py) decides whether the copy counts. A handle that polls DONE
 or FAILED never writes again: a cancelled READ that was posted is FAILED only once NIXL
-reports it ended (NIXL's release of a READ in flight does not stop its writes).
+reports it ended (NIXL's release of a READ in flight does not stop its writes), and
+so is one that failed: NIXL reports an error as soon as one part fails, while the
+others may still be landing, so a failed READ polls PENDING with its ``error`` until
+NIXL says the whole READ completed; the receiver falls back at once and quarantines
+its blocks until then (``kvrelay_kv_quarantined_blocks``). If NIXL never says so, they
+stay quarantined: lost capacity that the metric shows, never a block reused under a
+write.
 
 NIXL's Python wrapper starts its progress thread with no idle delay, which keeps a core
 busy polling; the agent here is built on NIXL's bindings with a progress thread that
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import secrets
 import threading
@@ -49,6 +56,8 @@ from kvrelay.relay.transports.base import (
     injected_delay,
     runs,
 )
+
+log = logging.getLogger(__name__)
 
 PROGRESS_DELAY_US = int(os.environ.get("KVRELAY_NIXL_PROGRESS_DELAY_US", "200"))
 INSTALL_HINT = (
@@ -148,38 +157,41 @@ class NixlAgent:
             self.agent.invalidateRemoteMD(name)
 
     def read(self, remote_agent: str, local: np.ndarray, remote: np.ndarray, mem: str,
-             remote_mem: str) -> int:
+             remote_mem: str) -> tuple[int, str]:
         """Create and post one READ of ``remote`` rows into ``local`` rows (N x 3 uint64:
-        address, bytes, device). Returns the transfer handle."""
+        address, bytes, device). Returns the transfer handle and '' or, when posting
+        failed, why: a post that failed may have posted some parts (NIXL posts one
+        request per part), so the handle is kept and polled like any other."""
         b = self.b
         ldl = b.nixlXferDList(self.mems[mem], local)
         rdl = b.nixlXferDList(self.mems[remote_mem], remote)
-        with self._call("creating the READ"):
+        with self._call("creating the READ"):  # nothing posted yet if this fails
             handle = int(self.agent.createXferReq(b.NIXL_READ, ldl, rdl, remote_agent, b"",
                                                   []))
         try:
             with self._call("posting the READ"):
                 status = self.agent.postXferReq(handle, b"")
-        except NixlError:
-            self.release(handle)
-            raise
+        except NixlError as e:
+            return handle, str(e)
         if status not in (b.NIXL_SUCCESS, b.NIXL_IN_PROG):
-            self.release(handle)
-            raise NixlError(f"NIXL refused the READ (status {status})")
-        return handle
+            return handle, f"NIXL refused the READ (status {status})"
+        return handle, ""
 
-    def state(self, handle: int) -> TransferState:
+    def state(self, handle: int) -> tuple[TransferState, str]:
+        """DONE only when NIXL says the whole READ completed. An error (a status, or
+        an exception asking) is PENDING with the error: NIXL reports a failed part
+        while other parts may still be landing, so the READ may still write."""
         b = self.b
         try:
             with self._call("transfer status"):
                 status = self.agent.getXferStatus(handle)
-        except NixlError:
-            return TransferState.FAILED
+        except NixlError as e:
+            return TransferState.PENDING, str(e)
         if status == b.NIXL_SUCCESS:
-            return TransferState.DONE
+            return TransferState.DONE, ""
         if status == b.NIXL_IN_PROG:
-            return TransferState.PENDING
-        return TransferState.FAILED
+            return TransferState.PENDING, ""
+        return TransferState.PENDING, f"NIXL reported status {status}"
 
     def release(self, handle: int) -> bool:
         """Release a transfer; for one still in progress NIXL tries to cancel it.
@@ -213,6 +225,7 @@ class NixlHandle:
     cancelled: bool = False
     status: TransferStatus | None = None  # final once set
     descriptors: int = 0
+    error: str = ""  # the READ failed, but may still write until NIXL says it ended
 
 
 class NixlTransport:
@@ -264,6 +277,10 @@ class NixlTransport:
         return h
 
     def poll(self, h: NixlHandle) -> TransferStatus:
+        """Final (DONE or FAILED) only once NIXL said the whole READ completed and it was
+        released. A READ that failed is PENDING with ``error`` set until then: the
+        receiver falls back at once and keeps its blocks quarantined, never reused
+        while a part may still write into them."""
         if h.status is not None:
             return h.status
         assert self.agent is not None
@@ -277,24 +294,26 @@ class NixlTransport:
                 if h.status is not None:
                     return h.status
                 assert h.xfer is not None
-            state = self.agent.state(h.xfer)
+            state, err = self.agent.state(h.xfer)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            state, err = TransferState.FAILED, f"nixl transfer failed: {e}"
-        else:
-            err = "nixl transfer failed: NIXL reported an error"
+            state, err = TransferState.PENDING, str(e)  # unknown: it may still write
+        if err and not h.error:
+            h.error = f"nixl transfer failed: {err}"
+            log.warning("%s; its blocks stay quarantined until NIXL reports the READ "
+                        "complete", h.error)
         if state is TransferState.PENDING:
             # Even when cancelled: releasing a READ in flight does not stop it (measured
             # over UCX tcp: NIXL accepted the release and bytes kept landing for tens of
-            # ms), so a cancelled READ is drained to its end, never cut short.
-            return TransferStatus(TransferState.PENDING)
+            # ms), so a cancelled or failed READ is drained to its end, never cut short.
+            return TransferStatus(TransferState.PENDING, error=h.error)
         if h.xfer is not None and not self.agent.release(h.xfer):
-            return TransferStatus(TransferState.PENDING)
+            return TransferStatus(TransferState.PENDING, error=h.error)
         h.xfer = None
         if h.cancelled:
             return self._end(h, TransferState.FAILED, "nixl transfer cancelled")
-        if state is TransferState.DONE:
-            return self._end(h, TransferState.DONE)
-        return self._end(h, TransferState.FAILED, err)
+        if h.error:
+            return self._end(h, TransferState.FAILED, h.error)
+        return self._end(h, TransferState.DONE)
 
     def cancel(self, h: NixlHandle) -> None:
         h.cancelled = True
@@ -360,10 +379,13 @@ class NixlTransport:
             return
         h.started = time.perf_counter()
         try:
-            h.xfer = self.agent.read(h.remote_agent, h.local, h.remote, self.local[3],
-                                     h.remote_mem)
-        except (ConnectionError, RuntimeError, ValueError) as e:
+            h.xfer, err = self.agent.read(h.remote_agent, h.local, h.remote, self.local[3],
+                                          h.remote_mem)
+        except (ConnectionError, RuntimeError, ValueError) as e:  # nothing was posted
             h.status = TransferStatus(TransferState.FAILED, error=f"nixl transfer failed: {e}")
+            return
+        if err:  # some parts may have been posted: polled until NIXL says they ended
+            h.error = f"nixl transfer failed: {err}"
 
     def _end(self, h: NixlHandle, state: TransferState, error: str = "") -> TransferStatus:
         h.status = TransferStatus(

@@ -141,23 +141,33 @@ class TcpTransport:
 
     def __init__(self, kv_cache: Any = None, connect: Connector | None = None, *,
                  io_timeout: float = 30.0, max_per_relay: int = 16,
-                 staging: bool | None = None) -> None:
+                 staging: bool | None = None, max_idle: int = 32,
+                 idle_s: float = 30.0) -> None:
         """``io_timeout``: the longest a data socket waits for any progress (a reply, a
         byte of the stream, room to send); the server wires it from --lease-timeout so
         a P frozen mid-copy fails the transfer well within the lease timeout.
-        ``staging``: stage through host buffers (default: for a cache on a device)."""
+        ``staging``: stage through host buffers (default: for a cache on a device).
+        ``max_idle``, ``idle_s``: at most that many pooled data sockets in all, each
+        closed after that long unused (whichever relay asks next: a relay never named
+        again keeps none for ever)."""
         if not io_timeout > 0:
             raise ValueError(f"io_timeout must be > 0, got {io_timeout}")
         self.staging = staging
         self.blocks = block_io(kv_cache, staging) if kv_cache is not None else None
         self.connect = connect
         self.io_timeout = io_timeout
-        self._idle: dict[str, list[socket.socket]] = {}
+        # Pooled data sockets by relay (canonical host:port), each with the time it
+        # was given back; at most max_idle in all, none older than idle_s.
+        self._idle: dict[str, list[tuple[socket.socket, float]]] = {}
+        self._num_idle = 0
+        self.max_idle, self.idle_s = max_idle, idle_s
         # At most max_per_relay transfers (so data connections) per relay at once: well
         # under the relay's per-address cap (64), however many loads D runs; the rest
         # wait their turn (cancellable), their leases heartbeated meanwhile.
         self.max_per_relay = max_per_relay
-        self._slots: dict[str, threading.BoundedSemaphore] = {}
+        # Per relay: its semaphore and how many transfers use it (the entry goes with
+        # the last one, so relays named once leave nothing behind).
+        self._slots: dict[str, tuple[threading.BoundedSemaphore, int]] = {}
         self._lock = threading.Lock()
         self._seq = 0
         self.delay = injected_delay()
@@ -196,16 +206,15 @@ class TcpTransport:
     def close(self) -> None:
         with self._lock:
             for conns in self._idle.values():
-                for c in conns:
+                for c, _ in conns:
                     c.close()
             self._idle.clear()
+            self._num_idle = 0
 
     def _run(self, h: TcpHandle, peer: PeerInfo, lease_id: str, holder: str, attempt: str,
              remote: list[int], local: list[int]) -> None:
         sock: socket.socket | None = None
-        with self._lock:
-            slot = self._slots.setdefault(peer.relay,
-                                          threading.BoundedSemaphore(self.max_per_relay))
+        slot = self._enter_slot(peer.relay)
         slotted = False
         try:
             assert self.blocks is not None and self.connect is not None
@@ -266,6 +275,7 @@ class TcpTransport:
                 sock.close()
             if slotted:
                 slot.release()
+            self._leave_slot(peer.relay)
             if h.status.state is TransferState.PENDING:  # BaseException: still never hang
                 h.status = TransferStatus(TransferState.FAILED,
                                           error="tcp transfer failed: reader interrupted")
@@ -276,13 +286,33 @@ class TcpTransport:
         assert self.blocks is not None
         self.blocks.recv(sock, local, cancelled)
 
+    def _enter_slot(self, relay: str) -> threading.BoundedSemaphore:
+        with self._lock:
+            slot, users = self._slots.get(relay) or (
+                threading.BoundedSemaphore(self.max_per_relay), 0)
+            self._slots[relay] = (slot, users + 1)
+            return slot
+
+    def _leave_slot(self, relay: str) -> None:
+        with self._lock:
+            slot, users = self._slots[relay]
+            if users > 1:
+                self._slots[relay] = (slot, users - 1)
+            else:
+                del self._slots[relay]
+
     def _take(self, relay: str, fresh: bool = False) -> tuple[socket.socket, bool]:
         """A data connection to ``relay`` and whether it came from the pool. Pooled
         sockets P has closed (idle timeout) or written to unasked are dropped."""
         while not fresh:
             with self._lock:
+                self._evict_idle_locked(time.monotonic(), room=0)
                 idle = self._idle.get(relay)
-                sock = idle.pop() if idle else None
+                sock = idle.pop()[0] if idle else None
+                if sock is not None:
+                    self._num_idle -= 1
+                    if not idle:
+                        del self._idle[relay]
             if sock is None:
                 break
             if _still_quiet(sock):
@@ -293,7 +323,31 @@ class TcpTransport:
 
     def _give_back(self, relay: str, sock: socket.socket) -> None:
         with self._lock:
-            self._idle.setdefault(relay, []).append(sock)
+            self._evict_idle_locked(time.monotonic(), room=1)
+            self._idle.setdefault(relay, []).append((sock, time.monotonic()))
+            self._num_idle += 1
+
+    def _evict_idle_locked(self, now: float, room: int) -> None:
+        """Close pooled sockets unused for ``idle_s``, then the oldest ones until ``room``
+        more fit under ``max_idle``. O(max_idle): the pool is small and bounded."""
+        for relay in list(self._idle):
+            conns = self._idle[relay]
+            keep = [(c, t) for c, t in conns if now - t < self.idle_s]
+            for c, t in conns:
+                if now - t >= self.idle_s:
+                    close_quietly(c)
+            self._num_idle -= len(conns) - len(keep)
+            if keep:
+                self._idle[relay] = keep
+            else:
+                del self._idle[relay]
+        while self._idle and self._num_idle + room > self.max_idle:
+            relay = min(self._idle, key=lambda r: self._idle[r][0][1])
+            conns = self._idle[relay]
+            close_quietly(conns.pop(0)[0])
+            self._num_idle -= 1
+            if not conns:
+                del self._idle[relay]
 
 
 def _still_quiet(sock: socket.socket) -> bool:
