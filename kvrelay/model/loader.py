@@ -123,6 +123,7 @@ def load_model(
     runner.sampler.grammars = GrammarMasks(GrammarTokenizer(
         tokenizer.tok.to_str, cfg.vocab_size, tokenizer.eos_token_ids
     ))
+    runner.sampler.rules.eos_token_ids = tuple(tokenizer.eos_token_ids)
     return Model(
         name=_model_name(model_path),
         tokenizer=tokenizer,

@@ -152,7 +152,7 @@ class _Handlers:
         body = parse_body(await read_body(request), CompletionRequest)
         self._check_model(body.model)
         body.check()
-        prompts = [self._encode_prompt(p) for p in body.prompts()]
+        prompts = [self._encode_prompt(p, body.add_special_tokens) for p in body.prompts()]
         specs = self._specs(body, prompts, body.max_tokens, body.logprobs)
         self._check_extras(specs)
         gen = self._generation("cmpl", {}, arrival)
@@ -200,15 +200,18 @@ class _Handlers:
         except ChatTemplateError as exc:
             raise bad_request("messages", f"the model's chat template refused the "
                               f"messages: {exc}") from exc
-        return tok.encode(text, add_special_tokens=False)
+        return tok.encode(text, add_special_tokens=body.add_special_tokens)
 
     def _check_extras(self, specs: Sequence[ChoiceSpec]) -> None:
         """logit_bias ids inside the vocabulary (all choices share them). A
         response_format schema was checked when its SamplingParams were built."""
         vocab = self.model.tokenizer.vocab_size
-        bad = next((t for t, _ in specs[0].params.logit_bias if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request("logit_bias", f"logit_bias token id {bad} is outside [0, {vocab})")
+        p = specs[0].params
+        for param, ids in (("logit_bias", [t for t, _ in p.logit_bias]),
+                           ("allowed_token_ids", p.allowed_token_ids or ())):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(param, f"{param} token id {bad} is outside [0, {vocab})")
     async def _release_unclaimed(self, gen: Generation) -> None:
         """Prefill role: leases made for a client that left (the proxy cancels its
         request when its own client goes): nobody else will ever pull or release them."""
@@ -267,9 +270,10 @@ class _Handlers:
                 param="model", code="model_not_found",
             )
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def _encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True
+                       ) -> list[int]:
         if isinstance(prompt, str):
-            return self.model.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.model.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         vocab = self.model.tokenizer.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
@@ -281,6 +285,8 @@ class _Handlers:
         logprobs: int | None,
     ) -> list[ChoiceSpec]:
         remote_decode, remote_kv = self._kv_mode(body, len(prompts))
+        tok = self.model.tokenizer
+        bad_words = body.bad_words_token_ids(lambda w: tok.encode(w, add_special_tokens=False))
         specs = []
         for p_index, prompt in enumerate(prompts):
             # Unset max_tokens: as many as the context still holds (the engine rejects a
@@ -290,7 +296,7 @@ class _Handlers:
             )
             for i in range(body.n):
                 index = p_index * body.n + i
-                params = body.sampling_params(limit, logprobs, i)
+                params = body.sampling_params(limit, logprobs, i, bad_words)
                 specs.append(ChoiceSpec(index, prompt, params, remote_decode, remote_kv))
         return specs
 

@@ -304,6 +304,8 @@ class Proxy:
                       kv_transfer_params={"do_remote_decode": True})
         p_body.pop("stream_options", None)
         p_body.pop("max_completion_tokens", None)
+        if "min_tokens" in p_body:  # P samples token 1: min_tokens >= 1 masks its EOS there
+            p_body["min_tokens"] = min(p_body["min_tokens"], 1)
         async with self._outstanding(up):
             try:
                 r = await self._http().post(f"{up.url}{path}", json=p_body,
