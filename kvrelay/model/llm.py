@@ -58,7 +58,7 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         block_size: int = 16,
         num_blocks: int | None = None,

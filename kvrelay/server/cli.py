@@ -76,9 +76,10 @@ def add_role_args(p: argparse.ArgumentParser) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="Hugging Face model directory or .gguf file (default: embedded model)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="weights and KV dtype; auto: a Hugging Face checkpoint's stored dtype, "
-                   "for GGUF bfloat16 where the CPU computes it natively, else float32")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights and KV dtype; auto: on a CPU bfloat16 where it computes "
+                   "bf16 natively (avx512_bf16, amx_bf16), else float32, whatever the "
+                   "checkpoint stores; on CUDA the checkpoint's")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's own)")
