@@ -37,7 +37,9 @@ from kvrelay.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LogprobFormatter,
+    TokenizeRequest,
     bad_request,
     install_error_handlers,
     new_id,
@@ -109,6 +111,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
     app.add_api_route("/v1/kv/release", handlers.release_lease, methods=["POST"])
+    app.add_api_route("/tokenize", handlers.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", handlers.detokenize, methods=["POST"])
     return app
 
 
@@ -177,6 +181,36 @@ class _Handlers:
         return await self._respond(request, gen, shape, body.stream,
                                    body.include_usage_in_stream(), len(specs))
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: a prompt or chat messages to token ids."""
+        self._check_auth(request)
+        body = parse_body(await read_body(request), TokenizeRequest)
+        if body.model is not None:
+            self._check_model(body.model)
+        body.check()
+        tok = self.model.tokenizer
+        if body.prompt is not None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = tok.encode(body.prompt, add_special_tokens=special)
+        else:
+            ids = self._render(body.template_messages(), body.add_generation_prompt,
+                               bool(body.add_special_tokens))
+        return JSONResponse({"count": len(ids), "max_model_len": self.model.max_model_len,
+                             "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: token ids to text (special tokens kept, as vLLM)."""
+        self._check_auth(request)
+        body = parse_body(await read_body(request), DetokenizeRequest)
+        if body.model is not None:
+            self._check_model(body.model)
+        vocab = self.model.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request("tokens", f"token id {bad} is outside [0, {vocab})")
+        text = self.model.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
+
     async def release_lease(self, request: Request) -> Response:
         """Give back a lease nobody will pull (the proxy, when its client left)."""
         self._check_auth(request)
@@ -194,13 +228,18 @@ class _Handlers:
 
     # -- helpers ---------------------------------------------------------------------
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        return self._render(body.template_messages(), True, body.add_special_tokens)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                add_special_tokens: bool) -> list[int]:
         tok = self.model.tokenizer
         try:
-            text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=True)
+            text = tok.apply_chat_template(messages,
+                                           add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as exc:
             raise bad_request("messages", f"the model's chat template refused the "
                               f"messages: {exc}") from exc
-        return tok.encode(text, add_special_tokens=body.add_special_tokens)
+        return tok.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_extras(self, specs: Sequence[ChoiceSpec]) -> None:
         """logit_bias ids inside the vocabulary (all choices share them). A

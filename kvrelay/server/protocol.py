@@ -378,14 +378,55 @@ class ChatCompletionRequest(_SamplingRequest):
         )
 
     def template_messages(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for m in self.messages:
-            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
-            for key in ("name", "tool_call_id", "tool_calls"):
-                if getattr(m, key) is not None:
-                    msg[key] = getattr(m, key)
-            out.append(msg)
-        return out
+        return template_messages(self.messages)
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        out.append(msg)
+    return out
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a ``prompt`` (completions) or ``messages`` (chat, through
+    the model's template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Default: True for a prompt (the BOS a completion gets), False for messages (the
+    # template holds them), as vLLM.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+    REFUSED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "continue_final_message": (lambda v: not v, "continue_final_message is not supported"),
+        "chat_template": (lambda v: v is None, "a request's own chat_template is not "
+                          "supported (the model's is used)"),
+        "chat_template_kwargs": (lambda v: not v, "chat_template_kwargs are not supported"),
+        "tools": (lambda v: not v, "tools are not supported"),
+        "return_token_strs": (lambda v: not v, "return_token_strs is not supported"),
+    }
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("prompt", "send exactly one of prompt (a string) and messages")
+        if self.messages is not None and not self.messages:
+            raise bad_request("messages", "messages must contain at least one message")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return template_messages(self.messages or [])
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:
