@@ -22,11 +22,15 @@ class InvalidParameter(ValueError):
 class StructuredOutput:
     """Constrain the output to JSON: ``json_object`` (any object) or ``json_schema``.
 
-    ``schema`` is the JSON Schema as JSON text (hashable, so equal schemas share
-    one compiled grammar)."""
+    An opaque, already validated spec: ``grammar`` is the compiled grammar the model's
+    grammar engine runs, made by ``kvrelay.model.grammar.structured_output`` (the
+    server and the model compile; the core, which carries this through
+    SamplingParams, imports neither: docs/DESIGN.md, "Layers"). ``schema`` is the JSON
+    Schema as JSON text, kept for messages."""
 
     kind: str  # "json_object" | "json_schema"
     schema: str
+    grammar: str
 
     def __post_init__(self) -> None:
         _check(
@@ -34,10 +38,9 @@ class StructuredOutput:
             "response_format",
             f"response_format type must be json_object or json_schema, got {self.kind!r}",
         )
-        # A spec that exists compiles: the engine thread never meets a bad schema.
-        from kvrelay.model.grammar import compile_grammar
-
-        compile_grammar(self)
+        _check(bool(self.grammar), "response_format",
+               "a structured output spec needs its compiled grammar "
+               "(kvrelay.model.grammar.structured_output makes one)")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from kvrelay.core.runner import TokenLogprobs
+from kvrelay.model.grammar import structured_output
 from kvrelay.sampling_params import InvalidParameter, SamplingParams, StructuredOutput
 
 MAX_N = 16
@@ -103,7 +104,7 @@ class ResponseFormat(_Strict):
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return StructuredOutput("json_object", '{"type": "object"}')
+            return structured_output("json_object", '{"type": "object"}')
         if self.type == "json_schema":
             spec = self.json_schema or {}
             schema = spec.get("schema")
@@ -111,7 +112,7 @@ class ResponseFormat(_Strict):
                 raise bad_request("response_format.json_schema.schema",
                                   "response_format json_schema needs json_schema.schema, an object")
             # Key order kept: the output's properties come in the schema's order.
-            return StructuredOutput("json_schema", json.dumps(schema))
+            return structured_output("json_schema", json.dumps(schema))
         raise bad_request("response_format.type", "response_format.type must be text, "
                           f"json_object or json_schema, got {self.type!r}")
 
