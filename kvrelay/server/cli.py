@@ -178,8 +178,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
     served = ServedModel(
         names=names, tokenizer=tok, max_model_len=model.max_model_len,
         max_context=min(model.max_model_len, model.num_blocks * block_size),
-        make_detokenizer=lambda ids, stop, include: IncrementalDetokenizer(
-            tok, ids, stop=stop, include_stop_str_in_output=include
+        make_detokenizer=lambda ids, p: IncrementalDetokenizer(
+            tok, ids, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
+            min_tokens=p.min_tokens,
         ),
         block_size=block_size,
     )

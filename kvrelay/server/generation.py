@@ -40,8 +40,8 @@ class Detokenizer(Protocol):
     def finish(self) -> str: ...
 
 
-# (prompt token ids, stop strings, include_stop_str_in_output) -> a detokenizer
-DetokenizerFactory = Callable[[Sequence[int], Sequence[str], bool], Detokenizer]
+# (prompt token ids, the choice's params: stop strings and how they apply) -> a detokenizer
+DetokenizerFactory = Callable[[Sequence[int], SamplingParams], Detokenizer]
 
 
 @dataclass(slots=True)
@@ -135,9 +135,7 @@ class Generation:
 
     async def _add(self, spec: ChoiceSpec) -> None:
         rid = f"{self.base_id}-{spec.index}"
-        detok = self.make_detokenizer(
-            spec.prompt_token_ids, spec.params.stop, spec.params.include_stop_str_in_output
-        )
+        detok = self.make_detokenizer(spec.prompt_token_ids, spec.params)
         queued_at = time.monotonic()
         await self.loop.add(
             rid, spec.prompt_token_ids, spec.params, self._queue,

@@ -97,6 +97,18 @@ def test_min_tokens_holds_back_stop_token_ids(
     assert n_min >= 6
 
 
+def test_min_tokens_defers_stop_strings(cluster: dict[str, Proc], model_dir: Path) -> None:
+    c, name = _client(cluster["colo"]), model_dir.name
+    plain, _, _ = _tokens(c, name, {"ignore_eos": True})
+    word = next(w for t in plain if (w := t.strip()).isascii() and w.isalpha())
+    stop = {"stop": [word], "ignore_eos": True}
+    text, n_plain, finish = _same_through_the_proxy(cluster, name, stop)
+    assert finish == "stop" and word not in text
+    min_tokens = n_plain + 2
+    text, n_min, _ = _same_through_the_proxy(cluster, name, {**stop, "min_tokens": min_tokens})
+    assert n_min > min_tokens and word in text
+
+
 def test_bad_words_are_never_generated(
         cluster: dict[str, Proc], model_dir: Path, base: list[int]) -> None:
     c, name = _client(cluster["colo"]), model_dir.name
