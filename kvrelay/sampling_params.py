@@ -78,6 +78,10 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # Only these tokens may be sampled (None: any).
     allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's prompt_logprobs: the logprob of every prompt token after the first, with
+    # this many top alternatives (0: only the token). Such a request skips the prefix
+    # cache: every prompt position is computed.
+    prompt_logprobs: int | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +117,11 @@ class SamplingParams:
             self.logprobs is None or 0 <= self.logprobs <= 20,
             "logprobs",
             f"logprobs must be between 0 and 20, got {self.logprobs}",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}",
         )
         _check(
             all(isinstance(s, str) and s for s in self.stop),

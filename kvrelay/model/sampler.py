@@ -25,6 +25,7 @@ import torch
 from kvrelay.core.runner import SampledToken, ScheduledRequest, TokenLogprobs
 from kvrelay.model.grammar import GrammarMasks
 from kvrelay.model.penalties import TokenRules
+from kvrelay.model.prompt_logprobs import PromptLogprobs
 from kvrelay.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -46,6 +47,8 @@ class Sampler:
         self.grammars: GrammarMasks | None = None
         # Penalties, min_tokens, bad_words, allowed_token_ids (kvrelay.model.penalties).
         self.rules = TokenRules()
+        # vLLM's prompt_logprobs, filled by the runner's forward passes.
+        self.prompt = PromptLogprobs()
 
     def observe(
         self, requests: Sequence[ScheduledRequest],
@@ -61,6 +64,7 @@ class Sampler:
         if self.grammars is not None:
             self.grammars.forget(request_id)
         self.rules.forget(request_id)
+        self.prompt.forget(request_id)
 
     def sample(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
@@ -84,6 +88,9 @@ class Sampler:
             lps = _logprobs(raw[lp_rows], params, lp_rows, ids)
             for i, lp in zip(lp_rows, lps, strict=True):
                 out[i].logprobs = lp
+        for i, p in enumerate(params):
+            if p.prompt_logprobs is not None and request_ids:
+                out[i].prompt_logprobs = self.prompt.take(request_ids[i])
         return out
 
     def _bias_and_mask(

@@ -51,6 +51,8 @@ from kvrelay.server.protocol import (
 from kvrelay.server.responses import (
     ChatShape,
     CompletionShape,
+    Echo,
+    EchoShape,
     EventStream,
     Shape,
     collect,
@@ -156,13 +158,24 @@ class _Handlers:
         body = parse_body(await read_body(request), CompletionRequest)
         self._check_model(body.model)
         body.check()
-        prompts = [self._encode_prompt(p, body.add_special_tokens) for p in body.prompts()]
-        specs = self._specs(body, prompts, body.max_tokens, body.logprobs)
+        raw = body.prompts()
+        prompts = [self._encode_prompt(p, body.add_special_tokens) for p in raw]
+        # echo with max_tokens 0: one token is generated and left out of the answer.
+        max_tokens = 1 if body.echo_only else body.max_tokens
+        specs = self._specs(body, prompts, max_tokens, body.logprobs)
         self._check_extras(specs)
         gen = self._generation("cmpl", {}, arrival)
         await gen.start(specs, sum(len(p) for p in prompts))
-        shape = CompletionShape(gen.base_id, self.model.name, body.logprobs is not None,
-                                 self.logprobs)
+        shape: CompletionShape = CompletionShape(gen.base_id, self.model.name,
+                                                 body.logprobs is not None, self.logprobs)
+        if body.echo or body.prompt_logprobs is not None:
+            tok = self.model.tokenizer
+            texts = [p if isinstance(p, str) else tok.decode(ids, skip_special_tokens=False)
+                     for p, ids in zip(raw, prompts, strict=True)]
+            echo = Echo(list(zip(prompts, texts, strict=True)), body.n, body.echo,
+                        body.echo_only, body.prompt_logprobs is not None)
+            shape = EchoShape(gen.base_id, self.model.name, body.logprobs is not None,
+                              self.logprobs, echo)
         return await self._respond(request, gen, shape, body.stream,
                                    body.include_usage_in_stream(), len(specs))
 
@@ -270,6 +283,11 @@ class _Handlers:
             return False, None  # e.g. vLLM's {"do_remote_decode": false, ...}: plain work
         if body.n != 1 or num_prompts != 1:
             raise bad_request("kv_transfer_params", "kv_transfer_params takes one prompt, n=1")
+        if body.num_prompt_logprobs() is not None:
+            # Every prompt position must be computed where the answer is made: the
+            # proxy sends such requests to one engine, colocated.
+            raise bad_request("prompt_logprobs", "prompt logprobs (prompt_logprobs, echo "
+                              "with logprobs) cannot be split across engines")
         if params.get("do_remote_decode"):
             if role != "prefill":
                 raise bad_request("kv_transfer_params", "do_remote_decode needs an engine "
@@ -363,7 +381,8 @@ class _Handlers:
         if collected is None:  # the client went away; nobody reads this
             await self._release_unclaimed(gen)
             return Response(status_code=499)
-        return JSONResponse(shape.full(collected, usage(gen.prompt_tokens, gen.completion_tokens)))
+        return JSONResponse(shape.full(collected, usage(
+            gen.prompt_tokens, shape.completion_tokens(gen.completion_tokens))))
 
 
 # The kvrelay lease fields D needs (RemoteKv's required fields); first_token_sent is the

@@ -63,6 +63,7 @@ class Delta:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (first delta)
 
 
 @dataclass(slots=True)
@@ -219,6 +220,7 @@ class Generation:
             self._record_tokens(choice, len(out.new_token_ids))
             text = choice.detok.add(out.new_token_ids)
         delta = Delta(choice.spec.index, text, out.new_token_ids, out.new_logprobs)
+        delta.prompt_logprobs = out.prompt_logprobs
         if choice.detok.stopped:
             # A stop string ended the text: the engine request must end too, now. On
             # the prefill role the lease still goes back to the caller, who releases it.

@@ -156,7 +156,6 @@ class _SamplingRequest(_Strict):
                            "length_penalty (a beam search parameter) is not supported"),
         "early_stopping": (lambda v: not v,
                            "early_stopping (a beam search parameter) is not supported"),
-        "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported yet"),
         "truncate_prompt_tokens": (lambda v: v is None,
                                    "truncate_prompt_tokens is not supported"),
         "logits_processors": (lambda v: not v, "logits_processors are not supported"),
@@ -224,10 +223,14 @@ class _SamplingRequest(_Strict):
                 bad_words_token_ids=bad_words_token_ids,
                 allowed_token_ids=(None if self.allowed_token_ids is None
                                    else tuple(self.allowed_token_ids)),
+                prompt_logprobs=self.num_prompt_logprobs(),
             )
         except InvalidParameter as exc:
             raise bad_request(exc.param, str(exc)) from exc
 
+
+    def num_prompt_logprobs(self) -> int | None:
+        return None
 
     def bad_words_token_ids(self, encode: Callable[[str], list[int]]
                             ) -> tuple[tuple[int, ...], ...]:
@@ -264,6 +267,19 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
+    prompt_logprobs: int | None = None  # vLLM's
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs to compute: vLLM's prompt_logprobs, or echo with logprobs (the
+        prompt's tokens come back with theirs, as lm-evaluation-harness scores them)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs), nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, a token list, or a list of either."""
@@ -289,8 +305,13 @@ class CompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise bad_request("echo", "echo is not supported")
+        if self.echo and self.stream:
+            raise bad_request("echo", "echo is not supported with stream=true")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens", "max_tokens must be >= 1 (0 only with echo)")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request("prompt_logprobs", "prompt_logprobs must be between 0 and "
+                              f"{MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}")
         if self.suffix:
             raise bad_request("suffix", "suffix (fill-in-the-middle) is not supported")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -333,6 +354,8 @@ class ChatCompletionRequest(_SamplingRequest):
     REFUSED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
         **_SamplingRequest.REFUSED,
         "echo": (lambda v: not v, "echo (of the last message) is not supported"),
+        "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is supported on "
+                            "/v1/completions only"),
         "continue_final_message": (lambda v: not v, "continue_final_message is not supported"),
         "add_generation_prompt": (lambda v: v is None or v is True,
                                   "add_generation_prompt=false is not supported"),
@@ -571,6 +594,9 @@ class LogprobFormatter:
     def __init__(self, token_text: Any) -> None:
         self._text = token_text  # token id -> its text
 
+    def token_text(self, token_id: int) -> str:
+        return str(self._text(token_id))
+
     def completion(
         self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs], offset: int
     ) -> dict[str, Any]:
@@ -586,6 +612,44 @@ class LogprobFormatter:
             "top_logprobs": [{self._text(t): v for t, v in lp.top} for lp in lps],
             "text_offset": offsets,
         }
+
+    def echoed(
+        self, prompt_ids: Sequence[int], prompt_lps: Sequence[TokenLogprobs],
+        output: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """echo with logprobs, as vLLM lays it out: the prompt's tokens first (the first
+        one's logprob null: nothing predicts it), then the output's (``output``, made by
+        ``completion`` with the offset where the prompt's token texts end)."""
+        tokens = [self._text(t) for t in prompt_ids]
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        lp: dict[str, Any] = {
+            "tokens": tokens,
+            "token_logprobs": [None, *(p.logprob for p in prompt_lps)],
+            "top_logprobs": [None, *({self._text(t): v for t, v in p.top} for p in prompt_lps)],
+            "text_offset": offsets,
+        }
+        if output is not None:
+            for key in lp:
+                lp[key] = lp[key] + output[key]
+        return lp
+
+    def prompt_logprobs(
+        self, prompt_ids: Sequence[int], lps: Sequence[TokenLogprobs]
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token, {token id: {logprob, rank,
+        decoded_token}} for the token and its top alternatives; null for the first."""
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for tok, lp in zip(prompt_ids[1:], lps, strict=True):
+            entry = {str(tok): {"logprob": lp.logprob, "rank": lp.rank,
+                                "decoded_token": self._text(tok)}}
+            for rank, (t, v) in enumerate(lp.top, start=1):
+                entry.setdefault(str(t), {"logprob": v, "rank": rank,
+                                          "decoded_token": self._text(t)})
+            out.append(entry)
+        return out
 
     def chat(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs]) -> dict[str, Any]:
         return {"content": [self._chat_entry(t, lp) for t, lp in zip(token_ids, lps, strict=True)]}
