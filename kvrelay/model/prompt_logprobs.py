@@ -19,6 +19,8 @@ import torch
 
 from kvrelay.core.runner import ScheduledRequest, TokenLogprobs
 
+_SLICE = 256  # rows per log-softmax
+
 
 @dataclass(slots=True)
 class _Acc:
@@ -54,22 +56,25 @@ class PromptLogprobs:
 
     def record(self, chunks: Sequence[tuple[ScheduledRequest, list[int], list[int]]],
                logits: torch.Tensor) -> None:
-        """``logits``: one row per entry of the chunks' rows, in order."""
-        lp = torch.log_softmax(logits.float(), dim=-1)
+        """``logits``: one row per entry of the chunks' rows, in order. Their number is
+        bounded by the step's token budget (max_num_batched_tokens); the log-softmax
+        runs over slices of them, so it adds little to that."""
         at = 0
         for sr, rows, targets in chunks:
-            sub = lp[at:at + len(rows)]
-            at += len(rows)
-            ids = torch.tensor(targets, dtype=torch.long, device=sub.device)
-            chosen = sub.gather(1, ids[:, None])
-            ranks = (sub > chosen).sum(dim=-1) + 1
-            n = sr.params.prompt_logprobs or 0
-            top = sub.topk(max(n, 1), dim=-1)
-            top_v, top_i = top.values.tolist(), top.indices.tolist()
             acc = self._acc[sr.request_id]
-            for j, (v, r) in enumerate(zip(chosen[:, 0].tolist(), ranks.tolist(), strict=True)):
-                acc.items.append(TokenLogprobs(v, list(zip(top_i[j][:n], top_v[j][:n],
-                                                           strict=True)), int(r)))
+            n = sr.params.prompt_logprobs or 0
+            for lo in range(0, len(rows), _SLICE):
+                hi = min(lo + _SLICE, len(rows))
+                sub = torch.log_softmax(logits[at + lo:at + hi].float(), dim=-1)
+                ids = torch.tensor(targets[lo:hi], dtype=torch.long, device=sub.device)
+                chosen = sub.gather(1, ids[:, None])
+                ranks = ((sub > chosen).sum(dim=-1) + 1).tolist()
+                top = sub.topk(max(n, 1), dim=-1)
+                top_v, top_i = top.values.tolist(), top.indices.tolist()
+                for j, v in enumerate(chosen[:, 0].tolist()):
+                    pairs = list(zip(top_i[j][:n], top_v[j][:n], strict=True))
+                    acc.items.append(TokenLogprobs(v, pairs, int(ranks[j])))
+            at += len(rows)
             acc.next_target += len(rows)
 
     def take(self, request_id: str) -> list[TokenLogprobs] | None:
