@@ -18,9 +18,10 @@ history at sampling time is exactly the positions before the new token. Position
 chunk skipped (a cached prefix, KV pulled from P) are read from ``all_token_ids``.
 
 Cost: requests without these parameters are skipped by one attribute test per row.
-Penalized requests keep their counts as a vocab-sized tensor on the logits' device,
-updated with the step's new tokens only (O(new tokens), not O(output length)), and
-the rows of a step are penalized together.
+Penalized requests keep their distinct tokens (and output counts), updated with the
+step's new tokens only; a step changes only the logits of those tokens, all rows
+gathered and scattered together (``penalize``): O(distinct tokens seen), never a pass
+over rows x vocabulary.
 """
 
 from __future__ import annotations
@@ -42,11 +43,15 @@ class _History:
     prompt_len: int
     next_pos: int = 0  # sequence position of the next token to absorb
     output: list[int] = field(default_factory=list)
-    # Tokens not yet folded into the tensors (made on the first sample: the device).
-    new_prompt: list[int] = field(default_factory=list)
-    new_output: list[int] = field(default_factory=list)
-    prompt_seen: torch.Tensor | None = None  # (vocab,) bool, repetition_penalty only
-    counts: torch.Tensor | None = None  # (vocab,) float32 output token counts
+    # Distinct output tokens and their counts (frequency, presence), slot by slot.
+    out_slot: dict[int, int] = field(default_factory=dict)
+    out_ids: list[int] = field(default_factory=list)
+    out_counts: list[float] = field(default_factory=list)
+    # Distinct tokens of prompt and output (repetition): a tensor, plus the ones seen
+    # since it was made.
+    seen: set[int] = field(default_factory=set)
+    seen_ids: torch.Tensor | None = None
+    seen_new: list[int] = field(default_factory=list)
 
 
 class TokenRules:
@@ -107,44 +112,58 @@ class TokenRules:
 
     def penalize(self, logits: torch.Tensor, rows: list[int],
                  params: Sequence[SamplingParams], request_ids: Sequence[str]) -> None:
-        """Repetition, frequency and presence penalties of ``rows``, together, in place."""
+        """Repetition, frequency and presence penalties of ``rows``, in place.
+
+        Sparse: only the logits of tokens a request has seen change, so the work is
+        O(distinct tokens seen), gathered and scattered for all rows at once, not
+        passes over (rows x vocab) as a dense count matrix would need."""
         if not rows:
             return
-        hists = [self._flush(self._hist[request_ids[i]], logits) for i in rows]
-        sub_params = [params[i] for i in rows]
-        dev, dt = logits.device, logits.dtype
-        every_row = len(rows) == logits.shape[0]
-        idx = torch.tensor(rows, dtype=torch.long, device=dev)
-        # Every row penalized: in place on the logits, no gather and scatter.
-        sub = logits if every_row else logits.index_select(0, idx)
-        counts = torch.stack([h.counts for h in hists if h.counts is not None])
-        seen_out = counts > 0
-        reps = [p.repetition_penalty for p in sub_params]
-        if any(r != 1.0 for r in reps):
-            seen = seen_out.clone()
-            for j, h in enumerate(hists):
-                if h.prompt_seen is not None:
-                    seen[j] |= h.prompt_seen
-            rep = torch.tensor(reps, dtype=dt, device=dev)[:, None]
-            factor = torch.where(sub > 0, 1.0 / rep, rep).masked_fill_(~seen, 1.0)
-            sub.mul_(factor)
-        freq = torch.tensor([p.frequency_penalty for p in sub_params], dtype=dt,
-                            device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in sub_params], dtype=dt,
-                            device=dev)[:, None]
-        sub.sub_(counts.mul_(freq).add_(seen_out * pres))  # counts: a stacked copy
-        if not every_row:
-            logits.index_copy_(0, idx, sub)
+        flat = logits.view(-1) if logits.is_contiguous() else logits.contiguous().view(-1)
+        vocab, dev, dt = logits.shape[1], logits.device, logits.dtype
+        rep_idx, rep_val, cnt_idx, cnt_val = [], [], [], []
+        for i in rows:
+            p, h = params[i], self._hist[request_ids[i]]
+            base = i * vocab
+            if p.repetition_penalty != 1.0:
+                ids = self._seen_ids(h, dev, vocab)
+                rep_idx.append(ids + base)
+                rep_val.append(torch.full((len(ids),), p.repetition_penalty, dtype=dt,
+                                          device=dev))
+            if h.out_ids and (p.frequency_penalty or p.presence_penalty):
+                ids = torch.tensor(h.out_ids, dtype=torch.long, device=dev)
+                counts = torch.tensor(h.out_counts, dtype=dt, device=dev)
+                keep = ids < vocab
+                cnt_idx.append(ids[keep] + base)
+                cnt_val.append((counts * p.frequency_penalty + p.presence_penalty)[keep])
+        if rep_idx:
+            idx, rep = torch.cat(rep_idx), torch.cat(rep_val)
+            vals = flat[idx]
+            flat[idx] = torch.where(vals > 0, vals / rep, vals * rep)
+        if cnt_idx:
+            flat.index_add_(0, torch.cat(cnt_idx), -torch.cat(cnt_val))
+        if flat.data_ptr() != logits.data_ptr():
+            logits.copy_(flat.view_as(logits))
 
     # -- internals --------------------------------------------------------------------
     def _absorb(self, h: _History, p: SamplingParams, pos: int, tokens: Sequence[int]) -> None:
         n_prompt = max(0, min(len(tokens), h.prompt_len - pos))
-        if p.repetition_penalty != 1.0:
-            h.new_prompt.extend(tokens[:n_prompt])
         out = tokens[n_prompt:]
         h.output.extend(out)
-        if p.penalized:
-            h.new_output.extend(out)
+        if p.repetition_penalty != 1.0:
+            for t in tokens:
+                if t not in h.seen:
+                    h.seen.add(t)
+                    h.seen_new.append(t)
+        if p.frequency_penalty or p.presence_penalty:
+            for t in out:
+                slot = h.out_slot.get(t)
+                if slot is None:
+                    h.out_slot[t] = len(h.out_ids)
+                    h.out_ids.append(t)
+                    h.out_counts.append(1.0)
+                else:
+                    h.out_counts[slot] += 1.0
 
     def _forbidden(self, allowed: tuple[int, ...], logits: torch.Tensor) -> torch.Tensor:
         mask = self._allowed.get(allowed)
@@ -168,21 +187,11 @@ class TokenRules:
                 row[word[-1]] = -torch.inf
 
     @staticmethod
-    def _flush(h: _History, logits: torch.Tensor) -> _History:
-        """Fold the tokens observed since the last sample into the tensors."""
-        vocab, dev = logits.shape[1], logits.device
-        if h.counts is None:
-            h.counts = torch.zeros(vocab, dtype=logits.dtype, device=dev)
-        if h.new_output:
-            ids = torch.tensor([t for t in h.new_output if t < vocab], dtype=torch.long,
+    def _seen_ids(h: _History, dev: torch.device, vocab: int) -> torch.Tensor:
+        """The distinct prompt and output tokens, as a tensor grown by the new ones."""
+        if h.seen_new or h.seen_ids is None:
+            new = torch.tensor([t for t in h.seen_new if t < vocab], dtype=torch.long,
                                device=dev)
-            h.counts.index_add_(0, ids, torch.ones(len(ids), dtype=logits.dtype, device=dev))
-            h.new_output.clear()
-        if h.new_prompt:
-            if h.prompt_seen is None:
-                h.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
-            ids = torch.tensor([t for t in h.new_prompt if t < vocab], dtype=torch.long,
-                               device=dev)
-            h.prompt_seen[ids] = True
-            h.new_prompt.clear()
-        return h
+            h.seen_ids = new if h.seen_ids is None else torch.cat([h.seen_ids, new])
+            h.seen_new.clear()
+        return h.seen_ids
