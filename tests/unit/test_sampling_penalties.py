@@ -138,3 +138,15 @@ def test_out_of_range_names_the_field(kwargs: dict[str, object], param: str) -> 
     with pytest.raises(InvalidParameter) as exc:
         SP(**kwargs)  # type: ignore[arg-type]
     assert exc.value.param == param
+
+
+def test_bench_sampling_prints_each_case_against_the_reference(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvrelay.cli import main
+
+    assert main(["bench", "sampling", "--batch", "4", "--prompt", "8", "--output", "8",
+                 "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    for name in ("none (reference)", "frequency+presence", "repetition", "min_tokens",
+                 "bad_words", "allowed_token_ids"):
+        assert name in out, out
