@@ -65,9 +65,9 @@ def _tokens(c: openai.OpenAI, model: str, extra: dict[str, Any]) -> tuple[list[s
     return lp.tokens, r.usage.completion_tokens, r.choices[0].finish_reason or ""
 
 
-def _same_through_the_proxy(cluster: dict[str, Proc], model: str, extra: dict[str, Any]
-                            ) -> tuple[str, int, str]:
-    kw = {"model": model, "prompt": PROMPT, "max_tokens": MAX, "temperature": 0.0,
+def _same_through_the_proxy(cluster: dict[str, Proc], model: str, extra: dict[str, Any],
+                            prompt: list[int] = PROMPT) -> tuple[str, int, str]:
+    kw = {"model": model, "prompt": prompt, "max_tokens": MAX, "temperature": 0.0,
           "extra_body": extra}
     want = ask(_client(cluster["colo"]), "completion", False, kw)
     for stream in (False, True):
@@ -83,6 +83,17 @@ def test_penalties_change_the_output_the_same_way_colocated_and_1p1d(
         cluster: dict[str, Proc], model_dir: Path, extra: dict[str, Any]) -> None:
     plain = _same_through_the_proxy(cluster, model_dir.name, {"ignore_eos": True})
     penalized = _same_through_the_proxy(cluster, model_dir.name, {"ignore_eos": True, **extra})
+    assert penalized[0] != plain[0]
+
+
+def test_repetition_penalty_counts_the_prompt_on_the_decode_engine(
+        cluster: dict[str, Proc], model_dir: Path, base: list[int]) -> None:
+    """The prompt holds the tokens the model would generate next: only a penalty that
+    knows the prompt (D reads it from the request; it never computed it) changes them."""
+    prompt = PROMPT + base[:12]
+    extra = {"ignore_eos": True, "repetition_penalty": 2.0}
+    plain = _same_through_the_proxy(cluster, model_dir.name, {"ignore_eos": True}, prompt)
+    penalized = _same_through_the_proxy(cluster, model_dir.name, extra, prompt)
     assert penalized[0] != plain[0]
 
 

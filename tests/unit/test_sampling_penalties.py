@@ -68,6 +68,17 @@ def test_history_is_fed_incrementally_and_from_skipped_positions() -> None:
     assert out[7] == -2.0 and out[5] == out[6] == 0.0
 
 
+def test_prompt_tokens_the_runner_never_computed_still_count_for_repetition() -> None:
+    """A decode engine's first chunk starts after the pulled prompt (or a prefix-cache
+    hit): the prompt's tokens come from all_token_ids."""
+    s = Sampler()
+    p = SP(temperature=0.0, repetition_penalty=2.0)
+    seq = [5, 6, 1]  # prompt 5, 6 (KV from elsewhere); output 1, the chunk's input
+    _observe(s, "r", seq, prompt_len=2, p=p, start=2, all_tokens=seq)
+    out = _greedy_logits(s, torch.full((1, VOCAB), 4.0), p)[0].tolist()
+    assert out == [4.0, 2.0, 4.0, 4.0, 4.0, 2.0, 2.0, 4.0]
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     s = Sampler()
     s.rules.eos_token_ids = (0,)
