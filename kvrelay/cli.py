@@ -40,6 +40,7 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.serve",
     "kvrelay.bench.relay",
     "kvrelay.bench.grammar",
+    "kvrelay.bench.sampling",
     "kvrelay.bench.prefix",
     "kvrelay.bench.routing",
 ]

@@ -6,6 +6,7 @@ OpenAI-style 400 with ``param`` set (``InvalidParameter.param``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_TOP_K = 2**31 - 1
@@ -23,11 +24,15 @@ class InvalidParameter(ValueError):
 class StructuredOutput:
     """Constrain the output to JSON: ``json_object`` (any object) or ``json_schema``.
 
-    ``schema`` is the JSON Schema as JSON text (hashable, so equal schemas share
-    one compiled grammar)."""
+    An opaque, already validated spec: ``grammar`` is the compiled grammar the model's
+    grammar engine runs, made by ``kvrelay.model.grammar.structured_output`` (the
+    server and the model compile; the core, which carries this through
+    SamplingParams, imports neither: docs/DESIGN.md, "Layers"). ``schema`` is the JSON
+    Schema as JSON text, kept for messages."""
 
     kind: str  # "json_object" | "json_schema"
     schema: str
+    grammar: str
 
     def __post_init__(self) -> None:
         _check(
@@ -35,10 +40,9 @@ class StructuredOutput:
             "response_format",
             f"response_format type must be json_object or json_schema, got {self.kind!r}",
         )
-        # A spec that exists compiles: the engine thread never meets a bad schema.
-        from kvrelay.model.grammar import compile_grammar
-
-        compile_grammar(self)
+        _check(bool(self.grammar), "response_format",
+               "a structured output spec needs its compiled grammar "
+               "(kvrelay.model.grammar.structured_output makes one)")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,22 @@ class SamplingParams:
     # (token id, bias added to its logit), as OpenAI's logit_bias; -100..100.
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None
+    # vLLM's penalties: presence and frequency over the output tokens, repetition over
+    # prompt and output (positive logits divided by it, negative ones multiplied).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # EOS and stop_token_ids are masked until this many tokens are out.
+    min_tokens: int = 0
+    # vLLM's bad_words, tokenized (the server does it): the last token of a sequence is
+    # banned where the output so far ends with the tokens before it.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Only these tokens may be sampled (None: any).
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's prompt_logprobs: the logprob of every prompt token after the first, with
+    # this many top alternatives (0: only the token). Such a request skips the prefix
+    # cache: every prompt position is computed.
+    prompt_logprobs: int | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +95,11 @@ class SamplingParams:
         bias = self.logit_bias
         pairs = bias.items() if isinstance(bias, dict) else bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in pairs))
+        object.__setattr__(
+            self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids)
+        )
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         _check(
             self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"
         )
@@ -97,6 +122,11 @@ class SamplingParams:
             f"logprobs must be between 0 and 20, got {self.logprobs}",
         )
         _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}",
+        )
+        _check(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
             "stop must be a list of non-empty strings",
@@ -112,9 +142,46 @@ class SamplingParams:
             "logit_bias maps token ids (>= 0) to a bias between -100 and 100",
         )
 
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}")
+        rep = self.repetition_penalty
+        _check(math.isfinite(rep) and rep > 0.0, "repetition_penalty",
+               f"repetition_penalty must be a finite number > 0, got {rep}")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+        )
+        _check(
+            all(w and all(t >= 0 for t in w) for w in self.bad_words_token_ids),
+            "bad_words",
+            "bad_words must be non-empty token sequences of non-negative ids",
+        )
+        allowed = self.allowed_token_ids
+        _check(
+            allowed is None or (len(allowed) > 0 and all(t >= 0 for t in allowed)),
+            "allowed_token_ids",
+            "allowed_token_ids must be a non-empty list of non-negative token ids",
+        )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Frequency, presence or repetition penalty: the sampler keeps token counts."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_history(self) -> bool:
+        """The sampler must see this request's tokens (penalties, min_tokens, bad words)."""
+        return self.penalized or self.min_tokens > 0 or bool(self.bad_words_token_ids)
 
 
 def _check(ok: bool, param: str, message: str) -> None:

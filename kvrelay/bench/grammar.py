@@ -115,11 +115,11 @@ def _sampler_ratio(tok: Any, ids: list[int], args: argparse.Namespace) -> None:
     import torch
 
     from kvrelay.core.runner import ScheduledRequest
-    from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer
+    from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer, structured_output
     from kvrelay.model.sampler import Sampler
-    from kvrelay.sampling_params import SamplingParams, StructuredOutput
+    from kvrelay.sampling_params import SamplingParams
 
-    spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    spec = structured_output("json_schema", json.dumps(SCHEMA))
     sampler = Sampler(0)
     sampler.grammars = GrammarMasks(GrammarTokenizer(tok.tok.to_str, tok.vocab_size,
                                                      tok.eos_token_ids))

@@ -27,7 +27,8 @@ def register(subparsers: Any) -> None:
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 where the CPU computes it natively, else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=32)
@@ -59,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
     import importlib.util
 
     from kvrelay.cli import UsageError
+    from kvrelay.model.loader import concrete_dtype
 
+    args.dtype = concrete_dtype(args.dtype, args.model, getattr(args, "device", "cpu"))
     if not args.skip_transformers and importlib.util.find_spec("transformers") is None:
         # Say it before minutes of kvrelay's own run, not with a traceback after.
         raise UsageError("the reference run needs the package 'transformers', which is not "
@@ -165,7 +168,9 @@ def _transformers_run(
 ) -> tuple[float, list[list[int]]]:
     import torch
 
-    model = reference_model(llm.model.path, llm.model.config, args.dtype, args.device)
+    # The dtype the engine runs (auto resolved), so both sides compute alike.
+    model = reference_model(llm.model.path, llm.model.config, llm.model.kv_geometry.dtype,
+                            args.device)
     ids = torch.tensor(prompts, device=args.device)
     kwargs: dict[str, Any] = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     mask = torch.ones_like(ids)

@@ -32,7 +32,8 @@ def register(subparsers: Any) -> None:
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 where the CPU computes it natively, else float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1000, help="shared prompt, tokens")
@@ -80,7 +81,9 @@ def ttft_and_tokens(engine: Any, rid: str, prompt: list[int], params: Any) -> tu
 
 def run(args: argparse.Namespace) -> int:
     from kvrelay.bench.offline import torch_threads
+    from kvrelay.model.loader import concrete_dtype
 
+    args.dtype = concrete_dtype(args.dtype, args.model, getattr(args, "device", "cpu"))
     if getattr(args, "pd", False):
         return _run_pd(args)
     with torch_threads(args.threads):

@@ -39,7 +39,8 @@ def register(subparsers: Any) -> None:
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 where the CPU computes it natively, else float32")
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks per engine (default: the engine's own default)")
@@ -94,7 +95,9 @@ class Outcome:
 
 def run(args: argparse.Namespace) -> int:
     from kvrelay.cli import UsageError
+    from kvrelay.model.loader import concrete_dtype
 
+    args.dtype = concrete_dtype(args.dtype, args.model, getattr(args, "device", "cpu"))
     if args.num_prefixes < 1 or args.num_requests < 1 or args.concurrency < 1:
         raise UsageError("--num-prefixes, --num-requests and --concurrency must be >= 1")
     prompts = make_prompts(args.num_requests, args.num_prefixes, args.prefix_len,

@@ -60,7 +60,7 @@ def register(subparsers: Any) -> None:
                    "same model on this machine")
     p.add_argument("--offline-model", default=None,
                    help="model for --offline-reference (default: the embedded model)")
-    p.add_argument("--offline-dtype", default="float32",
+    p.add_argument("--offline-dtype", default="auto",
                    help="dtype for --offline-reference (match the server's --dtype)")
     p.set_defaults(func=run)
 

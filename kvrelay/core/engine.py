@@ -39,6 +39,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     new_logprobs: list[TokenLogprobs] | None = None
+    # params.prompt_logprobs: prompt tokens 1.. (on the first output only).
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -289,6 +291,8 @@ class Engine:
                     logprobs, scheduled_at=req.scheduled_at,
                 )
             )
+        if tok.prompt_logprobs is not None:
+            self._outputs[-1].prompt_logprobs = tok.prompt_logprobs
 
     def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.params

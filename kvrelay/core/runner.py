@@ -54,12 +54,16 @@ class Batch:
 class TokenLogprobs:
     logprob: float  # of the sampled token
     top: list[tuple[int, float]]  # the top-n (token id, logprob), best first
+    rank: int = 0  # of the token in its distribution (1: the most likely); 0: not computed
 
 
 @dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None = None
+    # With params.prompt_logprobs, on the request's first sampled token: the logprobs
+    # of prompt tokens 1.. (token 0 has none), computed over the prompt's chunks.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Runner(Protocol):

@@ -184,8 +184,8 @@ class Scheduler:
     def _prefix_hits(self, req: Request) -> list[int]:
         """Published blocks holding a prefix of the request's known tokens, leaving at
         least one token to compute."""
-        if not self.caching or req.block_ids:
-            return []
+        if not self.caching or req.block_ids or req.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed (as vLLM)
         bs = self.config.block_size
         most = (req.num_tokens_scheduled_to_exist - 1) // bs
         extend_hashes(req.block_hashes, req.token_ids, bs, most, self._root)

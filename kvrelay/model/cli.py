@@ -34,9 +34,10 @@ def register(subparsers: Any) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
-                   help="weights and KV dtype; auto: the checkpoint's (GGUF: bfloat16 where "
-                   "the CPU has native bf16, else float32)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype; auto: on a CPU bfloat16 where it computes "
+                   "bf16 natively (avx512_bf16, amx_bf16), else float32; on CUDA the "
+                   "checkpoint's")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--enforce-eager", action="store_true",

@@ -33,10 +33,15 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.include_stop_str_in_output = include_stop_str_in_output
+        # vLLM's min_tokens: stop strings are looked for once more tokens than this are
+        # out (text held back before then can still complete one).
+        self.min_tokens = min_tokens
+        self._num_out = 0
         self.stopped = False
         self.text = ""  # all output text emitted so far
         self._tokens = list(prompt_token_ids)
@@ -55,6 +60,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._tokens.extend(new_token_ids)
+        self._num_out += len(new_token_ids)
         raw = self._raw
         if self._stream is None or raw is None:
             return self._emit(self._decode_new(final=False), final=False)
@@ -90,7 +96,7 @@ class IncrementalDetokenizer:
     def _emit(self, delta: str, *, final: bool) -> str:
         buf = self._pending + delta
         self._pending = ""
-        hit = self._find_stop(buf)
+        hit = self._find_stop(buf) if self._num_out > self.min_tokens else None
         if hit is not None:
             idx, stop = hit
             self.stopped = True

@@ -10,8 +10,9 @@ hand-declared dependencies; llguidance installs as a plain dependency, and its
 cost is under 0.2% of a decode step per constrained request.
 
 Who does what:
-- ``compile_grammar`` (request side, any thread): response_format -> a grammar
-  string, or ``InvalidParameter("response_format", ...)``.
+- ``structured_output`` / ``compile_grammar`` (request side, any thread): a
+  response_format -> the opaque spec SamplingParams carries (its grammar string
+  compiled), or ``InvalidParameter("response_format", ...)``.
 - ``GrammarMasks`` (runner side, the engine thread only): one matcher per
   constrained request. A matcher is fed the request's output tokens as they come
   back as *inputs* of later steps (positions >= prompt_len), so a token sampled
@@ -39,14 +40,24 @@ log = logging.getLogger(__name__)
 
 
 
+def structured_output(kind: str, schema: str) -> StructuredOutput:
+    """The spec SamplingParams carries: ``kind`` (json_object, json_schema) and the JSON
+    Schema as text, compiled here, so the engine thread never meets a bad schema; the
+    error names ``response_format``."""
+    if kind not in ("json_object", "json_schema"):
+        raise InvalidParameter("response_format", "response_format type must be "
+                               f"json_object or json_schema, got {kind!r}")
+    return StructuredOutput(kind, schema, compile_grammar(schema))
+
+
 @functools.lru_cache(maxsize=256)
-def compile_grammar(spec: StructuredOutput) -> str:
-    """The llguidance grammar of ``spec`` (recent ones cached: a schema is usually sent
-    again and again); the error names ``response_format``."""
+def compile_grammar(schema: str) -> str:
+    """The llguidance grammar of a JSON Schema given as text (recent ones cached: a
+    schema is usually sent again and again); the error names ``response_format``."""
     try:
         # Compact JSON (no free whitespace): a small model cannot stall in endless newlines.
         grammar = llg.LLMatcher.grammar_from_json_schema(
-            spec.schema, defaults={"whitespace_flexible": False}
+            schema, defaults={"whitespace_flexible": False}
         )
     except ValueError as exc:
         raise InvalidParameter("response_format", f"the JSON schema is not valid: {exc}") from exc
@@ -152,4 +163,4 @@ class GrammarMasks:
             words[t // 32] |= np.uint32(1 << (t % 32))
 
     def _matcher(self, spec: StructuredOutput) -> llg.LLMatcher:
-        return llg.LLMatcher(self.tokenizer.get(), compile_grammar(spec), log_level=0)
+        return llg.LLMatcher(self.tokenizer.get(), spec.grammar, log_level=0)

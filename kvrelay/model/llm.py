@@ -58,7 +58,7 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         block_size: int = 16,
         num_blocks: int | None = None,
@@ -141,7 +141,8 @@ class LLM:
                     rid, prompt_ids, p, eos_token_ids=self.tokenizer.eos_token_ids
                 )
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, prompt_ids, p.stop, p.include_stop_str_in_output
+                    self.tokenizer, prompt_ids, p.stop, p.include_stop_str_in_output,
+                    p.min_tokens,
                 )
                 live[rid] = _Live(i, detok, logprobs=[] if p.logprobs is not None else None)
             while any(s.finish_reason is None for s in live.values()):

@@ -123,6 +123,7 @@ def load_model(
     runner.sampler.grammars = GrammarMasks(GrammarTokenizer(
         tokenizer.tok.to_str, cfg.vocab_size, tokenizer.eos_token_ids
     ))
+    runner.sampler.rules.eos_token_ids = tuple(tokenizer.eos_token_ids)
     return Model(
         name=_model_name(model_path),
         tokenizer=tokenizer,
@@ -137,10 +138,25 @@ def load_model(
 
 
 def auto_dtype(path: Path, device: str = "cpu") -> str:
-    """``--dtype auto``: a Hugging Face checkpoint's stored dtype (config.json's
-    ``torch_dtype`` or ``dtype``; float32 when it names none or one we lack). A GGUF
-    file's tensors are quantized, so: bfloat16 where the device computes it natively
-    (a CPU with AVX512-BF16 or AMX, a CUDA device that supports it), else float32."""
+    """``--dtype auto`` (the default of serve, generate, LLM, demo).
+
+    On a CPU, by what the CPU computes, whatever the checkpoint stores (float32,
+    bfloat16, float16, GGUF): bfloat16 where it has native bf16 instructions
+    (AVX512-BF16 or AMX on x86, FEAT_BF16 on Arm), float32 where it has not. Without
+    them torch and oneDNN convert every bf16 GEMM to float32 and back: served
+    bfloat16 on an AVX2-only CPU ran 17 tok/s where float32 runs several times
+    faster. float16 on a CPU is never faster than float32 here, so a float16
+    checkpoint follows the same rule. Chosen by the CPU's flags, not by a start-up
+    micro-measurement: the flags are what decides the kernels' speed, they cost
+    nothing, and they give the same answer on every start and on both engines of a
+    pair (P and D must agree on the KV dtype), where a timing on a busy host need not.
+
+    On CUDA: a Hugging Face checkpoint's stored dtype (config.json's ``torch_dtype``
+    or ``dtype``; float32 when it names none or one we lack); a GGUF file's tensors
+    are quantized, so bfloat16 where the device supports it, else float32."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
     if path.is_dir():
         try:
             cfg = json.loads((path / "config.json").read_text())
@@ -148,15 +164,24 @@ def auto_dtype(path: Path, device: str = "cpu") -> str:
             return "float32"  # loading reports the unreadable config
         stored = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         return stored if stored in _DTYPES else "float32"
-    dev = torch.device(device)
     if dev.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    return "bfloat16" if cpu_has_native_bf16() else "float32"
+    return "float32"
+
+
+def concrete_dtype(dtype: str, path: str | None, device: str = "cpu") -> str:
+    """``dtype`` with ``auto`` resolved (for what a benchmark prints and passes on)."""
+    if dtype != "auto":
+        return dtype
+    return auto_dtype(Path(path) if path is not None else default_model_path(), device)
+
+
+CPUINFO = Path("/proc/cpuinfo")
 
 
 def cpu_has_native_bf16() -> bool:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = CPUINFO.read_text()
     except OSError:
         return False
     # x86: AVX512-BF16 or AMX; Arm: the bf16 feature (FEAT_BF16).

@@ -56,6 +56,8 @@ class ModelRunner:
         chunks: list[ChunkSpec] = []
         logit_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
+        # prompt_logprobs: (request, rows of the chunk's prompt positions, their targets)
+        prompt_rows: list[tuple[ScheduledRequest, list[int], list[int]]] = []
         for sr in batch.requests:
             end = sr.start + len(sr.token_ids)
             if len(sr.block_ids) * self.block_size < end:
@@ -63,18 +65,28 @@ class ModelRunner:
                     f"request {sr.request_id}: {len(sr.block_ids)} blocks of {self.block_size} "
                     f"cannot hold {end} tokens"
                 )
+            first_row = len(token_ids)
             token_ids.extend(self._resolve(sr))
             positions.extend(range(sr.start, end))
             chunks.append(ChunkSpec(sr.start, len(sr.token_ids), sr.block_ids))
             if sr.sample:
                 logit_rows.append(len(token_ids) - 1)
                 sampled.append(sr)
-        if self.graphs is not None and len(token_ids) == len(sampled) == len(batch.requests):
+            if sr.params.prompt_logprobs is not None:
+                rows = self.sampler.prompt.rows(sr, first_row)
+                if rows is not None:
+                    prompt_rows.append((sr, *rows))
+        if (self.graphs is not None and not prompt_rows
+                and len(token_ids) == len(sampled) == len(batch.requests)):
             tables = [sr.block_ids for sr in batch.requests]
             logits = self.graphs.run(token_ids, positions, tables)
             if logits is not None:
                 return sampled, logits
-        return sampled, self._forward(token_ids, positions, chunks, logit_rows)
+        extra = [r for _, rows, _ in prompt_rows for r in rows]
+        logits = self._forward(token_ids, positions, chunks, logit_rows + extra)
+        if prompt_rows:
+            self.sampler.prompt.record(prompt_rows, logits[len(logit_rows):])
+        return sampled, logits[: len(logit_rows)]
 
     def _resolve(self, sr: ScheduledRequest) -> list[int]:
         if PLACEHOLDER not in sr.token_ids:

@@ -1,8 +1,10 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, seeds, logprobs,
-logit_bias and structured output (a grammar's token mask, ``kvrelay.model.grammar``).
+logit_bias, structured output (a grammar's token mask, ``kvrelay.model.grammar``),
+and vLLM's penalties, min_tokens, bad_words and allowed_token_ids
+(``kvrelay.model.penalties``).
 
-logit_bias and the grammar mask change the logits every sampling rule sees (greedy
-included); logprobs stay those of the model's raw distribution, as vLLM reports them.
+Those masks, logit_bias and the penalties change the logits every sampling rule sees
+(greedy included); logprobs stay those of the model's raw distribution, as vLLM reports them.
 Constrained and unconstrained requests share one batch: only constrained rows are
 masked.
 
@@ -22,6 +24,8 @@ import torch
 
 from kvrelay.core.runner import SampledToken, ScheduledRequest, TokenLogprobs
 from kvrelay.model.grammar import GrammarMasks
+from kvrelay.model.penalties import TokenRules
+from kvrelay.model.prompt_logprobs import PromptLogprobs
 from kvrelay.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -41,18 +45,26 @@ class Sampler:
         self._gen = torch.Generator().manual_seed(seed)
         # Structured output; None: a runner whose model has no grammar support.
         self.grammars: GrammarMasks | None = None
+        # Penalties, min_tokens, bad_words, allowed_token_ids (kvrelay.model.penalties).
+        self.rules = TokenRules()
+        # vLLM's prompt_logprobs, filled by the runner's forward passes.
+        self.prompt = PromptLogprobs()
 
     def observe(
         self, requests: Sequence[ScheduledRequest],
         resolve: Callable[[ScheduledRequest], list[int]],
     ) -> None:
-        """A step's scheduled chunks (before sampling): output tokens reach the grammars."""
+        """A step's scheduled chunks (before sampling): tokens reach the grammars and
+        the penalties' histories."""
         if self.grammars is not None:
             self.grammars.observe(requests, resolve)
+        self.rules.observe(requests, resolve)
 
     def forget(self, request_id: str) -> None:
         if self.grammars is not None:
             self.grammars.forget(request_id)
+        self.rules.forget(request_id)
+        self.prompt.forget(request_id)
 
     def sample(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
@@ -76,6 +88,9 @@ class Sampler:
             lps = _logprobs(raw[lp_rows], params, lp_rows, ids)
             for i, lp in zip(lp_rows, lps, strict=True):
                 out[i].logprobs = lp
+        for i, p in enumerate(params):
+            if p.prompt_logprobs is not None and request_ids:
+                out[i].prompt_logprobs = self.prompt.take(request_ids[i])
         return out
 
     def _bias_and_mask(
@@ -84,10 +99,13 @@ class Sampler:
     ) -> torch.Tensor:
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         masked = [i for i, p in enumerate(params) if p.structured is not None]
-        if not biased and not masked:
+        ruled = any(p.needs_history or p.allowed_token_ids is not None for p in params)
+        if not biased and not masked and not ruled:
             return logits
         if any(p.logprobs is not None for p in params):
             logits = logits.clone()  # logprobs read the raw logits afterwards
+        # vLLM's order: allowed_token_ids, bad_words, min_tokens, logit_bias, penalties.
+        penalized = self.rules.mask(logits, params, request_ids) if ruled else []
         vocab = logits.shape[1]
         for i in biased:
             pairs = [(t, b) for t, b in params[i].logit_bias if t < vocab]
@@ -95,6 +113,7 @@ class Sampler:
                 ids = torch.tensor([t for t, _ in pairs], device=logits.device)
                 vals = torch.tensor([b for _, b in pairs], device=logits.device)
                 logits[i].index_add_(0, ids, vals.to(logits.dtype))
+        self.rules.penalize(logits, penalized, params, request_ids)
         if masked:
             if self.grammars is None or len(request_ids) != len(params):
                 raise ValueError("structured output needs a runner with grammar support "

@@ -36,7 +36,9 @@ from kvrelay.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LogprobFormatter,
+    TokenizeRequest,
     bad_request,
     install_error_handlers,
     load_json,
@@ -49,6 +51,8 @@ from kvrelay.server.protocol import (
 from kvrelay.server.responses import (
     ChatShape,
     CompletionShape,
+    Echo,
+    EchoShape,
     EventStream,
     Shape,
     collect,
@@ -109,6 +113,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
     app.add_api_route("/v1/kv/release", handlers.release_lease, methods=["POST"])
+    app.add_api_route("/tokenize", handlers.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", handlers.detokenize, methods=["POST"])
     return app
 
 
@@ -152,13 +158,24 @@ class _Handlers:
         body = parse_body(await read_body(request), CompletionRequest)
         self._check_model(body.model)
         body.check()
-        prompts = [self._encode_prompt(p) for p in body.prompts()]
-        specs = self._specs(body, prompts, body.max_tokens, body.logprobs)
+        raw = body.prompts()
+        prompts = [self._encode_prompt(p, body.add_special_tokens) for p in raw]
+        # echo with max_tokens 0: one token is generated and left out of the answer.
+        max_tokens = 1 if body.echo_only else body.max_tokens
+        specs = self._specs(body, prompts, max_tokens, body.logprobs)
         self._check_extras(specs)
         gen = self._generation("cmpl", {}, arrival)
         await gen.start(specs, sum(len(p) for p in prompts))
-        shape = CompletionShape(gen.base_id, self.model.name, body.logprobs is not None,
-                                 self.logprobs)
+        shape: CompletionShape = CompletionShape(gen.base_id, self.model.name,
+                                                 body.logprobs is not None, self.logprobs)
+        if body.echo or body.prompt_logprobs is not None:
+            tok = self.model.tokenizer
+            texts = [p if isinstance(p, str) else tok.decode(ids, skip_special_tokens=False)
+                     for p, ids in zip(raw, prompts, strict=True)]
+            echo = Echo(list(zip(prompts, texts, strict=True)), body.n, body.echo,
+                        body.echo_only, body.prompt_logprobs is not None)
+            shape = EchoShape(gen.base_id, self.model.name, body.logprobs is not None,
+                              self.logprobs, echo)
         return await self._respond(request, gen, shape, body.stream,
                                    body.include_usage_in_stream(), len(specs))
 
@@ -176,6 +193,36 @@ class _Handlers:
         shape = ChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs)
         return await self._respond(request, gen, shape, body.stream,
                                    body.include_usage_in_stream(), len(specs))
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: a prompt or chat messages to token ids."""
+        self._check_auth(request)
+        body = parse_body(await read_body(request), TokenizeRequest)
+        if body.model is not None:
+            self._check_model(body.model)
+        body.check()
+        tok = self.model.tokenizer
+        if body.prompt is not None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = tok.encode(body.prompt, add_special_tokens=special)
+        else:
+            ids = self._render(body.template_messages(), body.add_generation_prompt,
+                               bool(body.add_special_tokens))
+        return JSONResponse({"count": len(ids), "max_model_len": self.model.max_model_len,
+                             "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: token ids to text (special tokens kept, as vLLM)."""
+        self._check_auth(request)
+        body = parse_body(await read_body(request), DetokenizeRequest)
+        if body.model is not None:
+            self._check_model(body.model)
+        vocab = self.model.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request("tokens", f"token id {bad} is outside [0, {vocab})")
+        text = self.model.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
 
     async def release_lease(self, request: Request) -> Response:
         """Give back a lease nobody will pull (the proxy, when its client left)."""
@@ -195,21 +242,29 @@ class _Handlers:
 
     # -- helpers ---------------------------------------------------------------------
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        return self._render(body.template_messages(), True, body.add_special_tokens)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                add_special_tokens: bool) -> list[int]:
         tok = self.model.tokenizer
         try:
-            text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=True)
+            text = tok.apply_chat_template(messages,
+                                           add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as exc:
             raise bad_request("messages", f"the model's chat template refused the "
                               f"messages: {exc}") from exc
-        return tok.encode(text, add_special_tokens=False)
+        return tok.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_extras(self, specs: Sequence[ChoiceSpec]) -> None:
         """logit_bias ids inside the vocabulary (all choices share them). A
         response_format schema was checked when its SamplingParams were built."""
         vocab = self.model.tokenizer.vocab_size
-        bad = next((t for t, _ in specs[0].params.logit_bias if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request("logit_bias", f"logit_bias token id {bad} is outside [0, {vocab})")
+        p = specs[0].params
+        for param, ids in (("logit_bias", [t for t, _ in p.logit_bias]),
+                           ("allowed_token_ids", p.allowed_token_ids or ())):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(param, f"{param} token id {bad} is outside [0, {vocab})")
     async def _release_unclaimed(self, gen: Generation) -> None:
         """Prefill role: leases made for a client that left (the proxy cancels its
         request when its own client goes): nobody else will ever pull or release them."""
@@ -230,6 +285,11 @@ class _Handlers:
             return False, None  # e.g. vLLM's {"do_remote_decode": false, ...}: plain work
         if body.n != 1 or num_prompts != 1:
             raise bad_request("kv_transfer_params", "kv_transfer_params takes one prompt, n=1")
+        if body.num_prompt_logprobs() is not None:
+            # Every prompt position must be computed where the answer is made: the
+            # proxy sends such requests to one engine, colocated.
+            raise bad_request("prompt_logprobs", "prompt logprobs (prompt_logprobs, echo "
+                              "with logprobs) cannot be split across engines")
         if params.get("do_remote_decode"):
             if role != "prefill":
                 raise bad_request("kv_transfer_params", "do_remote_decode needs an engine "
@@ -269,9 +329,10 @@ class _Handlers:
                 param="model", code="model_not_found",
             )
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def _encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True
+                       ) -> list[int]:
         if isinstance(prompt, str):
-            return self.model.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.model.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         vocab = self.model.tokenizer.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
@@ -283,6 +344,8 @@ class _Handlers:
         logprobs: int | None,
     ) -> list[ChoiceSpec]:
         remote_decode, remote_kv = self._kv_mode(body, len(prompts))
+        tok = self.model.tokenizer
+        bad_words = body.bad_words_token_ids(lambda w: tok.encode(w, add_special_tokens=False))
         specs = []
         for p_index, prompt in enumerate(prompts):
             # Unset max_tokens: as many as the context still holds (the engine rejects a
@@ -292,7 +355,7 @@ class _Handlers:
             )
             for i in range(body.n):
                 index = p_index * body.n + i
-                params = body.sampling_params(limit, logprobs, i)
+                params = body.sampling_params(limit, logprobs, i, bad_words)
                 specs.append(ChoiceSpec(index, prompt, params, remote_decode, remote_kv))
         return specs
 
@@ -320,7 +383,8 @@ class _Handlers:
         if collected is None:  # the client went away; nobody reads this
             await self._release_unclaimed(gen)
             return Response(status_code=499)
-        return JSONResponse(shape.full(collected, usage(gen.prompt_tokens, gen.completion_tokens)))
+        return JSONResponse(shape.full(collected, usage(
+            gen.prompt_tokens, shape.completion_tokens(gen.completion_tokens))))
 
 
 # The kvrelay lease fields D needs (RemoteKv's required fields); first_token_sent is the

@@ -76,9 +76,10 @@ def add_role_args(p: argparse.ArgumentParser) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="Hugging Face model directory or .gguf file (default: embedded model)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="weights and KV dtype; auto: a Hugging Face checkpoint's stored dtype, "
-                   "for GGUF bfloat16 where the CPU computes it natively, else float32")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights and KV dtype; auto: on a CPU bfloat16 where it computes "
+                   "bf16 natively (avx512_bf16, amx_bf16), else float32, whatever the "
+                   "checkpoint stores; on CUDA the checkpoint's")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's own)")
@@ -177,8 +178,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
     served = ServedModel(
         names=names, tokenizer=tok, max_model_len=model.max_model_len,
         max_context=min(model.max_model_len, model.num_blocks * block_size),
-        make_detokenizer=lambda ids, stop, include: IncrementalDetokenizer(
-            tok, ids, stop=stop, include_stop_str_in_output=include
+        make_detokenizer=lambda ids, p: IncrementalDetokenizer(
+            tok, ids, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
+            min_tokens=p.min_tokens,
         ),
         block_size=block_size,
     )

@@ -40,8 +40,8 @@ class Detokenizer(Protocol):
     def finish(self) -> str: ...
 
 
-# (prompt token ids, stop strings, include_stop_str_in_output) -> a detokenizer
-DetokenizerFactory = Callable[[Sequence[int], Sequence[str], bool], Detokenizer]
+# (prompt token ids, the choice's params: stop strings and how they apply) -> a detokenizer
+DetokenizerFactory = Callable[[Sequence[int], SamplingParams], Detokenizer]
 
 
 @dataclass(slots=True)
@@ -63,6 +63,7 @@ class Delta:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (first delta)
 
 
 @dataclass(slots=True)
@@ -135,9 +136,7 @@ class Generation:
 
     async def _add(self, spec: ChoiceSpec) -> None:
         rid = f"{self.base_id}-{spec.index}"
-        detok = self.make_detokenizer(
-            spec.prompt_token_ids, spec.params.stop, spec.params.include_stop_str_in_output
-        )
+        detok = self.make_detokenizer(spec.prompt_token_ids, spec.params)
         queued_at = time.monotonic()
         await self.loop.add(
             rid, spec.prompt_token_ids, spec.params, self._queue,
@@ -223,6 +222,7 @@ class Generation:
             self._record_tokens(choice, len(out.new_token_ids))
             text = choice.detok.add(out.new_token_ids)
         delta = Delta(choice.spec.index, text, out.new_token_ids, out.new_logprobs)
+        delta.prompt_logprobs = out.prompt_logprobs
         if choice.detok.stopped:
             # A stop string ended the text: the engine request must end too, now. On
             # the prefill role the lease still goes back to the caller, who releases it.

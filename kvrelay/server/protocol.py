@@ -12,8 +12,8 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Literal, TypeVar
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from kvrelay.core.runner import TokenLogprobs
+from kvrelay.model.grammar import structured_output
 from kvrelay.sampling_params import InvalidParameter, SamplingParams, StructuredOutput
 
 MAX_N = 16
@@ -29,6 +30,9 @@ MAX_CHOICES = 64  # prompts in a batch times n
 M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger(__name__)
 MAX_TOP_LOGPROBS = 20
+MAX_BAD_WORDS = 128
+_GUIDED = ("vLLM's guided decoding parameters are not supported: use response_format "
+           "json_object or json_schema")
 
 
 class ApiError(Exception):
@@ -100,7 +104,7 @@ class ResponseFormat(_Strict):
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return StructuredOutput("json_object", '{"type": "object"}')
+            return structured_output("json_object", '{"type": "object"}')
         if self.type == "json_schema":
             spec = self.json_schema or {}
             schema = spec.get("schema")
@@ -108,7 +112,7 @@ class ResponseFormat(_Strict):
                 raise bad_request("response_format.json_schema.schema",
                                   "response_format json_schema needs json_schema.schema, an object")
             # Key order kept: the output's properties come in the schema's order.
-            return StructuredOutput("json_schema", json.dumps(schema))
+            return structured_output("json_schema", json.dumps(schema))
         raise bad_request("response_format.type", "response_format.type must be text, "
                           f"json_object or json_schema, got {self.type!r}")
 
@@ -133,21 +137,67 @@ class _SamplingRequest(_Strict):
     kv_transfer_params: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
-    presence_penalty: float = 0.0  # accepted for compatibility; not applied
-    frequency_penalty: float = 0.0  # accepted for compatibility; not applied
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's extra sampling parameters.
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     user: str | None = None
+
+    # Fields of OpenAI's and vLLM's APIs that change what is generated and that kvrelay
+    # does not implement: a 400 naming them unless sent with the value meaning "off"
+    # (clients send defaults explicitly). Each: field -> (is it off?, what to say).
+    REFUSED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "best_of": (lambda v: v is None or v == 1, "best_of > 1 is not supported"),
+        "use_beam_search": (lambda v: not v, "beam search is not supported"),
+        "length_penalty": (lambda v: v is None or v == 1.0,
+                           "length_penalty (a beam search parameter) is not supported"),
+        "early_stopping": (lambda v: not v,
+                           "early_stopping (a beam search parameter) is not supported"),
+        "truncate_prompt_tokens": (lambda v: v is None,
+                                   "truncate_prompt_tokens is not supported"),
+        "logits_processors": (lambda v: not v, "logits_processors are not supported"),
+        "return_tokens_as_token_ids": (lambda v: not v,
+                                       "return_tokens_as_token_ids is not supported"),
+        "skip_special_tokens": (lambda v: v is None or v is True,
+                                "skip_special_tokens=false is not supported"),
+        "spaces_between_special_tokens": (lambda v: v is None or v is True,
+                                          "spaces_between_special_tokens=false is not "
+                                          "supported"),
+        "structured_outputs": (lambda v: v is None, _GUIDED),
+        "guided_json": (lambda v: v is None, _GUIDED),
+        "guided_regex": (lambda v: v is None, _GUIDED),
+        "guided_choice": (lambda v: v is None, _GUIDED),
+        "guided_grammar": (lambda v: v is None, _GUIDED),
+        "structural_tag": (lambda v: v is None, _GUIDED),
+        "guided_whitespace_pattern": (lambda v: v is None, _GUIDED),
+        "priority": (lambda v: not v, "request priorities are not supported"),
+    }
+    # Known fields with no effect on the output here: dropped without a warning.
+    HARMLESS: ClassVar[frozenset[str]] = frozenset({
+        "store", "metadata", "service_tier", "parallel_tool_calls", "request_id",
+        "guided_decoding_backend", "cache_salt",
+    })
 
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_common(self) -> None:
+        if self.bad_words is not None and len(self.bad_words) > MAX_BAD_WORDS:
+            raise bad_request("bad_words", f"at most {MAX_BAD_WORDS} bad_words are allowed, "
+                              f"got {len(self.bad_words)}")
+        if any(not w.strip() for w in self.bad_words or ()):
+            raise bad_request("bad_words", "bad_words cannot contain an empty string")
         if not 1 <= self.n <= MAX_N:
             raise bad_request("n", f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options", "stream_options is only allowed with stream=true")
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, index: int
+        self, max_tokens: int, logprobs: int | None, index: int,
+        bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
     ) -> SamplingParams:
         """Params of choice ``index``; with a seed, choice i samples with seed + i."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -166,10 +216,37 @@ class _SamplingRequest(_Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias=self.logit_bias_pairs(),
                 structured=self.response_format.structured() if self.response_format else None,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                min_tokens=self.min_tokens,
+                bad_words_token_ids=bad_words_token_ids,
+                allowed_token_ids=(None if self.allowed_token_ids is None
+                                   else tuple(self.allowed_token_ids)),
+                prompt_logprobs=self.num_prompt_logprobs(),
             )
         except InvalidParameter as exc:
             raise bad_request(exc.param, str(exc)) from exc
 
+
+    def num_prompt_logprobs(self) -> int | None:
+        return None
+
+    def bad_words_token_ids(self, encode: Callable[[str], list[int]]
+                            ) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of bad_words: each word as written (leading spaces
+        stripped), and with one leading space where that is another token sequence of
+        the same length (the word in the middle of a text)."""
+        out: list[tuple[int, ...]] = []
+        for word in self.bad_words or ():
+            plain = tuple(encode(word.lstrip()))
+            if not plain:
+                raise bad_request("bad_words", f"bad_words entry {word!r} has no tokens")
+            out.append(plain)
+            spaced = tuple(encode(" " + word.lstrip()))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return tuple(out)
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """OpenAI's {"token id": bias} as (id, bias) pairs; keys must be integers."""
@@ -189,6 +266,20 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
+    prompt_logprobs: int | None = None  # vLLM's
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs to compute: vLLM's prompt_logprobs, or echo with logprobs (the
+        prompt's tokens come back with theirs, as lm-evaluation-harness scores them)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs), nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, a token list, or a list of either."""
@@ -214,8 +305,13 @@ class CompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise bad_request("echo", "echo is not supported")
+        if self.echo and self.stream:
+            raise bad_request("echo", "echo is not supported with stream=true")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens", "max_tokens must be >= 1 (0 only with echo)")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request("prompt_logprobs", "prompt_logprobs must be between 0 and "
+                              f"{MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}")
         if self.suffix:
             raise bad_request("suffix", "suffix (fill-in-the-middle) is not supported")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -253,6 +349,28 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    add_special_tokens: bool = False  # vLLM's: the template already holds them
+
+    REFUSED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        **_SamplingRequest.REFUSED,
+        "echo": (lambda v: not v, "echo (of the last message) is not supported"),
+        "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is supported on "
+                            "/v1/completions only"),
+        "continue_final_message": (lambda v: not v, "continue_final_message is not supported"),
+        "add_generation_prompt": (lambda v: v is None or v is True,
+                                  "add_generation_prompt=false is not supported"),
+        "chat_template": (lambda v: v is None, "a request's own chat_template is not "
+                          "supported (the model's is used)"),
+        "chat_template_kwargs": (lambda v: not v, "chat_template_kwargs are not supported"),
+        "documents": (lambda v: not v, "documents are not supported"),
+        "mm_processor_kwargs": (lambda v: not v, "multimodal inputs are not supported"),
+        "functions": (lambda v: not v, "functions are not supported"),
+        "function_call": (lambda v: v is None or v == "none", "function_call is not supported"),
+        "audio": (lambda v: v is None, "audio output is not supported"),
+        "modalities": (lambda v: v is None or v == ["text"], "only the text modality is "
+                       "supported"),
+        "prediction": (lambda v: v is None, "predicted outputs are not supported"),
+    }
 
     def check(self) -> None:
         self.check_common()
@@ -284,14 +402,55 @@ class ChatCompletionRequest(_SamplingRequest):
         )
 
     def template_messages(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for m in self.messages:
-            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
-            for key in ("name", "tool_call_id", "tool_calls"):
-                if getattr(m, key) is not None:
-                    msg[key] = getattr(m, key)
-            out.append(msg)
-        return out
+        return template_messages(self.messages)
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        out.append(msg)
+    return out
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a ``prompt`` (completions) or ``messages`` (chat, through
+    the model's template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Default: True for a prompt (the BOS a completion gets), False for messages (the
+    # template holds them), as vLLM.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+    REFUSED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "continue_final_message": (lambda v: not v, "continue_final_message is not supported"),
+        "chat_template": (lambda v: v is None, "a request's own chat_template is not "
+                          "supported (the model's is used)"),
+        "chat_template_kwargs": (lambda v: not v, "chat_template_kwargs are not supported"),
+        "tools": (lambda v: not v, "tools are not supported"),
+        "return_token_strs": (lambda v: not v, "return_token_strs is not supported"),
+    }
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("prompt", "send exactly one of prompt (a string) and messages")
+        if self.messages is not None and not self.messages:
+            raise bad_request("messages", "messages must contain at least one message")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return template_messages(self.messages or [])
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:
@@ -317,7 +476,23 @@ def load_json(raw: bytes) -> dict[str, Any]:
 
 
 def validate(data: dict[str, Any], model: type[M]) -> M:
-    """A parsed JSON object -> a request model, or an ApiError naming the field."""
+    """A parsed JSON object -> a request model, or an ApiError naming the field.
+
+    Fields the model lacks: a known unsupported sampling field is a 400 naming it; any
+    other is dropped (newer clients keep working) with a warning in the log, as vLLM."""
+    refused: dict[str, tuple[Callable[[Any], bool], str]] = getattr(model, "REFUSED", {})
+    unknown = []
+    for key, value in data.items():
+        if key in model.model_fields:
+            continue
+        rule = refused.get(key)
+        if rule is not None:
+            if not rule[0](value):
+                raise bad_request(key, f"{key}: {rule[1]}")
+        elif key not in getattr(model, "HARMLESS", ()):
+            unknown.append(key)
+    if unknown:
+        log.warning("the request's fields %s are not known here: ignored", sorted(unknown))
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -419,6 +594,9 @@ class LogprobFormatter:
     def __init__(self, token_text: Any) -> None:
         self._text = token_text  # token id -> its text
 
+    def token_text(self, token_id: int) -> str:
+        return str(self._text(token_id))
+
     def completion(
         self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs], offset: int
     ) -> dict[str, Any]:
@@ -434,6 +612,44 @@ class LogprobFormatter:
             "top_logprobs": [{self._text(t): v for t, v in lp.top} for lp in lps],
             "text_offset": offsets,
         }
+
+    def echoed(
+        self, prompt_ids: Sequence[int], prompt_lps: Sequence[TokenLogprobs],
+        output: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """echo with logprobs, as vLLM lays it out: the prompt's tokens first (the first
+        one's logprob null: nothing predicts it), then the output's (``output``, made by
+        ``completion`` with the offset where the prompt's token texts end)."""
+        tokens = [self._text(t) for t in prompt_ids]
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        lp: dict[str, Any] = {
+            "tokens": tokens,
+            "token_logprobs": [None, *(p.logprob for p in prompt_lps)],
+            "top_logprobs": [None, *({self._text(t): v for t, v in p.top} for p in prompt_lps)],
+            "text_offset": offsets,
+        }
+        if output is not None:
+            for key in lp:
+                lp[key] = lp[key] + output[key]
+        return lp
+
+    def prompt_logprobs(
+        self, prompt_ids: Sequence[int], lps: Sequence[TokenLogprobs]
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token, {token id: {logprob, rank,
+        decoded_token}} for the token and its top alternatives; null for the first."""
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for tok, lp in zip(prompt_ids[1:], lps, strict=True):
+            entry = {str(tok): {"logprob": lp.logprob, "rank": lp.rank,
+                                "decoded_token": self._text(tok)}}
+            for rank, (t, v) in enumerate(lp.top, start=1):
+                entry.setdefault(str(t), {"logprob": v, "rank": rank,
+                                          "decoded_token": self._text(t)})
+            out.append(entry)
+        return out
 
     def chat(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs]) -> dict[str, Any]:
         return {"content": [self._chat_entry(t, lp) for t, lp in zip(token_ids, lps, strict=True)]}

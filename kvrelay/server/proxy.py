@@ -39,7 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvrelay.server.protocol import ApiError, install_error_handlers
+from kvrelay.server.protocol import ApiError, install_error_handlers, read_body
 from kvrelay.server.proxy_affinity import POLICIES, RoutingConfig
 from kvrelay.server.proxy_routing import (
     CHAT_PATH,
@@ -87,14 +87,15 @@ def create_proxy_app(proxy: Proxy) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        check_auth(request)
+    async def any_engine(method: str, path: str, body: bytes | None = None) -> Response:
+        """The answer of the first healthy engine (decode ones first) that gives one
+        under 500: requests every engine answers alike (the model, its tokenizer)."""
         failures = []
         for up in proxy.decode.candidates() + proxy.prefill.candidates():
             try:
-                r = await proxy._http().get(f"{up.url}/v1/models", headers=proxy._headers(),
-                                            timeout=10.0)
+                r = await proxy._http().request(
+                    method, f"{up.url}{path}", content=body, timeout=10.0,
+                    headers={**proxy._headers(), "content-type": "application/json"})
             except httpx.HTTPError as exc:
                 failures.append(f"{up.url}: {type(exc).__name__}")
                 continue
@@ -103,6 +104,21 @@ def create_proxy_app(proxy: Proxy) -> FastAPI:
             failures.append(f"{up.url}: HTTP {r.status_code}")
         raise ApiError(503, "no engine answered: " + "; ".join(failures), type="server_error",
                        code="unavailable")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_auth(request)
+        return await any_engine("GET", "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        check_auth(request)
+        return await any_engine("POST", "/tokenize", await read_body(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        check_auth(request)
+        return await any_engine("POST", "/detokenize", await read_body(request))
 
     @app.post(COMPLETIONS_PATH)
     async def completions(request: Request) -> Response:

@@ -219,9 +219,12 @@ class Proxy:
         self._route_keys(legs, req, chat)
         t0 = asyncio.get_running_loop().time()
         streaming = False
+        # Prompt logprobs need every prompt position where the answer is made: such legs
+        # go to a decode engine whole, as colocated work (no prefill engine, no lease).
+        to_prefill = [] if req.num_prompt_logprobs() is not None else legs
         try:
             if await self._unless_gone(request, _all(
-                    self._prefill_leg(path, leg) for leg in legs)) is None:
+                    self._prefill_leg(path, leg) for leg in to_prefill)) is None:
                 return Response(status_code=499)  # P's requests were cancelled: P aborts
             if req.stream:
                 streaming = True  # from here the stream gives back what D never got
@@ -304,6 +307,8 @@ class Proxy:
                       kv_transfer_params={"do_remote_decode": True})
         p_body.pop("stream_options", None)
         p_body.pop("max_completion_tokens", None)
+        if "min_tokens" in p_body:  # P samples token 1: min_tokens >= 1 masks its EOS there
+            p_body["min_tokens"] = min(p_body["min_tokens"], 1)
         async with self._outstanding(up):
             try:
                 r = await self._http().post(f"{up.url}{path}", json=p_body,

@@ -32,6 +32,7 @@ class Collected:
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 class Shape:
@@ -61,6 +62,10 @@ class Shape:
     def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         return []
 
+    def completion_tokens(self, generated: int) -> int:
+        """What usage counts of the tokens the engine generated."""
+        return generated
+
     def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -83,6 +88,58 @@ class CompletionShape(Shape):
 
     def _has_lp(self, c: Collected) -> bool:
         return self.with_logprobs and len(c.logprobs) == len(c.token_ids)
+
+
+@dataclass
+class Echo:
+    """What a completion with echo or prompt_logprobs reports of its prompts."""
+
+    prompts: list[tuple[list[int], str]]  # per prompt: its token ids and its text
+    n: int  # choices per prompt
+    echo: bool
+    only: bool  # max_tokens 0: the engine's one token is not part of the answer
+    prompt_logprobs: bool  # vLLM's prompt_logprobs field
+
+
+class EchoShape(CompletionShape):
+    """Completions with echo (the prompt before the output; with logprobs, the prompt
+    tokens' logprobs first) and vLLM's prompt_logprobs."""
+
+    def __init__(self, rid: str, model: str, with_logprobs: bool, fmt: LogprobFormatter,
+                 echo: Echo) -> None:
+        super().__init__(rid, model, with_logprobs, fmt)
+        self.e = echo
+
+    def completion_tokens(self, generated: int) -> int:
+        return 0 if self.e.only else generated
+
+    def full_choice(self, index: int, c: Collected) -> dict[str, Any]:
+        ids, text = self.e.prompts[index // self.e.n]
+        prompt_lps = c.prompt_logprobs
+        if self.e.only:
+            c = Collected(finish_reason="length")
+        out = super().full_choice(index, c)
+        if not self.e.echo:
+            out["prompt_logprobs"] = self._prompt_lps(ids, prompt_lps)
+            return out
+        out["text"] = text + out["text"]
+        if self.with_logprobs:
+            if prompt_lps is None or len(prompt_lps) != len(ids) - 1:
+                raise ApiError(500, "the engine computed no prompt logprobs",
+                               type="server_error")
+            output = out["logprobs"]
+            if output is not None:  # output offsets continue after the prompt's tokens
+                shift = sum(len(self.fmt.token_text(t)) for t in ids)
+                output = dict(output, text_offset=[o + shift for o in output["text_offset"]])
+            out["logprobs"] = self.fmt.echoed(ids, prompt_lps, output)
+        if self.e.prompt_logprobs:
+            out["prompt_logprobs"] = self._prompt_lps(ids, prompt_lps)
+        return out
+
+    def _prompt_lps(self, ids: list[int], lps: list[Any] | None) -> list[Any]:
+        if lps is None or len(lps) != len(ids) - 1:
+            raise ApiError(500, "the engine computed no prompt logprobs", type="server_error")
+        return self.fmt.prompt_logprobs(ids, lps)
 
 
 class ChatShape(Shape):
@@ -126,6 +183,8 @@ async def collect(gen: Generation, num_choices: int) -> list[Collected]:
         c.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
             c.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            c.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason is not None:
             c.finish_reason = d.finish_reason
             c.kv_transfer_params = d.kv_transfer_params
@@ -167,7 +226,8 @@ async def stream_events(
             offsets[d.index] += len(d.text)
         if include_usage:
             final = shape.envelope(shape.object_chunk, [])
-            final["usage"] = usage(gen.prompt_tokens, gen.completion_tokens)
+            final["usage"] = usage(gen.prompt_tokens,
+                                   shape.completion_tokens(gen.completion_tokens))
             yield sse(final)
     except ApiError as exc:
         yield sse(exc.body())

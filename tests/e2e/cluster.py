@@ -24,7 +24,9 @@ from kvrelay.server.demo import free_port
 from tests.metrics_util import blocks_released, metrics, sample
 
 REPO = Path(__file__).resolve().parents[2]
-BLOCK_ARGS = ("--num-blocks", "256", "--block-size", "4")
+# float32 pinned (the default, auto, is bfloat16 on a CPU with native bf16): these tests
+# compare answers token for token across engines, caches and schedules.
+BLOCK_ARGS = ("--num-blocks", "256", "--block-size", "4", "--dtype", "float32")
 
 
 def env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -67,7 +67,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def start_server(model_dir: Path, log: Path, *extra: str) -> Iterator[ServerProcess]:
     proc = ServerProcess(
         [str(model_dir), "--max-model-len", str(MAX_MODEL_LEN), "--num-blocks", "96",
-         "--block-size", "16", "--api-key", KEY, "--served-model-name", "tiny", *extra],
+         "--block-size", "16", "--dtype", "float32", "--api-key", KEY,
+         "--served-model-name", "tiny", *extra],
         env=server_env(), log_path=str(log), log_level="info",
     )
     proc.start()

@@ -79,17 +79,42 @@ def test_demo_server_arg_takes_a_shell_line() -> None:
         server_args(None, ["--dtype float64"])
 
 
-def test_dtype_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dtype_auto_follows_the_cpu_whatever_the_checkpoint_stores(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU: bfloat16 where it computes bf16 natively, else float32, for float32,
+    bfloat16, float16 and GGUF checkpoints alike (no default is the slow bf16 path of
+    an AVX2-only CPU)."""
     d = write_tiny_hf_model(tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     cfg = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}
-    for key, stored, want in [("torch_dtype", "bfloat16", "bfloat16"), ("dtype", "float16",
-                              "float16"), ("torch_dtype", "int8", "float32")]:
-        (d / "config.json").write_text(json.dumps({**cfg, key: stored}))
-        assert loader.auto_dtype(d) == want
     for native, want in [(True, "bfloat16"), (False, "float32")]:
         monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda n=native: n)
+        for stored in ("bfloat16", "float16", "float32", "int8"):
+            (d / "config.json").write_text(json.dumps({**cfg, "torch_dtype": stored}))
+            assert loader.auto_dtype(d) == want, (native, stored)
         assert loader.auto_dtype(tmp_path / "x.gguf") == want
-    (d / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
-    m = loader.load_model(str(d), dtype="auto", num_blocks=8, block_size=4)
-    assert m.kv_geometry.dtype == "bfloat16"
+        (d / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+        m = loader.load_model(str(d), dtype="auto", num_blocks=8, block_size=4)
+        assert m.kv_geometry.dtype == want
+
+
+def test_dtype_auto_is_the_default_of_every_entry_point() -> None:
+    import inspect
+
+    from kvrelay import LLM
+
+    assert inspect.signature(LLM).parameters["dtype"].default == "auto"
+    parser = build_parser()
+    for argv in (["serve"], ["generate", "hi"], ["bench", "offline"], ["bench", "prefix"],
+                 ["bench", "routing"]):
+        assert parser.parse_args(argv).dtype == "auto", argv
+    assert parser.parse_args(["bench", "serve"]).offline_dtype == "auto"
+
+
+def test_cpu_bf16_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for flags, want in [("fpu avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
+                        ("avx512f amx_bf16 amx_tile", True), ("avx512f avx512bw", False)]:
+        info = tmp_path / f"cpuinfo-{want}-{len(flags)}"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(loader, "CPUINFO", info)
+        assert loader.cpu_has_native_bf16() is want, flags

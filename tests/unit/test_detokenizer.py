@@ -61,6 +61,18 @@ def test_stop_strings(tok: Tokenizer, stop: list[str], include: bool, expect: st
         assert detok.stopped == (expect != TEXT)
 
 
+def test_min_tokens_defers_stop_strings(tok: Tokenizer) -> None:
+    """vLLM: stop strings count once more than min_tokens tokens are out; a stop
+    string in the text before then is passed over."""
+    ids = tok.encode("a, b, c, d", add_special_tokens=False)
+    comma = next(i for i in range(1, len(ids) + 1) if "," in tok.decode(ids[:i]))
+    plain = IncrementalDetokenizer(tok, [], stop=[","])
+    assert plain.add(ids) == "a" and plain.stopped
+    late = IncrementalDetokenizer(tok, [], stop=[","], min_tokens=comma)
+    text = "".join(late.add([t]) for t in ids)
+    assert late.stopped and text == "a, b", text
+
+
 def test_text_that_may_start_a_stop_string_is_held_back(tok: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tok, [], stop=["Paris!"])
     out = detok.add(tok.encode("I like Par"))

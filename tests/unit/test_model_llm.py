@@ -14,7 +14,9 @@ from kvrelay.sampling_params import SamplingParams
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> kvrelay.LLM:
     path = write_tiny_hf_model(tmp_path_factory.mktemp("llm") / "llama", seed=4)
-    return kvrelay.LLM(str(path), block_size=4, num_blocks=256, max_num_batched_tokens=64)
+    # float32: batch independence is asserted token for token.
+    return kvrelay.LLM(str(path), dtype="float32", block_size=4, num_blocks=256,
+                       max_num_batched_tokens=64)
 
 
 def test_generate_greedy_is_deterministic_and_batch_independent(llm: kvrelay.LLM) -> None:

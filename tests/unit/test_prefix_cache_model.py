@@ -19,7 +19,8 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def make(path: str, caching: bool, num_blocks: int) -> kvrelay.LLM:
-    return kvrelay.LLM(path, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=48,
+    return kvrelay.LLM(path, dtype="float32", block_size=4, num_blocks=num_blocks,
+                       max_num_batched_tokens=48,
                        enable_prefix_caching=caching)
 
 

@@ -210,6 +210,33 @@ BAD_INPUTS = [
     (CHAT, {"model": "tiny", "messages": MSG, "temperature": 9}, 400, "temperature"),
     (CHAT, {"model": "tiny", "messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"model": "nope", "messages": MSG}, 404, "model"),
+    # vLLM's sampling parameters, out of range; and known ones kvrelay does not implement.
+    (CMPL, {"model": "tiny", "prompt": "a", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    (CMPL, {"model": "tiny", "prompt": "a", "presence_penalty": -3}, 400, "presence_penalty"),
+    (CMPL, {"model": "tiny", "prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (CMPL, {"model": "tiny", "prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400,
+     "min_tokens"),
+    (CMPL, {"model": "tiny", "prompt": "a", "bad_words": [""]}, 400, "bad_words"),
+    (CMPL, {"model": "tiny", "prompt": "a", "bad_words": ["x"] * 129}, 400, "bad_words"),
+    (CMPL, {"model": "tiny", "prompt": "a", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    (CMPL, {"model": "tiny", "prompt": "a", "allowed_token_ids": [1, 999]}, 400,
+     "allowed_token_ids"),
+    (CMPL, {"model": "tiny", "prompt": "a", "best_of": 2}, 400, "best_of"),
+    (CMPL, {"model": "tiny", "prompt": "a", "use_beam_search": True}, 400, "use_beam_search"),
+    (CMPL, {"model": "tiny", "prompt": "a", "length_penalty": 0.5}, 400, "length_penalty"),
+    (CMPL, {"model": "tiny", "prompt": "a", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    (CHAT, {"model": "tiny", "messages": MSG, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    (CMPL, {"model": "tiny", "prompt": "a", "echo": True, "stream": True}, 400, "echo"),
+    (CMPL, {"model": "tiny", "prompt": "a", "guided_json": {}}, 400, "guided_json"),
+    (CMPL, {"model": "tiny", "prompt": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
+    (CMPL, {"model": "tiny", "prompt": "a", "skip_special_tokens": False}, 400,
+     "skip_special_tokens"),
+    (CHAT, {"model": "tiny", "messages": MSG, "echo": True}, 400, "echo"),
+    (CHAT, {"model": "tiny", "messages": MSG, "continue_final_message": True}, 400,
+     "continue_final_message"),
+    (CHAT, {"model": "tiny", "messages": MSG, "chat_template": "{{ x }}"}, 400,
+     "chat_template"),
+    (CHAT, {"model": "tiny", "messages": MSG, "functions": [{"name": "f"}]}, 400, "functions"),
 ]
 
 
@@ -223,6 +250,20 @@ def test_bad_input_names_the_field(
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["param"] == param and err["message"]
+
+
+def test_defaults_of_unsupported_fields_and_unknown_fields_are_accepted(
+    url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Clients send defaults explicitly (best_of 1, use_beam_search false): no error.
+    A field nobody knows is dropped with a warning in the log, as vLLM does."""
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 2, "best_of": 1,
+            "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
+            "skip_special_tokens": True, "no_such_field": 1}
+    with caplog.at_level("WARNING", logger="kvrelay.server.protocol"):
+        r = httpx.post(url + CMPL, json=body)
+    assert r.status_code == 200, r.text
+    assert any("no_such_field" in rec.getMessage() for rec in caplog.records)
 
 
 def test_n_choices_streamed(client: openai.OpenAI) -> None:

@@ -130,7 +130,8 @@ def make_state(
     model = ServedModel(
         names=["tiny", "tiny-alias"], tokenizer=tok, max_model_len=max_model_len,
         max_context=min(max_model_len, num_blocks * block_size),
-        make_detokenizer=lambda ids, stop, inc: StopDetokenizer(tok, ids, stop, inc),
+        make_detokenizer=lambda ids, p: StopDetokenizer(tok, ids, p.stop,
+                                                        p.include_stop_str_in_output),
     )
     return ServerState(EngineLoop(engine), model, ServerMetrics(engine, "tiny"), api_key)
 

@@ -8,9 +8,9 @@ import pytest
 
 import kvrelay
 from kvrelay.core.runner import ScheduledRequest
-from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer, compile_grammar
+from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer, structured_output
 from kvrelay.model.testing import write_tiny_hf_model
-from kvrelay.sampling_params import InvalidParameter, SamplingParams, StructuredOutput
+from kvrelay.sampling_params import InvalidParameter, SamplingParams
 
 SCHEMA = {
     "type": "object",
@@ -23,7 +23,7 @@ SCHEMA = {
     "required": ["name", "ok", "n", "tags"],
     "additionalProperties": False,
 }
-SPEC = StructuredOutput("json_schema", json.dumps(SCHEMA))
+SPEC = structured_output("json_schema", json.dumps(SCHEMA))
 
 
 def _matches_schema(doc: object) -> bool:
@@ -84,7 +84,7 @@ def test_logit_bias_forces_and_forbids(llm: kvrelay.LLM) -> None:
 ])
 def test_bad_schema_names_response_format(schema: str, fragment: str) -> None:
     with pytest.raises(InvalidParameter, match=fragment) as info:
-        compile_grammar(StructuredOutput("json_schema", schema))
+        structured_output("json_schema", schema)
     assert info.value.param == "response_format"
 
 

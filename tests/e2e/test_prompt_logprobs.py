@@ -1,0 +1,109 @@
+"""Prompt logprobs as lm-evaluation-harness asks for them (completions with echo,
+logprobs and max_tokens 1 or 0) and vLLM's prompt_logprobs, colocated and 1P1D through
+the proxy, against transformers' log-softmax of the same checkpoint in float32."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import Cluster, Proc, pools_free
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+PROMPT = [5, 17, 42, 99, 7, 7, 23, 61, 88, 3, 140, 201, 9, 250, 31, 77, 12, 5, 17, 42]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvrelay.model.testing import write_tiny_hf_model
+
+    return Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> list[float]:
+    """transformers' logprob of prompt token i given tokens < i, i >= 1."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir),
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [float(lp[i - 1, PROMPT[i]]) for i in range(1, len(PROMPT))]
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
+    c = Cluster(model_dir, tmp_path_factory.mktemp("prompt-logprobs-logs"))
+    try:
+        procs = {"colo": c.colocated(), "p": c.prefill(), "d": c.decode("decode", "shm")}
+        for p in procs.values():
+            p.wait_healthy()
+        procs["proxy"] = c.proxy([procs["p"]], [procs["d"]]).wait_healthy()
+        yield procs
+    finally:
+        c.close()
+        print(c.logs())
+
+
+def _complete(proc: Proc, model: str, **kw: Any) -> dict[str, Any]:
+    body = {"model": model, "prompt": PROMPT, "temperature": 0, **kw}
+    r = httpx.post(proc.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+@pytest.mark.parametrize("where", ["colo", "proxy"])
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_echo_with_logprobs_scores_the_prompt_as_transformers(
+        cluster: dict[str, Proc], model_dir: Path, reference: list[float], where: str,
+        max_tokens: int) -> None:
+    # Twice: the second request's prompt is in the prefix cache, which it must skip.
+    for _ in range(2):
+        out = _complete(cluster[where], model_dir.name, echo=True, logprobs=1,
+                        max_tokens=max_tokens)
+        choice, lp = out["choices"][0], out["choices"][0]["logprobs"]
+        n = len(PROMPT) + max_tokens
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:len(PROMPT)] == pytest.approx(reference, abs=1e-4)
+        assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
+        assert lp["text_offset"] == sorted(lp["text_offset"])
+        assert out["usage"]["completion_tokens"] == max_tokens
+        assert out["usage"]["prompt_tokens"] == len(PROMPT)
+        assert choice["text"].startswith("".join(lp["tokens"][:len(PROMPT)]))
+    pools_free(cluster["d"], prefill=(cluster["p"],), timeout=10)
+
+
+@pytest.mark.parametrize("where", ["colo", "proxy"])
+def test_vllm_prompt_logprobs(cluster: dict[str, Proc], model_dir: Path,
+                              reference: list[float], where: str) -> None:
+    out = _complete(cluster[where], model_dir.name, max_tokens=2, prompt_logprobs=3)
+    plp = out["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(PROMPT) and plp[0] is None
+    for i, entry in enumerate(plp[1:], start=1):
+        mine = entry[str(PROMPT[i])]
+        assert mine["logprob"] == pytest.approx(reference[i - 1], abs=1e-4)
+        assert mine["rank"] >= 1 and mine["decoded_token"] is not None
+        ranks = sorted(v["rank"] for k, v in entry.items() if k != str(PROMPT[i]))
+        assert len(entry) in (3, 4) and ranks[:3] == [1, 2, 3][:len(ranks)]
+    assert out["usage"]["completion_tokens"] == 2
+
+
+def test_refused_where_it_cannot_be_served(cluster: dict[str, Proc], model_dir: Path) -> None:
+    r = httpx.post(cluster["colo"].url + "/v1/completions", timeout=30, json={
+        "model": model_dir.name, "prompt": PROMPT, "echo": True, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    r = httpx.post(cluster["colo"].url + "/v1/completions", timeout=30, json={
+        "model": model_dir.name, "prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(cluster["p"].url + "/v1/completions", timeout=30, json={
+        "model": model_dir.name, "prompt": PROMPT, "prompt_logprobs": 1, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
