@@ -53,6 +53,22 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+
+def _log_to_stderr() -> None:
+    """vLLM configures only its own loggers: kvrelay's go to stderr, at INFO, so a
+    server's log shows relay addresses, pulls and lease ends."""
+    root = logging.getLogger("kvrelay")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            "%(levelname)s %(asctime)s [%(name)s pid=%(process)d] %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
+_log_to_stderr()
 HOLD_TIMEOUT_S = 10.0
 _LOADED = "_kvrelay_loaded"  # set in a request's params once its load was queued
 

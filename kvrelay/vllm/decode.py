@@ -97,7 +97,7 @@ class VllmKvLoads:
         return out
 
     def load_started(self, request_id: str) -> None:
-        return None
+        log.info("kvrelay: pulling the KV of request %s", request_id)
 
     def load_done(self, request_id: str, *, shareable: bool) -> None:
         self.report(request_id, failed=False)

@@ -57,7 +57,7 @@ class VllmLeaseBlocks:
         self._holds = np.zeros(num_blocks, dtype=np.int32)  # leases holding each block
         # lease id -> (request id, the blocks it still holds)
         self._leases: dict[str, tuple[str, set[int]]] = {}
-        self._released: list[str] = []  # request ids whose lease has ended
+        self._released: list[tuple[str, str]] = []  # (request, lease) of ended leases
 
     def hold(self, request_id: str, block_ids: Sequence[int], lease_id: str) -> None:
         ids = set(block_ids)
@@ -82,7 +82,7 @@ class VllmLeaseBlocks:
         if not held:
             # The lease's last block: vLLM may free the request now (finished_sending).
             del self._leases[lease_id]
-            self._released.append(request_id)
+            self._released.append((request_id, lease_id))
 
     def generations(self, block_ids: Sequence[int]) -> list[int]:
         return [int(g) for g in self._gen[list(block_ids)]]
@@ -91,8 +91,9 @@ class VllmLeaseBlocks:
         entry = self._leases.get(lease_id)
         return entry is not None and entry[1] == set(block_ids)
 
-    def take_released(self) -> set[str]:
-        out, self._released = set(self._released), []
+    def take_released(self) -> list[tuple[str, str]]:
+        """(request id, lease id) of each lease ended since the last call."""
+        out, self._released = self._released, []
         return out
 
 
@@ -142,7 +143,12 @@ class PrefillSide:
 
     def take_released(self) -> set[str]:
         with self.lock:
-            return self.blocks.take_released()
+            released = self.blocks.take_released()
+            reasons = [self.table.release_reason(lid) for _, lid in released]
+        for (rid, lid), why in zip(released, reasons, strict=True):
+            log.info("kvrelay: lease %s of request %s ended (%s): its blocks return to vLLM",
+                     lid, rid, why.value if why else "?")
+        return {rid for rid, _ in released}
 
     def close(self) -> None:
         self.hold_server.close()

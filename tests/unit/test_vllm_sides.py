@@ -149,14 +149,14 @@ def test_lease_blocks_shared_prefix_and_one_report() -> None:
     blocks.hold("b", [1, 3], "L2")  # block 1: a prefix both requests share
     g = blocks.generations([1, 2, 3])
     blocks.release("L1", [1])  # a partial pull's leading block
-    assert blocks.generations([1, 2, 3]) == g and blocks.take_released() == set()
+    assert blocks.generations([1, 2, 3]) == g and blocks.take_released() == []
     blocks.release("L1", [2])
-    assert blocks.take_released() == {"a"}
+    assert blocks.take_released() == [("a", "L1")]
     assert blocks.generations([1, 2, 3]) == [g[0], g[1] + 1, g[2]]  # 1 is still L2's
     with pytest.raises(KeyError):
         blocks.release("L1", [])  # the lease is gone: a second release cannot report
     blocks.release("L2", [1, 3])
-    assert blocks.take_released() == {"b"}
+    assert blocks.take_released() == [("b", "L2")]
     assert blocks.generations([1, 3]) == [g[0] + 1, g[2] + 1]
 
 
