@@ -41,7 +41,7 @@ from kvrelay.relay.remote import RemoteKv
 from kvrelay.relay.transports.layout import layer_regions
 from kvrelay.vllm.decode import DecodeSide, LoadSpec
 from kvrelay.vllm.prefill import PrefillSide, prompt_digest
-from kvrelay.vllm.settings import ConnectorSettings
+from kvrelay.vllm.settings import ConnectorSettings, run_unpinned
 
 if TYPE_CHECKING:
     import torch
@@ -116,10 +116,13 @@ class KvRelayConnector(KVConnectorBase_V1):
             dtype=str(first.dtype).removeprefix("torch."), layout=layout.name)
         compat = geometry.compat_hash(f"vllm:{mc.served_model_name}")
         engine_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        # Started on an unpinned thread: their threads must not share vLLM's bound core.
         if self.producer:
-            self.prefill = PrefillSide(self.settings, regions, layout, compat, engine_id)
+            self.prefill = run_unpinned(lambda: PrefillSide(
+                self.settings, regions, layout, compat, engine_id))
         if self.consumer:
-            self.decode = DecodeSide(self.settings, regions, layout, compat, engine_id)
+            self.decode = run_unpinned(lambda: DecodeSide(
+                self.settings, regions, layout, compat, engine_id))
 
     def get_handshake_metadata(self) -> KvRelayHandshake | None:
         if self.prefill is None:

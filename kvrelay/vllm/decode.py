@@ -42,7 +42,7 @@ from kvrelay.relay.remote import RemoteKv
 from kvrelay.relay.transports.layout import BlockLayout
 from kvrelay.relay.transports.tcp import HostBlocks, TcpTransport
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.vllm.settings import ConnectorSettings
+from kvrelay.vllm.settings import ConnectorSettings, unpin
 
 log = logging.getLogger(__name__)
 
@@ -158,18 +158,27 @@ class DecodeSide:
                                   copy_timeout=settings.lease_max),
             new_attempt=lambda: secrets.token_hex(8))
         self.lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[tuple[Sequence[LoadSpec], Sequence[str]]] = (
+            queue.SimpleQueue())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drive, daemon=True, name="kvrelay-recv")
         self._thread.start()
 
     def start(self, loads: Sequence[LoadSpec], aborts: Sequence[str]) -> None:
-        now = time.monotonic()
-        with self.lock:
+        """From vLLM's step: the receiver thread submits them (the threads of the relay
+        client and the transport are started from there: not pinned to vLLM's core)."""
+        self._inbox.put((loads, aborts))
+
+    def _take_inbox(self, now: float) -> None:
+        while True:
+            try:
+                loads, aborts = self._inbox.get_nowait()
+            except queue.Empty:
+                return
             for spec in loads:
                 self._submit(spec, now)
             for rid in aborts:
                 self._abort(rid, now)
-            self.receiver.tick(now)
 
     def _submit(self, spec: LoadSpec, now: float) -> None:
         self.loads.expect(spec.request_id, spec.block_ids, spec.cached_blocks)
@@ -192,22 +201,23 @@ class DecodeSide:
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         with self.lock:
-            self.receiver.tick(time.monotonic())
             return self.loads.take()
 
     def _drive(self) -> None:
+        unpin()
         replies = self.client.replies
         while not self._stop.is_set():
             try:
                 with self.lock:
                     wake = self.receiver.next_wakeup()
-                wait = 0.05 if wake is None else min(0.05, max(0.0, wake - time.monotonic()))
+                wait = 0.01 if wake is None else min(0.01, max(0.0, wake - time.monotonic()))
                 try:
                     reply = replies.get(timeout=wait)
                 except queue.Empty:
                     reply = None
                 with self.lock:
                     now = time.monotonic()
+                    self._take_inbox(now)
                     while reply is not None:
                         self.receiver.on_reply(reply, now)
                         try:

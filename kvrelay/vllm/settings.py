@@ -3,9 +3,14 @@ flags (docs/vllm.md lists them)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 TRANSPORTS = ("tcp",)
 
@@ -65,3 +70,31 @@ def _typed(key: str, value: Any, want: type) -> Any:
     if want is str and isinstance(value, str):
         return value
     raise ValueError(f"kv_connector_extra_config.{key} must be {want.__name__}, got {value!r}")
+
+
+def unpin() -> None:
+    """Let the calling thread (and the threads it starts) run on every CPU. vLLM's CPU
+    worker binds its threads to the cores it computes on; the relay's threads must not
+    queue behind the forward pass on that core (a HELLO then took seconds)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+
+
+def run_unpinned(fn: Callable[[], T]) -> T:
+    """``fn()`` on a fresh unpinned thread, so the threads it starts are unpinned too."""
+    out: list[T] = []
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        unpin()
+        try:
+            out.append(fn())
+        except BaseException as e:  # re-raised in the caller
+            errors.append(e)
+
+    t = threading.Thread(target=body, name="kvrelay-start")
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+    return out[0]

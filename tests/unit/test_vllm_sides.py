@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvrelay.relay.receiver import Phase
 from kvrelay.relay.transports.layout import BlockLayout, layer_regions
 from kvrelay.vllm.decode import DecodeSide, LoadSpec, VllmKvLoads
 from kvrelay.vllm.prefill import PrefillSide, VllmLeaseBlocks, prompt_digest
@@ -130,7 +131,8 @@ def test_expiry_while_the_pull_is_delayed_falls_back(pair: Any) -> None:
 def test_abort_while_the_pull_waits_reports_once_after_it_stopped(pair: Any) -> None:
     p, d, _, _ = pair(delay=30.0)
     d.start([LoadSpec("d-req", lease(p), PROMPT, [9, 10, 1], 0)], [])
-    wait_for(lambda: d.receiver.loads["d-req"].phase.value == "copying", "the copy")
+    wait_for(lambda: getattr(d.receiver.loads.get("d-req"), "phase", None) is Phase.COPYING,
+             "the copy")
     d.start([], ["d-req"])
     got: dict[str, bool] = {}
     wait_for(finished(d, got), "the abort's report")

@@ -10,6 +10,7 @@ driven by the official openai client (docs/vllm.md). One module-scoped pair:
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -38,9 +39,13 @@ FELL_BACK = r"kvrelay: KV load of \S+ failed"
 class Pair:
     def __init__(self, tmp: Path) -> None:
         extra = {"lease_timeout": LEASE_TIMEOUT, "lease_max": 60}
-        self.p = VllmEngine("prefill", "kv_producer", tmp / "p.log", extra)
+        # vLLM binds each engine's worker to the cores it picks, both to core 0 here
+        # unless told: one core each, as two engines on one host should be.
+        self.p = VllmEngine("prefill", "kv_producer", tmp / "p.log", extra,
+                            env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
         self.d = VllmEngine("decode", "kv_consumer", tmp / "d.log", extra,
-                            env={"KVRELAY_FAULT_TRANSFER_DELAY_S": "1.0"})
+                            env={"KVRELAY_FAULT_TRANSFER_DELAY_S": "1.0",
+                                 "VLLM_CPU_OMP_THREADS_BIND": str(1 % (os.cpu_count() or 1))})
         self.proxy_port = free_port()
         self.proxy: subprocess.Popen[bytes] | None = None
         self.proxy_log = tmp / "proxy.log"
