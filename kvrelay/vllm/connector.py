@@ -77,6 +77,7 @@ _LOADED = "_kvrelay_loaded"  # set in a request's params once its load was queue
 class KvRelayMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    give_back: list[dict[str, Any]] = field(default_factory=list)  # leases never loaded
 
 
 @dataclass
@@ -133,8 +134,8 @@ class KvRelayConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvRelayMetadata)
-        if self.decode is not None and (meta.loads or meta.aborts):
-            self.decode.start(meta.loads, meta.aborts)
+        if self.decode is not None and (meta.loads or meta.aborts or meta.give_back):
+            self.decode.start(meta.loads, meta.aborts, meta.give_back)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
@@ -208,6 +209,12 @@ class KvRelayConnector(KVConnectorBase_V1):
             self._meta.aborts.append(rid)
             return True, None
         params = request.kv_transfer_params or {}
+        if self._lease_of(request) is not None:
+            # Ended before its load was queued (aborted while waiting, or the duplicate
+            # of vLLM's rejection path): P frees the lease now, not at its timeout.
+            params[_LOADED] = True
+            self._meta.give_back.append(dict(params))
+            return False, None
         if not (self.producer and params.get("do_remote_decode") and block_ids):
             return False, None
         from vllm.v1.request import RequestStatus

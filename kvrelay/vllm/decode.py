@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvrelay.core.scheduler import RequestRejected
+from kvrelay.relay import protocol as P
 from kvrelay.relay.client import RelayClient
 from kvrelay.relay.receiver import Phase, Policy, Receiver, ReceiverConfig
 from kvrelay.relay.remote import RemoteKv
@@ -158,27 +159,45 @@ class DecodeSide:
                                   copy_timeout=settings.lease_max),
             new_attempt=lambda: secrets.token_hex(8))
         self.lock = threading.Lock()
-        self._inbox: queue.SimpleQueue[tuple[Sequence[LoadSpec], Sequence[str]]] = (
+        self._inbox: queue.SimpleQueue[
+            tuple[Sequence[LoadSpec], Sequence[str], Sequence[dict[str, Any]]]] = (
             queue.SimpleQueue())
+        self.engine_id = engine_id
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drive, daemon=True, name="kvrelay-recv")
         self._thread.start()
 
-    def start(self, loads: Sequence[LoadSpec], aborts: Sequence[str]) -> None:
+    def start(self, loads: Sequence[LoadSpec], aborts: Sequence[str],
+              give_back: Sequence[dict[str, Any]] = ()) -> None:
         """From vLLM's step: the receiver thread submits them (the threads of the relay
-        client and the transport are started from there: not pinned to vLLM's core)."""
-        self._inbox.put((loads, aborts))
+        client and the transport are started from there: not pinned to vLLM's core).
+        ``give_back``: params of requests that ended before any load (aborted while
+        queued, or vLLM's rejection path): P is told ABORT so it frees at once."""
+        self._inbox.put((loads, aborts, give_back))
 
     def _take_inbox(self, now: float) -> None:
         while True:
             try:
-                loads, aborts = self._inbox.get_nowait()
+                loads, aborts, give_back = self._inbox.get_nowait()
             except queue.Empty:
                 return
             for spec in loads:
                 self._submit(spec, now)
             for rid in aborts:
                 self._abort(rid, now)
+            for params in give_back:
+                self._give_back(params)
+
+    def _give_back(self, params: dict[str, Any]) -> None:
+        """ABORT a lease no load of ours holds, under a fresh attempt: P frees a HELD
+        lease; one another attempt pulls refuses it (not_holder); a released one
+        answers released. The answer has no load and is counted stale."""
+        try:
+            kv = RemoteKv.from_dict(params)
+        except ValueError:
+            return
+        self.client.send(kv.relay, P.Abort(0, kv.engine_id, kv.lease_id, self.engine_id,
+                                           secrets.token_hex(8)))
 
     def _submit(self, spec: LoadSpec, now: float) -> None:
         self.loads.expect(spec.request_id, spec.block_ids, spec.cached_blocks)

@@ -145,6 +145,17 @@ def test_abort_while_the_pull_waits_reports_once_after_it_stopped(pair: Any) -> 
     assert d.take_finished() == (set(), set())
 
 
+def test_a_lease_never_loaded_is_given_back_at_once(pair: Any) -> None:
+    p, d, _, _ = pair(lease_timeout=30.0)
+    params = lease(p)
+    d.start([], [], [params])  # vLLM's rejection path: request_finished, no load
+    released: set[str] = set()
+    wait_for(lambda: bool(released.update(p.take_released()) or released), "P's release",
+             timeout=10.0)  # well before the 30 s timeout
+    assert released == {"p-req"}
+    assert p.table.release_reason(params["lease_id"]).value == "aborted"
+
+
 def test_lease_blocks_shared_prefix_and_one_report() -> None:
     blocks = VllmLeaseBlocks(8)
     blocks.hold("a", [1, 2], "L1")
