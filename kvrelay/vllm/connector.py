@@ -209,9 +209,10 @@ class KvRelayConnector(KVConnectorBase_V1):
             self._meta.aborts.append(rid)
             return True, None
         params = request.kv_transfer_params or {}
-        if self._lease_of(request) is not None:
+        if self.consumer and "lease_id" in params and not params.get(_LOADED):
             # Ended before its load was queued (aborted while waiting, or the duplicate
-            # of vLLM's rejection path): P frees the lease now, not at its timeout.
+            # of vLLM's rejection path, whose prompt is [0]): P frees the lease now, not
+            # at its timeout (a lease another request of ours pulls refuses the ABORT).
             params[_LOADED] = True
             self._meta.give_back.append(dict(params))
             return False, None
