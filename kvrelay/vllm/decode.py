@@ -193,7 +193,7 @@ class DecodeSide:
         lease; one another attempt pulls refuses it (not_holder); a released one
         answers released. The answer has no load and is counted stale."""
         try:
-            kv = RemoteKv.from_dict(params)
+            kv = RemoteKv.from_client(params)  # a relay that is host:port, or nothing
         except ValueError:
             return
         self.client.send(kv.relay, P.Abort(0, kv.engine_id, kv.lease_id, self.engine_id,
