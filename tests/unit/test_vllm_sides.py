@@ -201,3 +201,19 @@ def test_importing_kvrelay_never_imports_vllm() -> None:
             "kvrelay.relay.server, kvrelay.server.proxy; "
             "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_docs_list_every_setting_with_its_default() -> None:
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    table = text[text.index("## Settings"):text.index("`kv_load_failure_policy`:")]
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", table, re.M))
+    fields = {f.name: f.default for f in dataclasses.fields(ConnectorSettings)}
+    assert set(rows) == set(fields)
+    for name, default in fields.items():
+        if default is not None:
+            assert rows[name].strip("` ") == f"{default:g}" if isinstance(default, float) \
+                else rows[name].strip("` ") == str(default), name
