@@ -48,6 +48,10 @@ from kvrelay.vllm.settings import ConnectorSettings, unpin
 log = logging.getLogger(__name__)
 
 
+# Put on the relay client's reply queue by start(): wakes the receiver thread at once.
+_WAKE = P.Reply(0, "wake")
+
+
 @dataclass(frozen=True)
 class LoadSpec:
     """A load the scheduler asks for (in the step's connector metadata)."""
@@ -174,6 +178,7 @@ class DecodeSide:
         ``give_back``: params of requests that ended before any load (aborted while
         queued, or vLLM's rejection path): P is told ABORT so it frees at once."""
         self._inbox.put((loads, aborts, give_back))
+        self.client.replies.put(_WAKE)
 
     def _take_inbox(self, now: float) -> None:
         while True:
@@ -229,16 +234,21 @@ class DecodeSide:
             try:
                 with self.lock:
                     wake = self.receiver.next_wakeup()
-                wait = 0.01 if wake is None else min(0.01, max(0.0, wake - time.monotonic()))
+                    # Transfers are polled (their threads do not signal): often while
+                    # any load is live; idle, only replies and start() wake us.
+                    wait = 0.01 if self.receiver.has_work() else 0.5
+                if wake is not None:
+                    wait = min(wait, max(0.0, wake - time.monotonic()))
                 try:
-                    reply = replies.get(timeout=wait)
+                    reply: P.Reply | None = replies.get(timeout=wait)
                 except queue.Empty:
                     reply = None
                 with self.lock:
                     now = time.monotonic()
                     self._take_inbox(now)
                     while reply is not None:
-                        self.receiver.on_reply(reply, now)
+                        if reply is not _WAKE:
+                            self.receiver.on_reply(reply, now)
                         try:
                             reply = replies.get_nowait()
                         except queue.Empty:
