@@ -78,6 +78,7 @@ class KvRelayMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     give_back: list[dict[str, Any]] = field(default_factory=list)  # leases never loaded
+    idle: bool = False  # nothing scheduled: vLLM steps only to collect our reports
 
 
 @dataclass
@@ -104,6 +105,7 @@ class KvRelayConnector(KVConnectorBase_V1):
         # worker side
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
+        self._ready = threading.Event()  # a report is queued (either side)
 
     # ==== worker ===========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -120,10 +122,10 @@ class KvRelayConnector(KVConnectorBase_V1):
         # Started on an unpinned thread: their threads must not share vLLM's bound core.
         if self.producer:
             self.prefill = run_unpinned(lambda: PrefillSide(
-                self.settings, regions, layout, compat, engine_id))
+                self.settings, regions, layout, compat, engine_id, self._ready))
         if self.consumer:
             self.decode = run_unpinned(lambda: DecodeSide(
-                self.settings, regions, layout, compat, engine_id))
+                self.settings, regions, layout, compat, engine_id, self._ready))
 
     def get_handshake_metadata(self) -> KvRelayHandshake | None:
         if self.prefill is None:
@@ -148,6 +150,12 @@ class KvRelayConnector(KVConnectorBase_V1):
         return None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        meta = self._connector_metadata
+        if isinstance(meta, KvRelayMetadata) and meta.idle and self.settings.idle_step_ms:
+            # An empty step (vLLM keeps stepping while a lease is held or D waits for
+            # KV): wait for a report, a bounded while, instead of spinning the loop.
+            self._ready.wait(self.settings.idle_step_ms / 1000)
+        self._ready.clear()
         out = KVConnectorTransferResults()
         if self.prefill is not None:
             out.finished_sending = self.prefill.take_released()
@@ -194,6 +202,8 @@ class KvRelayConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, self._meta = self._meta, KvRelayMetadata()
+        meta.idle = (scheduler_output.total_num_scheduled_tokens == 0 and not meta.loads
+                     and not meta.aborts and not meta.give_back)
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

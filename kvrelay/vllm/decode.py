@@ -66,7 +66,8 @@ class LoadSpec:
 class VllmKvLoads:
     """``KvLoads`` over vLLM's scheduler: loads end in reports (see the module table)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ready: threading.Event | None = None) -> None:
+        self.ready = ready or threading.Event()  # set when a report is queued
         self._pending: dict[str, tuple[list[int], int]] = {}
         self._waiting: list[tuple[str, list[int], int]] = []
         self._live: set[str] = set()  # admitted, not reported yet
@@ -135,6 +136,7 @@ class VllmKvLoads:
         self.finished.add(request_id)
         if failed:
             self.failed.add(request_id)
+        self.ready.set()
 
     def take(self) -> tuple[set[str], set[str]]:
         out = self.finished, self.failed
@@ -146,14 +148,15 @@ class DecodeSide:
     """The receiver, its relay client and tcp transport, and the thread driving them."""
 
     def __init__(self, settings: ConnectorSettings, regions: list[np.ndarray],
-                 layout: BlockLayout, compat: str, engine_id: str) -> None:
+                 layout: BlockLayout, compat: str, engine_id: str,
+                 ready: threading.Event | None = None) -> None:
         io_timeout = settings.lease_timeout / 2
         self.client = RelayClient(compat=compat, transport=settings.kv_transport,
                                   client_id=engine_id, layout=layout.name,
                                   secret=settings.secret, io_timeout=io_timeout)
         transport = TcpTransport(connect=self.client.open_data, io_timeout=io_timeout)
         transport.blocks = HostBlocks(regions)
-        self.loads = VllmKvLoads()
+        self.loads = VllmKvLoads(ready)
         # Policy recompute: a failure is reported as failed_recving, and vLLM's own
         # kv_load_failure_policy decides between recompute and an error.
         self.receiver = Receiver(

@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 class VllmLeaseBlocks:
     """``LeaseBlocks`` over vLLM's blocks: leases own them until their one release."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, ready: threading.Event | None = None) -> None:
+        self.ready = ready or threading.Event()  # set when a report is queued
         self._gen = np.zeros(num_blocks, dtype=np.int64)
         self._holds = np.zeros(num_blocks, dtype=np.int32)  # leases holding each block
         # lease id -> (request id, the blocks it still holds)
@@ -83,6 +84,7 @@ class VllmLeaseBlocks:
             # The lease's last block: vLLM may free the request now (finished_sending).
             del self._leases[lease_id]
             self._released.append((request_id, lease_id))
+            self.ready.set()
 
     def generations(self, block_ids: Sequence[int]) -> list[int]:
         return [int(g) for g in self._gen[list(block_ids)]]
@@ -109,10 +111,11 @@ class PrefillSide:
     """Lease table + relay server + hold server, one per prefill worker."""
 
     def __init__(self, settings: ConnectorSettings, regions: list[np.ndarray],
-                 layout: BlockLayout, compat: str, engine_id: str) -> None:
+                 layout: BlockLayout, compat: str, engine_id: str,
+                 ready: threading.Event | None = None) -> None:
         self.lock = threading.Lock()
         num_blocks = int(regions[0].shape[0])
-        self.blocks = VllmLeaseBlocks(num_blocks)
+        self.blocks = VllmLeaseBlocks(num_blocks, ready)
         self.table = LeaseTable(self.blocks, engine_id=engine_id,
                                 acquire_timeout=settings.lease_timeout,
                                 hard_cap=settings.lease_max)

@@ -23,6 +23,9 @@ class ConnectorSettings:
     kv_transport: str = "tcp"
     lease_timeout: float = 30.0  # an un-acquired (or un-heartbeated) lease is freed after
     lease_max: float = 480.0  # hard cap on a lease's life
+    # vLLM steps empty while a lease is held or D waits for KV (~440 steps/s): an empty
+    # step waits up to this long in the worker unless a report is ready. 0: no wait.
+    idle_step_ms: float = 20.0
 
     def __post_init__(self) -> None:
         if self.kv_transport not in TRANSPORTS:
@@ -32,6 +35,9 @@ class ConnectorSettings:
         if not 0 <= self.relay_port < 65536:
             raise ValueError(f"kv_connector_extra_config.relay_port must be 0..65535, got "
                              f"{self.relay_port}")
+        if not 0 <= self.idle_step_ms <= 1000:
+            raise ValueError("kv_connector_extra_config.idle_step_ms must be 0..1000, got "
+                             f"{self.idle_step_ms}")
         if not 0 < self.lease_timeout <= self.lease_max:
             raise ValueError("kv_connector_extra_config: need 0 < lease_timeout "
                              f"({self.lease_timeout}) <= lease_max ({self.lease_max})")
