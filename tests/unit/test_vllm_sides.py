@@ -197,10 +197,17 @@ def test_settings_name_the_bad_key() -> None:
 
 
 def test_importing_kvrelay_never_imports_vllm() -> None:
+    """Where vLLM is absent an import of it would fail; in the vLLM venv (when present)
+    it would land in sys.modules: both fail this test."""
+    from tests.vllm.pair import PYTHON, REPO
+
     code = ("import sys, kvrelay, kvrelay.vllm, kvrelay.vllm.prefill, kvrelay.vllm.decode, "
             "kvrelay.relay.server, kvrelay.server.proxy; "
             "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)")
     subprocess.run([sys.executable, "-c", code], check=True)
+    if PYTHON.exists():
+        subprocess.run([str(PYTHON), "-c", code],
+                       check=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
 
 
 def test_docs_list_every_setting_with_its_default() -> None:
