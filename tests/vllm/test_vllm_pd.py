@@ -189,8 +189,9 @@ def test_replayed_params_never_commit(pair: Pair) -> None:
 
 def test_blocks_reused_under_a_delayed_pull_are_fenced(pair: Pair) -> None:
     """D acquires, then stalls (SIGSTOP) before its copy; P's lease expires without
-    heartbeats, its blocks go to other requests; D resumes: its read is refused and it
-    recomputes, so the text is right."""
+    heartbeats, its blocks go to other requests; D resumes and never decodes on them:
+    whichever comes first (its heartbeat timer giving up on P, the READ refused, the
+    commit refused) ends the copy without a done verdict, and D recomputes the text."""
     want = colocated(pair)
     params = lease_from_p(pair)
     pulls, fallbacks = pair.d.count(PULLING), pair.d.count(FELL_BACK)
