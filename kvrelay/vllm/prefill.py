@@ -25,6 +25,7 @@ handshake metadata) answering ``hold`` synchronously, so the lease exists before
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -164,7 +165,7 @@ class HoldServer:
 
     def __init__(self, side: PrefillSide) -> None:
         self.side = side
-        folder = tempfile.mkdtemp(prefix="kvrelay-vllm-")  # 0700: this user only
+        folder = self._folder = tempfile.mkdtemp(prefix="kvrelay-vllm-")  # 0700: this user
         self.address = HoldAddress(os.path.join(folder, "hold.sock"), secrets.token_bytes(32))
         self._listener = Listener(self.address.path, "AF_UNIX", authkey=self.address.authkey)
         self._closed = False
@@ -202,7 +203,9 @@ class HoldServer:
 
     def close(self) -> None:
         self._closed = True
-        self._listener.close()
+        self._listener.close()  # unlinks the socket
+        with contextlib.suppress(OSError):
+            os.rmdir(self._folder)
 
 
 def prompt_digest(prompt_token_ids: Sequence[int]) -> bytes:

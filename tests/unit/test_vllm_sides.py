@@ -3,6 +3,7 @@ caches cut as vLLM's CPU cache is (layer-major views of one storage), without vL
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -55,6 +56,9 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Any, .
     yield make
     for side in made:
         side.close()
+    for side in made:
+        if isinstance(side, PrefillSide):  # the hold socket and its folder are gone
+            assert not os.path.exists(os.path.dirname(side.hold_server.address.path))
 
 
 def lease(p: PrefillSide, rid: str = "p-req") -> dict[str, Any]:
