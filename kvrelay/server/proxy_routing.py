@@ -331,8 +331,10 @@ class Proxy:
         if stream:
             body["stream_options"] = {"include_usage": True}  # the proxy sums usage
         if leg.params is not None:
-            # The client has token 1 from P already: D must not send it again.
-            body["kv_transfer_params"] = dict(leg.params, first_token_sent=True)
+            # The client has token 1 from P already: D must not send it again (a vLLM
+            # decode engine does: its answer is cut instead, see Leg.resends).
+            body["kv_transfer_params"] = (dict(leg.params) if leg.resends
+                                          else dict(leg.params, first_token_sent=True))
         return body
 
     # -- whole answers ---------------------------------------------------------------
@@ -376,7 +378,12 @@ class Proxy:
                     yield sse(payload)
                     break
                 else:  # "p": P's first token, "d": D's after it, "c": D's colocated
-                    shift = leg.shift if kind == "d" else 0
+                    if kind == "d" and leg.resends:
+                        payload = merge.cut_resent(leg, payload)
+                        if payload is None:
+                            continue
+                    # D's text offsets count from token 2, unless D sent token 1 again.
+                    shift = leg.shift if kind == "d" and not leg.resends else 0
                     for chunk in merge.reframe(frame, leg, payload, shift):
                         if not first_out:
                             first_out = True
