@@ -54,6 +54,14 @@ class UpstreamDown(Exception):
     """An engine did not answer (connection refused, reset, timeout, 5xx)."""
 
 
+class _Unseen(Exception):
+    """A decode engine refused a leg before it saw it: the next one may take it."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(error)
+        self.error = error
+
+
 class Refused(Exception):
     """An engine refused the request itself (4xx): the client gets its answer."""
 
@@ -264,6 +272,17 @@ class Proxy:
         first = self._pick(self.prefill, leg)
         return [first, *(up for up in self.prefill.candidates() if up is not first)]
 
+    def _decode_order(self, leg: Leg) -> list[Upstream]:
+        """The routed decode engine, then the others, least loaded first: an engine that
+        refuses a leg unseen (503: draining, or its loop down; connection refused) hands
+        it to the next, the lease untouched."""
+        first = self._pick(self.decode, leg)
+        return [first, *(up for up in self.decode.candidates() if up is not first)]
+
+    def _refused_unseen(self, up: Upstream, why: str) -> None:
+        up.healthy = False  # until its next health check says otherwise
+        log.info("decode engine %s refused a leg unseen (%s): trying the next", up.url, why)
+
     def _release_all(self, legs: list[Leg]) -> None:
         """Every lease still the proxy's (D never got it): back to its prefill engine."""
         for leg in legs:
@@ -335,16 +354,25 @@ class Proxy:
         frame.saw(leg.first or {})
         if leg.ended_at_prefill:
             return merge.leg_choice(leg, None)
-        up = self._pick(self.decode, leg)
         body = self._decode_body(leg, stream=False)
-        async with self._outstanding(up):
-            try:
-                r = await self._http().post(f"{up.url}{path}", json=body,
-                                            headers=self._headers(), timeout=self.timeout)
-            except httpx.HTTPError as exc:
-                self._release(leg)  # D may never have seen it; a second release is stale
-                raise Refused(_error(502, f"the decode engine {up.url} failed: "
-                                     f"{type(exc).__name__}: {exc}")) from exc
+        r: httpx.Response | None = None
+        for up in self._decode_order(leg):
+            async with self._outstanding(up):
+                try:
+                    r = await self._http().post(f"{up.url}{path}", json=body,
+                                                headers=self._headers(), timeout=self.timeout)
+                except httpx.ConnectError as exc:  # D never saw the leg: the next one
+                    self._refused_unseen(up, f"{type(exc).__name__}: {exc}")
+                    r = _error(502, f"the decode engine {up.url} is unreachable: {exc}")
+                    continue
+                except httpx.HTTPError as exc:
+                    self._release(leg)  # D may never have seen it; a second release is stale
+                    raise Refused(_error(502, f"the decode engine {up.url} failed: "
+                                         f"{type(exc).__name__}: {exc}")) from exc
+            if r.status_code != 503:
+                break
+            self._refused_unseen(up, f"HTTP {r.status_code}")
+        assert r is not None
         if r.status_code != 200:
             self._release(leg)
             raise Refused(r)
@@ -415,8 +443,21 @@ class Proxy:
     async def _stream_decode(
         self, path: str, leg: Leg, frame: Frame, events: asyncio.Queue[tuple[Leg, str, Any]]
     ) -> dict[str, Any] | None:
-        """D's chunks for the leg; returns the error event that ended it, if any."""
-        up = self._pick(self.decode, leg)
+        """D's chunks for the leg; returns the error event that ended it, if any. An
+        engine that refuses the leg unseen hands it to the next (``_decode_order``)."""
+        error: dict[str, Any] | None = None
+        for up in self._decode_order(leg):
+            try:
+                return await self._stream_from(up, path, leg, frame, events)
+            except _Unseen as exc:
+                self._refused_unseen(up, str(exc.error)[:200])
+                error = exc.error
+        return error
+
+    async def _stream_from(
+        self, up: Upstream, path: str, leg: Leg, frame: Frame,
+        events: asyncio.Queue[tuple[Leg, str, Any]],
+    ) -> dict[str, Any] | None:
         body = self._decode_body(leg, stream=True)
         kind = "d" if leg.first is not None else "c"
         async with self._outstanding(up):
@@ -426,6 +467,8 @@ class Proxy:
                                                timeout=self.timeout) as r:
                     if r.status_code != 200:
                         await r.aread()
+                        if r.status_code == 503:
+                            raise _Unseen(_json_body(r))
                         return dict(_json_body(r))
                     leg.params = None  # D has the lease: it pulls or gives it back
                     async for line in r.aiter_lines():
@@ -442,6 +485,9 @@ class Proxy:
                             leg.usage = chunk["usage"]
                         for choice in chunk.get("choices") or []:
                             events.put_nowait((leg, kind, choice))
+            except httpx.ConnectError as exc:
+                raise _Unseen(merge.error_event(f"the decode engine {up.url} is unreachable: "
+                                                f"{exc}")) from exc
             except httpx.HTTPError as exc:
                 return merge.error_event(f"the decode engine {up.url} failed mid-stream: "
                                          f"{type(exc).__name__}: {exc}")
@@ -495,7 +541,9 @@ def json_or_error(r: httpx.Response) -> Response:
         except ValueError:
             return JSONResponse(merge.error_event(f"the engine answered HTTP "
                                                   f"{r.status_code} without JSON"), 502)
-    return JSONResponse(_json_body(r), status_code=r.status_code)
+    retry = r.headers.get("retry-after")  # a draining engine's, for the client
+    return JSONResponse(_json_body(r), status_code=r.status_code,
+                        headers={"Retry-After": retry} if retry else None)
 
 
 def _error(status: int, message: str) -> httpx.Response:

@@ -1,0 +1,247 @@
+"""Graceful drain on 2P2D: SIGTERM to a prefill and a decode engine under streamed load.
+
+Real processes (tests/e2e/cluster.py) on the tiny model, a small streamed load through the
+proxy with the official openai client (no retries: a failure is a failure). SIGTERM one P
+and one D at once: both finish what they have, P serves its relay until every lease has
+ended, both exit 0, the load goes on without a failed request; then both are started
+again on the same URLs, the proxy finds them healthy and sends them work again, and at the
+end every pool is whole. A second test holds a decode engine in its drain and shows the
+proxy handing a leg the engine refused (503 draining) to the other decode engine, before
+its health check has noticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.cluster import Cluster, Proc, metrics, pools_free, sample
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
+
+MAX_TOKENS, CONCURRENCY = 6, 4
+ENGINE_ARGS = ("--threads", "1")  # two cores shared by five engines and the test
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from kvrelay.model.testing import write_tiny_hf_model
+
+    model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
+    c = Cluster(model, tmp_path_factory.mktemp("drain-logs"))
+    try:
+        ps = [c.prefill("prefill-a", *ENGINE_ARGS), c.prefill("prefill-b", *ENGINE_ARGS)]
+        ds = [c.decode("decode-shm", "shm", *ENGINE_ARGS),
+              c.decode("decode-tcp", "tcp", *ENGINE_ARGS)]
+        for x in (*ps, *ds):
+            x.wait_healthy()
+        yield {"p": ps, "d": ds, "model": model, "cluster": c}
+    finally:
+        c.close()
+        print(c.logs())  # shown by pytest when a test failed
+
+
+class Load:
+    """Streamed requests through ``url`` from a thread, ``CONCURRENCY`` at a time, until
+    stopped; every answer must have its ``MAX_TOKENS`` tokens."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+        self.done = 0
+        self.failures: list[str] = []
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "the load did not stop"
+
+    def wait_more(self, n: int, timeout: float = 60.0) -> None:
+        """Wait for ``n`` more answers (an event: each answer notifies)."""
+        with self._cond:
+            target = self.done + n
+            ok = self._cond.wait_for(lambda: self.done >= target or bool(self.failures),
+                                     timeout)
+        assert not self.failures, self.failures[:3]
+        assert ok, f"{n} more answers not within {timeout} s ({self.done} so far)"
+
+    async def _main(self) -> None:
+        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none",
+                                    max_retries=0, timeout=60)
+        try:
+            await asyncio.gather(*(self._worker(client, w) for w in range(CONCURRENCY)))
+        finally:
+            await client.close()
+
+    async def _worker(self, client: openai.AsyncOpenAI, w: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            try:
+                tokens, finish = await _ask(client, self.model, f"Worker {w} request {i}",
+                                            chat=bool(i % 2))
+                error = None if (tokens, finish) == (MAX_TOKENS, "length") else \
+                    f"request {w}/{i}: {tokens} tokens, finish {finish!r}"
+            except Exception as exc:  # any failure of the client's request counts
+                error = f"request {w}/{i}: {type(exc).__name__}: {exc}"
+            with self._cond:
+                self.done += 1
+                if error:
+                    self.failures.append(error)
+                self._cond.notify_all()
+
+
+async def _ask(client: openai.AsyncOpenAI, model: str, prompt: str,
+               chat: bool) -> tuple[int, str]:
+    kw: dict[str, Any] = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                          "stream": True, "stream_options": {"include_usage": True},
+                          "extra_body": {"ignore_eos": True}}
+    usage, finish = -1, ""
+    if chat:
+        stream: Any = await client.chat.completions.create(
+            messages=[{"role": "user", "content": prompt}], **kw)
+    else:
+        stream = await client.completions.create(prompt=prompt, **kw)
+    async for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage.completion_tokens
+        for choice in ch.choices:
+            finish = choice.finish_reason or finish
+    return usage, finish
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.1)
+
+
+def proxy_sees(proxy: Proc, engine: Proc, healthy: bool) -> bool:
+    m = metrics(proxy.url)
+    return sample(m, "kvrelay_proxy_engine_healthy", url=engine.url) == (1 if healthy else 0)
+
+
+LEASES = re.compile(r"stopped; KV blocks: (\d+) of (\d+) free or cached; leases: (\d+) "
+                    r"created, (\d+) released \(([^)]*)\), (\d+) still held")
+BLOCKS = re.compile(r"stopped; KV blocks: (\d+) of (\d+) free or cached")
+
+
+def test_drain_one_p_and_one_d_under_streamed_load_then_add_them_back(
+    cluster: dict[str, Any]
+) -> None:
+    c: Cluster = cluster["cluster"]
+    ps, ds = cluster["p"], cluster["d"]
+    proxy = c.proxy(ps, ds).wait_healthy()
+    p, d = ps[0], ds[0]
+    with Load(proxy.url, cluster["model"].name) as load:
+        load.wait_more(8)
+        for e in (p, d):
+            e.signal(signal.SIGTERM)
+        for e in (p, d):
+            assert e.proc is not None
+            assert e.proc.wait(40) == 0, e.tail()  # within --shutdown-timeout (10 s) + 5
+        load.wait_more(4)  # served by the other two meanwhile
+        p_log, d_log = p.tail(20000), d.tail(20000)
+        assert "drained in" in p_log and "drained in" in d_log, (p_log, d_log)
+        # Every lease P made ended before it exited, none by running out of time, and
+        # both pools were whole at the exit.
+        m = LEASES.search(p_log)
+        assert m, p_log
+        free, total, created, released, reasons, held = m.groups()
+        assert free == total and int(created) > 0 and created == released and held == "0", \
+            m.group(0)
+        assert "expired" not in reasons, m.group(0)  # each pulled, or given back
+        assert "grace period" not in p_log and "grace period" not in d_log
+        b = BLOCKS.search(d_log)
+        assert b and b.group(1) == b.group(2), d_log
+
+        p2, d2 = c.restart(p), c.restart(d)
+        wait_for("the proxy sees the restarted engines healthy",
+                 lambda: proxy_sees(proxy, p2, True) and proxy_sees(proxy, d2, True))
+        wait_for("the restarted engines take work again", lambda: sample(
+            metrics(p2.url), "kvrelay_requests_finished_total", reason="remote_decode") > 0
+            and sample(metrics(d2.url), "kvrelay_kv_transfer_bytes_total") > 0)
+        load.wait_more(4)
+    assert not load.failures, load.failures[:3]
+    ps[0], ds[0] = p2, d2
+    pools_free(*ds, prefill=tuple(ps), timeout=10)
+
+
+def test_a_draining_decode_engine_hands_new_legs_to_the_other(cluster: dict[str, Any]) -> None:
+    """Proxies that check health only once (at start) still take the draining engine for
+    healthy and route to it first (least outstanding, a tie: the first listed): it refuses
+    (503 draining) and the proxy sends the leg to the other decode engine, a whole answer
+    through one proxy and a stream through the other. Without the hand-over both clients
+    get the 503."""
+    c: Cluster = cluster["cluster"]
+    ps, ds = cluster["p"], cluster["d"]
+    d, other = ds
+    proxies = [c._proc(f"proxy-once-{i}", [
+        "proxy", "--prefill", *[x.url for x in ps], "--decode", d.url, other.url,
+        "--health-interval", "3600", "--routing", "least-outstanding"]).start()
+        for i in range(2)]
+    for proxy in proxies:
+        proxy.wait_healthy()
+        wait_for("the proxy's first health check", lambda x=proxy: proxy_sees(x, d, True))  # type: ignore[misc]
+    model = cluster["model"].name
+    # A long stream straight to d keeps it draining (no proxy counts it).
+    body = {"model": model, "prompt": "hold", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    first = threading.Event()
+    lines: list[str] = []
+
+    def hold() -> None:
+        with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    first.set()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert first.wait(60), "the holding stream never started"
+    before = sample(metrics(other.url), "kvrelay_requests_finished_total", reason="length")
+    d.signal(signal.SIGTERM)
+    wait_for("d says draining", lambda: httpx.get(d.url + "/health").status_code == 503)
+    whole = openai.OpenAI(base_url=proxies[0].url + "/v1", api_key="none", max_retries=0,
+                          timeout=60)
+    r = whole.completions.create(prompt="whole answer", model=model, max_tokens=MAX_TOKENS,
+                                 temperature=0.0, extra_body={"ignore_eos": True})
+    assert r.usage is not None and r.usage.completion_tokens == MAX_TOKENS
+    assert asyncio.run(_ask_once(proxies[1].url, model)) == (MAX_TOKENS, "length")
+    after = sample(metrics(other.url), "kvrelay_requests_finished_total", reason="length")
+    assert after - before == 2
+    for proxy in proxies:
+        assert f"decode engine {d.url} refused a leg unseen" in proxy.tail(), proxy.tail()
+        assert proxy_sees(proxy, d, True)  # its health check never ran again
+    assert d.proc is not None and d.proc.wait(60) == 0
+    t.join(10)
+    assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
+    ds[0] = c.restart(d)
+    pools_free(*ds, prefill=tuple(ps), timeout=10)
+
+
+async def _ask_once(url: str, model: str) -> tuple[int, str]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                timeout=60)
+    try:
+        return await _ask(client, model, "a streamed answer", chat=True)
+    finally:
+        await client.close()
