@@ -7,7 +7,8 @@ ended, both exit 0, the load goes on without a failed request; then both are sta
 again on the same URLs, the proxy finds them healthy and sends them work again, and at the
 end every pool is whole. A second test holds a decode engine in its drain and shows the
 proxy handing a leg the engine refused (503 draining) to the other decode engine, before
-its health check has noticed.
+its health check has noticed. A third shows a draining P up for as long as it holds a
+lease, its relay serving a pull and its /v1/kv/release a give-back.
 """
 
 from __future__ import annotations
@@ -245,3 +246,42 @@ async def _ask_once(url: str, model: str) -> tuple[int, str]:
         return await _ask(client, model, "a streamed answer", chat=True)
     finally:
         await client.close()
+
+
+def test_a_draining_prefill_engine_serves_its_relay_until_its_leases_end(
+    cluster: dict[str, Any]
+) -> None:
+    """Two leases on a P of its own (a long lease timeout: none expires here), then
+    SIGTERM: P says draining, but it stays up while a lease is held. A decode engine
+    pulls the first from the draining P; P is still up for the second; the proxy's
+    release of the second (``/v1/kv/release``, served while draining) lets it exit 0,
+    its ledger: two created, one done, one aborted."""
+    c: Cluster = cluster["cluster"]
+    d = cluster["d"][1]
+    p = c.prefill("prefill-leases", *ENGINE_ARGS, "--lease-timeout", "60").wait_healthy()
+    model = cluster["model"].name
+    base = {"model": model, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    leases = []
+    for prompt in ("first lease", "second lease"):
+        r = httpx.post(p.url + "/v1/completions", timeout=60, json={
+            **base, "prompt": prompt, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}})
+        assert r.status_code == 200, r.text
+        leases.append((prompt, r.json()["kv_transfer_params"]))
+    p.signal(signal.SIGTERM)
+    wait_for("p says draining", lambda: httpx.get(p.url + "/health").status_code == 503)
+    wait_for("p waits for its leases", lambda: "waiting for 2 leases held" in p.tail())
+    (prompt, first), (_, second) = leases
+    pulled = sample(metrics(d.url), "kvrelay_kv_transfer_bytes_total")
+    r = httpx.post(d.url + "/v1/completions", timeout=60, json={
+        **base, "prompt": prompt, "kv_transfer_params": {**first, "first_token_sent": True}})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    assert sample(metrics(d.url), "kvrelay_kv_transfer_bytes_total") > pulled
+    assert p.alive(), "p exited with a lease still held"
+    answer = httpx.post(p.url + "/v1/kv/release", timeout=30,
+                        json={"kv_transfer_params": second})
+    assert answer.status_code == 200 and answer.json()["status"] == "ok", answer.text
+    assert p.proc is not None and p.proc.wait(30) == 0
+    ledger = LEASES.search(p.tail())
+    assert ledger and ledger.group(0).endswith(
+        "leases: 2 created, 2 released (aborted 1, done 1), 0 still held"), p.tail()
