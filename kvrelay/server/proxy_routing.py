@@ -40,6 +40,7 @@ from kvrelay.server.proxy_affinity import (
     choose,
     completion_text,
 )
+from kvrelay.server.proxy_discovery import Discovery
 from kvrelay.server.proxy_merge import Frame, Leg
 from kvrelay.server.responses import EventStream, until_disconnect
 
@@ -48,6 +49,7 @@ T = TypeVar("T")
 
 RELEASE_PATH = "/v1/kv/release"  # on the prefill engine
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+NO_DECODE_ENGINE = "no decode engine is known: its DNS names resolve to no address"
 
 
 class UpstreamDown(Exception):
@@ -83,12 +85,25 @@ class Upstream:
 
 
 class Upstreams:
-    def __init__(self, role: str, urls: list[str], config: RoutingConfig) -> None:
-        if not urls:
+    def __init__(self, role: str, urls: list[str], config: RoutingConfig,
+                 *, discovered: bool = False) -> None:
+        if not urls and not discovered:
             raise ValueError(f"at least one --{role} URL is required")
         self.role, self.config = role, config
         self.all = [Upstream(u.rstrip("/"), role, PrefixRecord(config.cache_size))
                     for u in urls]
+
+    def update(self, urls: list[str]) -> tuple[list[str], list[str]]:
+        """The engines are now ``urls`` (DNS discovery): (added, removed). A new one
+        joins unhealthy, so its health check comes before any request; a removed one's
+        requests in flight hold their Upstream and finish."""
+        want = {u.rstrip("/") for u in urls}
+        have = {u.url for u in self.all}
+        added, removed = sorted(want - have), sorted(have - want)
+        self.all = [u for u in self.all if u.url in want] + [
+            Upstream(u, self.role, PrefixRecord(self.config.cache_size), healthy=False)
+            for u in added]
+        return added, removed
 
     def candidates(self) -> list[Upstream]:
         """The healthy by outstanding requests, then the rest: a failed health check is
@@ -98,8 +113,8 @@ class Upstreams:
 
     def pick(self) -> Upstream | None:
         """Least outstanding among the healthy; None when none is healthy."""
-        best = self.candidates()[0]
-        return best if best.healthy else None
+        best = self.candidates()[:1]
+        return best[0] if best and best[0].healthy else None
 
     def route(self, leg: Leg) -> tuple[Upstream, Reason]:
         """The engine for ``leg`` by expected prefix reuse and load (proxy_affinity);
@@ -157,10 +172,15 @@ class Proxy:
         health_interval: float = 2.0,
         timeout: float = 600.0,
         routing: RoutingConfig | None = None,
+        discovery: Discovery | None = None,
     ) -> None:
         self.routing = routing or RoutingConfig()
-        self.prefill = Upstreams("prefill", prefill, self.routing)
-        self.decode = Upstreams("decode", decode, self.routing)
+        named = discovery.names if discovery is not None else {}
+        self.prefill = Upstreams("prefill", prefill, self.routing,
+                                 discovered=bool(named.get("prefill")))
+        self.decode = Upstreams("decode", decode, self.routing,
+                                discovered=bool(named.get("decode")))
+        self.discovery = discovery  # engines found by DNS names
         self.api_key = api_key
         self.health_interval = health_interval
         self.timeout = timeout
@@ -184,6 +204,10 @@ class Proxy:
     async def health_loop(self) -> None:
         """Each poll is logged at debug; a change of an engine's health at info."""
         while True:
+            if self.discovery is not None:
+                for role, url in await self.discovery.refresh([self.prefill, self.decode]):
+                    with contextlib.suppress(KeyError):  # gone before its first check
+                        self.metrics.healthy.remove(role, url)
             for up in self.prefill.all + self.decode.all:
                 try:
                     r = await self._http().get(f"{up.url}/health", timeout=2.0)
@@ -269,6 +293,8 @@ class Proxy:
 
     def _prefill_order(self, leg: Leg) -> list[Upstream]:
         """The routed prefill engine, then the others to retry on, least loaded first."""
+        if not self.prefill.all:  # DNS names that resolve to nothing (now)
+            return []
         first = self._pick(self.prefill, leg)
         return [first, *(up for up in self.prefill.candidates() if up is not first)]
 
@@ -276,6 +302,8 @@ class Proxy:
         """The routed decode engine, then the others, least loaded first: an engine that
         refuses a leg unseen (503: draining, or its loop down; connection refused) hands
         it to the next, the lease untouched."""
+        if not self.decode.all:  # DNS names that resolve to nothing (now)
+            return []
         first = self._pick(self.decode, leg)
         return [first, *(up for up in self.decode.candidates() if up is not first)]
 
@@ -372,7 +400,8 @@ class Proxy:
             if r.status_code != 503:
                 break
             self._refused_unseen(up, f"HTTP {r.status_code}")
-        assert r is not None
+        if r is None:
+            r = _error(503, NO_DECODE_ENGINE)
         if r.status_code != 200:
             self._release(leg)
             raise Refused(r)
@@ -445,7 +474,7 @@ class Proxy:
     ) -> dict[str, Any] | None:
         """D's chunks for the leg; returns the error event that ended it, if any. An
         engine that refuses the leg unseen hands it to the next (``_decode_order``)."""
-        error: dict[str, Any] | None = None
+        error: dict[str, Any] | None = merge.error_event(NO_DECODE_ENGINE, 503)
         for up in self._decode_order(leg):
             try:
                 return await self._stream_from(up, path, leg, frame, events)

@@ -208,6 +208,7 @@ def test_engines_get_the_grace_period_their_drain_needs_and_stay_reachable() -> 
                 d["metadata"]["name"]
             assert "preStop" not in c.get("lifecycle", {}), "SIGTERM itself drains"
             mine = [s for s in services.values() if s["selector"].items() <= labels.items()]
-            assert len(mine) == 1, d["metadata"]["name"]  # one Service per engine
-            assert mine[0].get("publishNotReadyAddresses") is True, d["metadata"]["name"]
+            assert mine, d["metadata"]["name"]  # its own, and the role's headless one
+            assert all(s.get("publishNotReadyAddresses") is True for s in mine), \
+                d["metadata"]["name"]
     assert engines == 2
