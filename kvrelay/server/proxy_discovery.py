@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-log = logging.getLogger("kvrelay.server.proxy_routing")
+log = logging.getLogger(__name__)
 
 Lookup = Callable[[str], Awaitable[list[str]]]
 

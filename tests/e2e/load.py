@@ -12,7 +12,10 @@ from typing import Any
 import openai
 
 MAX_TOKENS, CONCURRENCY = 6, 4
-ENGINE_ARGS = ("--threads", "1")  # two cores shared by several engines and the test
+# Two cores shared by several engines and the test: one thread each, and leases that
+# outlast a slow moment (cluster.py's 2 s is for the fault tests), so that a lease that
+# expires here is a lease lost.
+ENGINE_ARGS = ("--threads", "1", "--lease-timeout", "30")
 
 
 class Load:

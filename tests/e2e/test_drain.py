@@ -167,14 +167,14 @@ async def _ask_once(url: str, model: str) -> tuple[int, str]:
 def test_a_draining_prefill_engine_serves_its_relay_until_its_leases_end(
     cluster: dict[str, Any]
 ) -> None:
-    """Two leases on a P of its own (a long lease timeout: none expires here), then
+    """Two leases on a P of its own (none expires: ENGINE_ARGS' 30 s), then
     SIGTERM: P says draining, but it stays up while a lease is held. A decode engine
     pulls the first from the draining P; P is still up for the second; the proxy's
     release of the second (``/v1/kv/release``, served while draining) lets it exit 0,
     its ledger: two created, one done, one aborted."""
     c: Cluster = cluster["cluster"]
     d = cluster["d"][1]
-    p = c.prefill("prefill-leases", *ENGINE_ARGS, "--lease-timeout", "60").wait_healthy()
+    p = c.prefill("prefill-leases", *ENGINE_ARGS).wait_healthy()
     model = cluster["model"].name
     base = {"model": model, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     leases = []

@@ -96,10 +96,27 @@ def test_health_says_draining_with_retry_after() -> None:
 
 
 CHILD = """
-import sys
+import os, sys, time
 import kvrelay.server.cli as serve_cli
 from tests.unit.test_server_fakes import make_state
-serve_cli.build_state = lambda args: make_state(num_blocks=256, max_model_len=256, delay_s=0.05)
+
+def build(args):
+    state = make_state(num_blocks=256, max_model_len=256, delay_s=0.01)
+    runner = state.loop.engine.runner
+    execute, steps = runner.execute, [0]
+
+    def held(batch):
+        # After a few tokens the stand-in model waits while the test's hold file exists,
+        # so the stream is still running for every check the test makes.
+        steps[0] += 1
+        while steps[0] > 3 and os.path.exists(sys.argv[2]):
+            time.sleep(0.01)
+        return execute(batch)
+
+    runner.execute = held
+    return state
+
+serve_cli.build_state = build
 from kvrelay.cli import main
 sys.exit(main(["serve", "--port", sys.argv[1], "--shutdown-timeout", "60",
                "--log-level", "info"]))
@@ -110,10 +127,11 @@ sys.exit(main(["serve", "--port", sys.argv[1], "--shutdown-timeout", "60",
 def test_sigterm_drains_a_stream_refuses_new_work_and_exits_zero(tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    log = tmp_path / "serve.log"
+    log, hold = tmp_path / "serve.log", tmp_path / "hold"
+    hold.touch()
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(port)], env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(port), str(hold)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -124,8 +142,7 @@ def test_sigterm_drains_a_stream_refuses_new_work_and_exits_zero(tmp_path: Path)
             except httpx.TransportError:
                 assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
                 time.sleep(0.05)
-        # 100 tokens at 50 ms a step: the stream runs for 5 s, the checks take a few ms.
-        body = {"model": "tiny", "prompt": "x", "max_tokens": 100, "stream": True}
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 20, "stream": True}
         lines: list[str] = []
         first = threading.Event()
 
@@ -141,16 +158,18 @@ def test_sigterm_drains_a_stream_refuses_new_work_and_exits_zero(tmp_path: Path)
         assert first.wait(30), "the stream never started"
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
-        while (r := httpx.get(url + "/health")).status_code == 200:
+        while (r := httpx.get(url + "/health", timeout=30)).status_code == 200:
             assert time.monotonic() < deadline, "/health never said draining"
             time.sleep(0.01)
         assert r.status_code == 503 and r.json()["status"] == "draining"
         assert 1 <= int(r.headers["retry-after"]) <= 60
-        refused = httpx.post(url + "/v1/completions",
+        refused = httpx.post(url + "/v1/completions", timeout=30,
                              json={"model": "tiny", "prompt": "y", "max_tokens": 2})
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "draining" and "retry-after" in refused.headers
-        assert httpx.get(url + "/v1/models").status_code == 200
+        assert httpx.get(url + "/v1/models", timeout=30).status_code == 200
+        assert proc.poll() is None and not lines[-1].endswith("[DONE]")  # still streaming
+        hold.unlink()  # the stream may finish now, and then the drain
         assert proc.wait(60) == 0
         t.join(10)
         assert lines[-1] == "data: [DONE]"
