@@ -67,15 +67,21 @@ def test_signal_with_a_stream_in_flight_exits_zero(grace: str, sig: signal.Signa
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.05)
         lines: list[str] = []
+        first = threading.Event()
         body = {"model": "tiny", "prompt": "x", "max_tokens": 60, "stream": True}
 
         def stream() -> None:
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-                lines.extend(line for line in r.iter_lines() if line)
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first.set()
 
         t = threading.Thread(target=stream)
         t.start()
-        time.sleep(0.2)
+        # In flight means its first chunk came: a request that reaches a draining server
+        # is refused (503), not served.
+        assert first.wait(30), "the stream never started"
         proc.send_signal(sig)
         assert proc.wait(30) == 0
         t.join(10)
