@@ -113,8 +113,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="on SIGTERM/SIGINT, how long in-flight requests may finish before "
-                   "they are aborted")
+                   help="grace period of the drain on SIGTERM/SIGINT: /health says draining, "
+                   "new requests are refused (503), in-flight ones (and a prefill engine's "
+                   "leases) may finish this long before they are aborted")
 
 
 def build_state(args: argparse.Namespace) -> ServerState:
@@ -200,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvrelay.server.api import create_app
+    from kvrelay.server.drain import DrainGate
     from kvrelay.server.graceful import GracefulServer
 
     logging.basicConfig(
@@ -210,16 +212,20 @@ def run(args: argparse.Namespace) -> int:
         state = kernel_choice.run_in_own_thread(lambda: build_state(args))
     except (OSError, ValueError) as exc:  # no such model, bad flag values: say which
         raise UsageError(f"cannot start: {exc}") from exc
+    state.drain.grace_s = args.shutdown_timeout
     config = uvicorn.Config(
-        create_app(state), host=args.host, port=args.port, log_level=args.log_level,
-        access_log=args.log_level == "debug",
-        # The drain at shutdown_timeout ends every response; this only catches a hang.
-        timeout_graceful_shutdown=args.shutdown_timeout + 5.0,
+        DrainGate(create_app(state), state.drain), host=args.host, port=args.port,
+        log_level=args.log_level, access_log=args.log_level == "debug",
+        # The drain ends every response by shutdown_timeout; this only catches a hang.
+        timeout_graceful_shutdown=5,
     )
-    server = GracefulServer(config, drain=state.loop.drain, drain_after=args.shutdown_timeout)
+    server = GracefulServer(config, drain=state.loop.drain, drain_after=args.shutdown_timeout,
+                            state=state.drain, pending=state.loop.hooks.drain_pending)
     log.info("serving %s on http://%s:%d/v1", state.model.name, args.host, args.port)
     server.run()
     if not server.started:
         return EXIT_FAILURE  # e.g. the port was taken; uvicorn logged why
-    log.info("stopped")
+    pool = state.loop.engine.pool
+    log.info("stopped; KV blocks: %d of %d free or cached%s", pool.num_free + pool.num_cached,
+             pool.num_blocks, state.loop.hooks.exit_summary())
     return 0
