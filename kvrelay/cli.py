@@ -42,6 +42,7 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.grammar",
     "kvrelay.bench.prefix",
     "kvrelay.bench.routing",
+    "kvrelay.bench.chaos",
 ]
 
 
