@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 import tempfile
 import threading
 import time
@@ -66,6 +67,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--after", type=float, default=14.0, metavar="SECONDS")
     p.add_argument("--abort-fraction", type=float, default=0.75,
                    help="share of storm requests whose client leaves")
+    p.add_argument("--leave", nargs="+", choices=LEAVE_KINDS, default=list(LEAVE_KINDS),
+                   help="the moments a storm client may leave at (to tell which one "
+                   "leaves leases behind)")
     p.add_argument("--window", type=float, default=2.0, metavar="SECONDS",
                    help="throughput window for the time to recover")
     p.add_argument("--sample-interval", type=float, default=0.2, metavar="SECONDS")
@@ -114,6 +118,7 @@ class Ledger:
     released: dict[str, float]  # P's leases released during the run, by outcome
     made: float  # P's requests finished for remote decode during the run
     held: float  # leases still held on P
+    fallbacks: dict[str, float]  # D's pulls that ended without remote KV, by reason
     whole: dict[str, bool]  # role -> every block free or cached
     settle_s: float | None  # load stopped -> everything whole (None: not within the bound)
 
@@ -190,14 +195,14 @@ def storm_on_1p1d(args: argparse.Namespace,
         cluster.start(args.start_timeout)
         model = asyncio.run(warm_up(list(engines.values())))
         proxy_sees_all_healthy(proxy.base_url, 2, args.start_timeout)
-        start_p = scrape(prefill.base_url)
+        start = {role: scrape(url) for role, url in engines.items()}
         peaks, stop = Peaks(), threading.Event()
         sampler = threading.Thread(target=sample_until, args=(engines, peaks, stop, args),
                                    daemon=True)
         sampler.start()
         try:
             shots = asyncio.run(drive(proxy.base_url, model, args))
-            ledger = settle(engines, start_p, args.lease_timeout)
+            ledger = settle(engines, start, args.lease_timeout)
         finally:
             stop.set()
             sampler.join(30)
@@ -221,7 +226,7 @@ def sample_until(engines: dict[str, str], peaks: Peaks, stop: threading.Event,
         peaks.samples += 1
 
 
-def settle(engines: dict[str, str], start_p: dict[str, float],
+def settle(engines: dict[str, str], start: dict[str, dict[str, float]],
            lease_timeout: float) -> Ledger:
     """Wait (one lease timeout at most) until every pool is whole and no lease is held;
     the ledger then."""
@@ -237,13 +242,24 @@ def settle(engines: dict[str, str], start_p: dict[str, float],
         if time.monotonic() - t0 > lease_timeout:
             break
         time.sleep(0.05)
-    p = now["P"]
+    p, start_p = now["P"], start["P"]
     released = {o: value(p, "kvrelay_leases_released_total", reason=o)
                 - value(start_p, "kvrelay_leases_released_total", reason=o)
                 for o in LEASE_OUTCOMES}
     made = (value(p, "kvrelay_requests_finished_total", reason="remote_decode")
             - value(start_p, "kvrelay_requests_finished_total", reason="remote_decode"))
-    return Ledger(released, made, held, whole, settle_s)
+    return Ledger(released, made, held, fallbacks(now["D"], start["D"]), whole, settle_s)
+
+
+def fallbacks(now: dict[str, float], start: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m, sign in ((now, 1.0), (start, -1.0)):
+        for key, v in m.items():
+            if key.startswith("kvrelay_kv_load_fallbacks_total{"):
+                reason = re.search(r'reason="([^"]*)"', key)
+                if reason:
+                    out[reason[1]] = out.get(reason[1], 0.0) + sign * v
+    return {k: v for k, v in sorted(out.items()) if v}
 
 
 def phase_at(t: float, args: argparse.Namespace) -> str | None:
@@ -290,7 +306,7 @@ def pick_leave(phase: str, shots: list[Shot], rng: random.Random,
     wait_p (shorter than the before phase's TTFT p50), a token count otherwise."""
     if phase != "storm" or rng.random() >= args.abort_fraction:
         return None
-    kind = rng.choice(LEAVE_KINDS)
+    kind = rng.choice(args.leave)
     if kind == "wait_p":
         ttfts = [t for s in shots if s.phase == "before" and (t := s.ttft_s) is not None]
         return kind, rng.uniform(0.0, percentiles(ttfts)["p50"] or 0.05)
@@ -432,7 +448,9 @@ def report(args: argparse.Namespace, shots: list[Shot], peaks: Peaks, ledger: Le
                  f"{'yes' if ledger.balanced else 'NO'}")
     extra = sum(ledger.released.values()) - ledger.made
     lines.append(f"leases without a remote-decode finish on P: {extra:.0f}; leases held "
-                 f"until they expired: {ledger.released['expired']:.0f}")
+                 f"until they expired: {ledger.released['expired']:.0f}; D's pulls that fell "
+                 "back: " + (", ".join(f"{k} {v:.0f}" for k, v in ledger.fallbacks.items())
+                             or "none"))
     held = recover is not None and recover <= 2 * args.lease_timeout and ledger.balanced
     lines.append("goal (back within 5% of the before-throughput within two lease timeouts, "
                  f"nothing held past its bound): {'held' if held else 'NOT held'}")
