@@ -35,8 +35,8 @@ def test_windows_and_the_time_to_recover_come_from_the_token_times() -> None:
 @pytest.mark.timeout(300)
 def test_chaos_bench_prints_its_table_and_the_ledger_balances() -> None:
     cmd = [sys.executable, "-m", "kvrelay", "bench", "chaos", "--warmup", "1",
-           "--before", "3", "--storm", "3", "--after", "4", "--window", "1",
-           "--lease-timeout", "2", "--concurrency", "3", "--abort-fraction", "0.9",
+           "--before", "3", "--storm", "4", "--after", "4", "--window", "1",
+           "--lease-timeout", "2", "--concurrency", "3", "--abort-fraction", "1",
            "--start-timeout", "120"]
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=280)
     out = done.stdout
