@@ -43,6 +43,7 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.sampling",
     "kvrelay.bench.prefix",
     "kvrelay.bench.routing",
+    "kvrelay.bench.chaos",
 ]
 
 
