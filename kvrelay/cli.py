@@ -37,6 +37,7 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.core",
     "kvrelay.bench.transfer",
     "kvrelay.bench.offline",
+    "kvrelay.bench.decode",
     "kvrelay.bench.serve",
     "kvrelay.bench.relay",
     "kvrelay.bench.grammar",

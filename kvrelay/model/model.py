@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvrelay.model import hugepages, kernel_choice
+from kvrelay.model import hugepages, kernel_choice, native
 from kvrelay.model.attention import ChunkSpec
 from kvrelay.model.backend import KernelBackend, SmallGemm, StepMetadata, select_backend
 from kvrelay.model.config import ModelConfig
@@ -23,18 +23,20 @@ from kvrelay.model.rope import RotaryTable
 # Up to this many rows (a decode step's batch, a short prefill chunk) a bfloat16
 # GEMM runs the native AVX-512 BF16 kernel over its own packed weight when it has
 # one: 1.2-1.8x faster than oneDNN's packed GEMM at 1-64 rows, on par from 128 rows
-# on; larger prefill chunks keep oneDNN (docs/model.md, "Decode GEMMs").
-SMALL_GEMM_ROWS = 128
+# on; larger prefill chunks keep oneDNN (docs/model.md, "Decode GEMMs"). float32's
+# native GEMM has its own, lower limit (native.F32_GEMM_ROWS).
+SMALL_GEMM_ROWS = native.BF16_GEMM_ROWS
 
 
 class Linear:
     """y = x W^T + b. On CPU the weight is reordered once, at load, into oneDNN's
     blocked layout: F.linear reorders (bfloat16) or runs an unpacked GEMM (float32)
     on every call; packed is 1.3-2.5x faster at decode batch sizes (docs/model.md).
-    With ``small`` (native.SmallGemm, bfloat16 on an AVX-512 BF16 CPU) calls of at
-    most SMALL_GEMM_ROWS rows go to the native kernel instead."""
+    With ``small`` (native.NativeSmallGemm: bfloat16 on an AVX-512 BF16 CPU, float32
+    with AVX-512 or AVX2) calls of at most ``small.max_rows`` rows go to the native
+    kernel instead."""
 
-    __slots__ = ("bias", "packed", "small", "small_w", "weight")
+    __slots__ = ("bias", "packed", "small", "small_rows", "small_w", "weight")
     small: Callable[..., torch.Tensor] | None
 
     def __init__(
@@ -52,10 +54,11 @@ class Linear:
         if arena is not None and self.small_w is not None:
             self.small_w = arena.copy(self.small_w)
         self.small = small.run if small is not None and self.small_w is not None else None
+        self.small_rows = small.max_rows if small is not None else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # (0 rows: a chunked prefill step that samples nothing gives lm_head no rows)
-        if self.small is not None and 0 < x.shape[0] <= SMALL_GEMM_ROWS:
+        if self.small is not None and 0 < x.shape[0] <= self.small_rows:
             y: torch.Tensor = self.small(x, self.small_w, self.weight.shape[0], self.bias)
             return y
         if self.packed is not None:
@@ -127,7 +130,7 @@ class LlamaModel:
         small = self.backend.small_gemm()
         self.small_gemm = small is not None  # the native small-M GEMM is in use
         kernel_choice.record_gemm(
-            "native-bf16" if small else "onednn" if pack else "torch",
+            small.label if small else "onednn" if pack else "torch",
             "" if small else getattr(self.backend, "gemm_off", None) or "not the native backend",
         )
         # The decode GEMMs' packed weights on 2 MiB pages (hugepages), copied as packed.

@@ -77,30 +77,47 @@ def _self_check(mod: Any, dtype: torch.dtype) -> str | None:
     return None
 
 
-class NativeSmallGemm:
-    """bfloat16 y = x W^T + b for a few rows with AVX-512 BF16 ``vdpbf16ps``
-    (csrc/gemm_bf16.cpp): the weight packed once into the instruction's pair layout,
-    each byte of it read once per call, columns split across the threads."""
+# Rows up to which each native small-M GEMM beats oneDNN's packed GEMM (docs/model.md,
+# "Decode GEMMs"): bfloat16 up to 128 rows, float32 on par at 32 and behind from 64.
+BF16_GEMM_ROWS = 128
+F32_GEMM_ROWS = 32
 
-    def __init__(self, mod: Any) -> None:
-        self._pack = mod.pack_bf16_gemm
-        self.run = mod.bf16_gemm
+
+class NativeSmallGemm:
+    """y = x W^T + b for a few rows (csrc/gemm_bf16.cpp, csrc/gemm_f32_impl.h): the
+    weight packed once into the kernel's layout, each byte of it read once per call,
+    columns split across the threads. bfloat16: AVX-512 BF16 ``vdpbf16ps``; float32:
+    AVX-512 or AVX2 + FMA, whichever the kernels run with (``KVRELAY_NATIVE_ISA=avx2``
+    forces AVX2)."""
+
+    def __init__(self, mod: Any, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        if dtype is torch.bfloat16:
+            self._pack, self.run = mod.pack_bf16_gemm, mod.bf16_gemm
+            self.label, self.max_rows = "native-bf16", BF16_GEMM_ROWS
+        else:
+            self._pack, self.run = mod.pack_f32_gemm, mod.f32_gemm
+            self.label, self.max_rows = f"native-f32-{mod.isa()}", F32_GEMM_ROWS
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
-        if weight.dtype is not torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+        if weight.dtype is not self.dtype or weight.dim() != 2:
             return None
+        if self.dtype is torch.bfloat16 and weight.shape[1] % 2:
+            return None  # vdpbf16ps takes k in pairs
         packed: torch.Tensor = self._pack(weight.contiguous())
         return packed
 
 
 def small_gemm_unavailable(mod: Any, dtype: torch.dtype) -> str | None:
     """Why the native small-M GEMM is not used, or None when it is."""
-    if dtype is not torch.bfloat16:
-        return f"{dtype} (it is bfloat16-only)"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"{dtype} (it takes bfloat16 or float32)"
     if os.environ.get("KVRELAY_NATIVE_GEMM", "1") == "0":
         return "KVRELAY_NATIVE_GEMM=0"
-    if not mod.has_bf16_gemm():
+    if dtype is torch.bfloat16 and not mod.has_bf16_gemm():
         return "the CPU lacks AVX-512 BF16"
+    if dtype is torch.float32 and not mod.has_f32_gemm():
+        return "the CPU lacks AVX2 + FMA"
     return None
 
 
@@ -134,7 +151,7 @@ class NativeBackend:
         self.gemm_off = small_gemm_unavailable(mod, dtype)
 
     def small_gemm(self) -> NativeSmallGemm | None:
-        return NativeSmallGemm(self._ops) if self.gemm_off is None else None
+        return NativeSmallGemm(self._ops, self.dtype) if self.gemm_off is None else None
 
     def build_metadata(
         self, chunks: Sequence[ChunkSpec], positions: torch.Tensor, block_size: int

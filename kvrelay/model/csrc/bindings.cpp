@@ -13,6 +13,18 @@
 #include "kernels.h"
 
 namespace kvr {
+
+// Generic code (this file has no target pragma): runs once per weight at load.
+void pack_f32_blocks(const float* w, int64_t N, int64_t K, float* out) {
+  const int64_t nblk = (N + 15) / 16;
+  for (int64_t b = 0; b < nblk; ++b)
+    for (int64_t k = 0; k < K; ++k)
+      for (int c = 0; c < 16; ++c) {
+        const int64_t n = b * 16 + c;
+        out[(b * K + k) * 16 + c] = n < N ? w[n * K + k] : 0.f;
+      }
+}
+
 namespace {
 
 bool env_is(const char* name, const char* value) {
@@ -265,6 +277,54 @@ torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t
   return y;
 }
 
+// float32 small-M GEMM: AVX-512 or AVX2 + FMA, whichever the kernels run with.
+bool has_f32_gemm() { return isa() == "avx512" || isa() == "avx2"; }
+
+// (N, K) float32 -> the block layout of gemm_f32_impl.h, (ceil(N/16), K, 16).
+torch::Tensor pack_f32_gemm(const torch::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
+                  w.scalar_type() == torch::kFloat32,
+              "pack_f32_gemm takes a contiguous float32 (N, K) CPU matrix");
+  const int64_t N = w.size(0), K = w.size(1);
+  auto out = torch::empty({(N + 15) / 16, K, 16}, w.options());
+  pack_f32_blocks(w.data_ptr<float>(), N, K, out.data_ptr<float>());
+  return out;
+}
+
+// y = x W^T (+ bias) with W packed by pack_f32_gemm; x (M, K) float32.
+torch::Tensor f32_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
+                       const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(has_f32_gemm(), "f32_gemm needs AVX2 + FMA or AVX-512");
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && wp.scalar_type() == torch::kFloat32,
+              "f32_gemm takes float32 x and weight");
+  const int64_t M = x.size(0), K = x.size(1), nblk = (N + 15) / 16;
+  TORCH_CHECK(wp.is_contiguous() && wp.dim() == 3 && wp.size(0) == nblk && wp.size(1) == K &&
+                  wp.size(2) == 16,
+              "packed weight does not match N=", N, ", K=", K);
+  torch::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "bias must have N=", N, " values");
+    b = bias->to(torch::kFloat32).contiguous();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;  // the row kernels take 1 or more rows
+  auto* run = isa() == "avx512" ? gemm_f32_avx512 : gemm_f32_avx2;
+  const float* xp = x.data_ptr<float>();
+  const float* wpp = wp.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+#pragma omp parallel if (N * K >= kParallelElems)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    // Contiguous block ranges, one per thread: each streams its own part of W once.
+    const int64_t b0 = nblk * t / nt, b1 = nblk * (t + 1) / nt;
+    if (b0 < b1) run(xp, ldx, M, wpp, K, b0, b1, bp, yp, N, N);
+  }
+  return y;
+}
+
 }  // namespace
 }  // namespace kvr
 
@@ -284,5 +344,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_gemm", &kvr::has_bf16_gemm, "AVX-512 BF16 small-M GEMM available");
   m.def("pack_bf16_gemm", &kvr::pack_bf16_gemm, nogil());
   m.def("bf16_gemm", &kvr::bf16_gemm, pybind11::arg("x"), pybind11::arg("packed"),
+        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), nogil());
+  m.def("has_f32_gemm", &kvr::has_f32_gemm, "float32 small-M GEMM available");
+  m.def("pack_f32_gemm", &kvr::pack_f32_gemm, nogil());
+  m.def("f32_gemm", &kvr::f32_gemm, pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), nogil());
 }
