@@ -38,6 +38,7 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.transfer",
     "kvrelay.bench.offline",
     "kvrelay.bench.decode",
+    "kvrelay.bench.quant",
     "kvrelay.bench.serve",
     "kvrelay.bench.relay",
     "kvrelay.bench.grammar",

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from kvrelay.model.attention import ChunkSpec
 from kvrelay.model.backend import StepMetadata
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.rope import RotaryTable
+
+if TYPE_CHECKING:
+    from kvrelay.model.gguf_loader import QuantWeight
 
 _module: ModuleType | None = None
 _load_error: str | None = None
@@ -119,6 +122,61 @@ def small_gemm_unavailable(mod: Any, dtype: torch.dtype) -> str | None:
     if dtype is torch.float32 and not mod.has_f32_gemm():
         return "the CPU lacks AVX2 + FMA"
     return None
+
+
+class NativeGgufGemm:
+    """y = x W^T + b with W as a GGUF file stores it (Q8_0 or Q4_1 codes, repacked into
+    16-column groups, same bits per weight) and dequantized in registers
+    (csrc/gemm_q_impl.h): a decode step streams 8.5 or 5 bits a weight instead of 32
+    (float32) or 16 (bfloat16). x float32 or bfloat16, computed in float32."""
+
+    def __init__(self, mod: Any, qtype: int, label: str) -> None:
+        self._mod, self.qtype, self.label = mod, qtype, label
+        self.max_rows = F32_GEMM_ROWS
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        return None  # its weights come packed from the file's codes (pack_raw)
+
+    def pack_raw(self, raw: torch.Tensor, k: int) -> torch.Tensor:
+        packed: torch.Tensor = self._mod.pack_gguf_gemm(raw, self.qtype, k)
+        return packed
+
+    def run(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+            bias: torch.Tensor | None) -> torch.Tensor:
+        y: torch.Tensor = self._mod.gguf_gemm(x, packed, self.qtype, n, bias)
+        return y
+
+
+class GgufGemms:
+    """The quantized GEMMs of one model: ``pack(names)`` gives a (fused) Linear's kernel
+    and packed codes when all its parts are stored in one served type, else None."""
+
+    def __init__(self, mod: Any, quantized: Mapping[str, QuantWeight]) -> None:
+        self.label = f"native-gguf-{mod.isa()}"
+        self._mod, self._quantized = mod, quantized
+        self._kernels: dict[int, NativeGgufGemm] = {}
+
+    def pack(self, names: Sequence[str]) -> tuple[NativeGgufGemm, torch.Tensor] | None:
+        parts = [self._quantized.get(n) for n in names]
+        if any(p is None for p in parts):
+            return None
+        qws = [p for p in parts if p is not None]
+        if len({(q.qtype, q.k) for q in qws}) != 1:
+            return None
+        qtype, k = qws[0].qtype, qws[0].k
+        kernel = self._kernels.setdefault(qtype, NativeGgufGemm(self._mod, qtype, self.label))
+        raw = qws[0].raw if len(qws) == 1 else torch.cat([q.raw for q in qws])
+        return kernel, kernel.pack_raw(raw, k)
+
+
+def gguf_gemms(backend: Any, quantized: Mapping[str, QuantWeight]) -> GgufGemms:
+    """``--quantization gguf``: the native backend's quantized GEMMs, or a ValueError
+    that says why they cannot run."""
+    if not isinstance(backend, NativeBackend):
+        why = load_error() or f"the {backend.name} kernels were chosen"
+        raise ValueError(f"--quantization gguf needs the native kernels (AVX2 + FMA or "
+                         f"AVX-512) and cannot use them: {why}")
+    return GgufGemms(backend._ops, quantized)
 
 
 class NativeStep:

@@ -471,3 +471,83 @@ def test_float32_model_uses_the_native_gemm_of_its_isa(
         results.append(json.loads(out.splitlines()[-1]))
     assert results[0][0] == "native-f32-avx2" and results[1][0] == "onednn"
     assert results[0][1] == results[1][1]
+
+
+@pytest.mark.parametrize("qtype", [8, 3], ids=["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 16, 17, 32])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 96), (832, 576), (576, 1536)])
+def test_gguf_gemm_matches_the_dequantized_weight(isa: str, qtype: int, rows: int, n: int,
+                                                   k: int) -> None:
+    """The quantized GEMM on each ISA path against x @ W^T with W dequantized by the
+    gguf package (what --quantization none serves), in float64: within float32
+    rounding of the same sums (float32 and bfloat16 x)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    assert _mod is not None
+    g = torch.Generator().manual_seed(rows * 1000 + n + k + qtype)
+    gtype = GGMLQuantizationType(qtype)
+    raw = quantize(torch.randn(n, k, generator=g).numpy(), gtype)
+    w = torch.from_numpy(np.asarray(dequantize(raw, gtype), dtype=np.float64)).view(n, k)
+    packed = _mod.pack_gguf_gemm(torch.from_numpy(raw), qtype, k)
+    bias = torch.randn(n, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        for b in (None, bias):
+            ref = x.double() @ w.T + (0 if b is None else b.double())
+            out = _mod.gguf_gemm(x, packed, qtype, n, b)
+            assert out.dtype is dtype and out.shape == (rows, n)
+            tol = 1e-5 if dtype is torch.float32 else 1e-2
+            torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * k**0.5)
+
+
+def test_gguf_gemm_rejects_bad_input() -> None:
+    assert _mod is not None
+    raw = torch.zeros(32, 2 * 34, dtype=torch.uint8)
+    packed = _mod.pack_gguf_gemm(raw, 8, 64)
+    with pytest.raises(RuntimeError, match="Q8_0"):
+        _mod.pack_gguf_gemm(raw, 2, 64)
+    with pytest.raises(RuntimeError, match="raw must be"):
+        _mod.pack_gguf_gemm(raw, 3, 64)  # Q4_1 rows are 2 x 20 bytes
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        _mod.pack_gguf_gemm(raw, 8, 48)
+    with pytest.raises(RuntimeError, match="does not match"):
+        _mod.gguf_gemm(torch.randn(2, 64), packed, 8, 48)
+    with pytest.raises(RuntimeError, match="does not match"):
+        _mod.gguf_gemm(torch.randn(2, 64), packed, 3, 32)
+    with pytest.raises(RuntimeError, match="bias"):
+        _mod.gguf_gemm(torch.randn(2, 64), packed, 8, 32, torch.ones(3))
+    assert _mod.gguf_gemm(torch.empty(0, 64), packed, 8, 32).shape == (0, 32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str) -> None:
+    """--quantization gguf on a GGUF with mixed tensor types: the Q8_0 ones (ffn_down, the
+    lm_head) go to the quantized GEMM, the fused q/k/v and gate/up, whose parts differ
+    in type, keep the dequantized weights; greedy tokens equal the dequantized model's
+    (float32). An HF directory is refused with a message naming the flag."""
+    from kvrelay.model.llm import LLM
+    from kvrelay.model.testing import write_tiny_gguf, write_tiny_hf_model
+    from kvrelay.sampling_params import SamplingParams
+
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", seed=4))
+    prompts = [[5, 6, 7], [9] * 20, list(range(40, 80))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for quant in ("gguf", "none"):
+        llm = LLM(path, dtype=dtype, quantization=quant)
+        model = llm.model.runner.model  # type: ignore[attr-defined]
+        if quant == "gguf":
+            assert kernel_choice.info()["gemm"] == f"native-gguf-{_best}"
+            assert isinstance(model.layers[0].down.small.__self__, native.NativeGgufGemm)
+            assert isinstance(model.lm_head.small.__self__, native.NativeGgufGemm)
+            assert not isinstance(getattr(model.layers[0].qkv.small, "__self__", None),
+                                  native.NativeGgufGemm)
+        tokens[quant] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    if dtype == "float32":
+        assert tokens["gguf"] == tokens["none"]
+    with pytest.raises(ValueError, match="--quantization gguf"):
+        LLM(str(write_tiny_hf_model(tmp_path / "hf")), quantization="gguf")
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
+        LLM(path, quantization="int4")
