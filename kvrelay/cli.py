@@ -37,6 +37,8 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.core",
     "kvrelay.bench.transfer",
     "kvrelay.bench.offline",
+    "kvrelay.bench.decode",
+    "kvrelay.bench.quant",
     "kvrelay.bench.serve",
     "kvrelay.bench.relay",
     "kvrelay.bench.grammar",

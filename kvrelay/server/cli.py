@@ -80,6 +80,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV dtype; auto: on a CPU bfloat16 where it computes "
                    "bf16 natively (avx512_bf16, amx_bf16), else float32, whatever the "
                    "checkpoint stores; on CUDA the checkpoint's")
+    p.add_argument("--quantization", choices=["none", "gguf"], default="none",
+                   help="gguf: serve a GGUF's Q8_0/Q4_1 weights as stored in decode steps "
+                   "(native kernels; prefill keeps them dequantized); none: dequantize at load")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's own)")
@@ -156,6 +159,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory,
         max_model_len=args.max_model_len, kv_cache_factory=shm.factory if shm else None,
         max_num_seqs=args.max_num_seqs, enforce_eager=getattr(args, "enforce_eager", False),
+        quantization=args.quantization,
     )
     block_size = model.kv_geometry.block_size
     config = SchedulerConfig(
