@@ -26,6 +26,10 @@ import pytest
 from kvrelay.server.demo import free_port
 from tests.vllm.pair import REPO, VllmEngine, missing
 
+# `make test` sets KVRELAY_REQUIRE_VLLM=1 after making the venv: there a missing venv is a
+# failure, not a skip, so CI cannot pass without having run vLLM.
+if missing() and os.environ.get("KVRELAY_REQUIRE_VLLM") == "1":
+    raise RuntimeError(f"KVRELAY_REQUIRE_VLLM=1 but {missing()}")
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present")]
 
