@@ -15,8 +15,9 @@ is published once it is full and a completed step has written it (``publish_comp
 called by the engine as steps complete): published blocks are never written again,
 so sharing them is safe; each holder releases its reference through ``free_blocks``.
 
-Preemption never touches a request that an in-flight step still references
-(async scheduling): such a step may still read or write its blocks. When no
+Preemption never touches a request that a step which has not landed still
+references (async scheduling, or device work not done: ``Request.in_flight``): such
+a step may still read or write its blocks. When no
 victim is free to take, the request that needs blocks waits a step instead.
 """
 
