@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool, Owner, lease_owner
@@ -227,3 +228,26 @@ def test_the_model_runner_sets_its_token_also_when_it_raises(tmp_path: Path) -> 
     with pytest.raises(ValueError, match="cannot hold"):
         m.runner.execute(bad)
     assert bad.completion is tokens[-1] and len(tokens) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_middle_chunk_carries_an_event_the_release_waits_for(tmp_path: Path) -> None:
+    from kvrelay.model import load_model
+    from kvrelay.model.runner import CudaStepDone
+    from kvrelay.model.testing import write_tiny_hf_model
+
+    m = load_model(str(write_tiny_hf_model(tmp_path / "llama", seed=2)), block_size=4,
+                   num_blocks=8, device="cuda", enforce_eager=True)
+    cfg = SchedulerConfig(num_blocks=8, block_size=4, max_num_batched_tokens=8,
+                          max_model_len=32)
+    engine = Engine(cfg, m.runner)
+    x = engine.add_request("x", list(range(3, 15)), SamplingParams(max_tokens=2))
+    batch, _ = step(engine)  # no row samples: nothing synchronised the device
+    assert batch is not None and isinstance(batch.completion, CudaStepDone)
+    engine.abort_request("x")
+    if not batch.completion.done():  # the kernels still run: the blocks stay with X
+        assert x.state is RequestState.FINISHING and engine.pool.num_free < 8
+    batch.completion.wait()
+    assert batch.completion.done()
+    step(engine)
+    assert "x" not in engine.requests and engine.pool.num_free == 8
