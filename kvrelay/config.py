@@ -18,6 +18,11 @@ class SchedulerConfig:
     # and the offline LLM. The salt is the pool's KV compatibility (see prefix_cache).
     enable_prefix_caching: bool = False
     prefix_cache_salt: str = ""
+    # Decode side: the most blocks that requests waiting for remote KV may hold at once
+    # (their params come from clients; a pull that never comes holds its blocks until
+    # the peer timeout). None: half the pool. One such request is always admitted, so a
+    # prompt larger than the budget still runs.
+    max_awaiting_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -25,6 +30,15 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cap = self.max_awaiting_kv_blocks
+        if cap is not None and (not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_awaiting_kv_blocks must be a positive integer or None, "
+                             f"got {cap!r}")
+
+    @property
+    def awaiting_kv_block_budget(self) -> int:
+        cap = self.max_awaiting_kv_blocks
+        return cap if cap is not None else max(1, self.num_blocks // 2)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

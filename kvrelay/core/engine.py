@@ -4,11 +4,15 @@ Pure and single-threaded: no clock, no I/O, no threads. The server's engine loop
 and the simulator drive it through ``add_request``, ``abort_request``,
 ``schedule``/``complete`` (or ``step``, which does both) and ``take_outputs``.
 
-The in-flight fence (DESIGN section 3): a step that was scheduled but whose output
-is not applied yet still reads and writes its requests' blocks. A request that
-finishes or is aborted meanwhile is FINISHING: its terminal output is emitted at
-once, its blocks stay until every step that references it has completed, and only
-then does the one release run. Outputs of those steps for it are dropped.
+The in-flight fence (DESIGN section 3): a step that was scheduled but has not
+landed still reads and writes its requests' blocks. A step lands once its output is
+applied (``complete``) and its device work is done (``Batch.completion``, set by the
+runner: a CUDA event; already done on the CPU); steps land in the order they were
+scheduled. A request that finishes or is aborted meanwhile is FINISHING: its terminal
+output is emitted at once, its blocks stay until every step that references it has
+landed, and only then does the one release run (or the hand-off to a lease, so a lease
+is never offered before the step that wrote its blocks is done). Outputs of those
+steps for it are dropped. Preemption waits for the same (``Request.in_flight``).
 
 Async scheduling: ``step`` schedules and runs step N+1 before it applies step N's
 output, so one step is always in flight between calls.
@@ -25,7 +29,7 @@ from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool, quarantine_owner
 from kvrelay.core.lifecycle import TERMINAL_DECIDED, Event, FinishReason, RequestState
 from kvrelay.core.request import Request
-from kvrelay.core.runner import Batch, Runner, SampledToken, TokenLogprobs
+from kvrelay.core.runner import Batch, Runner, SampledToken, StepToken, TokenLogprobs
 from kvrelay.core.scheduler import RequestRejected, Scheduler
 from kvrelay.sampling_params import SamplingParams
 
@@ -88,6 +92,9 @@ class Engine:
         # Every request not yet FINISHED (released), by id.
         self.requests: dict[str, Request] = {}
         self._in_flight: deque[tuple[Batch, Mapping[str, SampledToken]]] = deque()
+        # Steps applied (or failed) whose device work may still write their requests'
+        # blocks, oldest first; each still counts in its requests' ``in_flight``.
+        self._landing: deque[Batch] = deque()
         self._outputs: list[RequestOutput] = []
         self._released_since_batch: list[str] = []
 
@@ -190,10 +197,18 @@ class Engine:
 
     # -- stepping ----------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.requests) or bool(self._in_flight)
+        return bool(self.requests) or bool(self._in_flight) or bool(self._landing)
+
+    def pending_completion(self) -> StepToken | None:
+        """The token of the oldest applied step whose device work is not known to be
+        done (None: there is none). A driver with nothing to schedule waits on it,
+        outside any lock, rather than spin: the blocks it holds free when it is done."""
+        return self._landing[0].completion if self._landing else None
 
     def schedule(self) -> Batch | None:
         """Schedule the next step and mark it in flight; None when nothing can run."""
+        if self._landing:
+            self._land()  # before preemption picks victims and admission counts blocks
         batch = self.scheduler.schedule()
         if not batch.requests:
             return None
@@ -210,9 +225,11 @@ class Engine:
 
     def complete(self, batch: Batch, sampled: Mapping[str, SampledToken]) -> None:
         """Apply a step's output. Steps complete in the order they were scheduled."""
+        landed = self._lands_now(batch)
         for sr in batch.requests:
             req = self.requests[sr.request_id]  # the fence keeps it until this point
-            req.in_flight -= 1
+            if landed:
+                req.in_flight -= 1
             if req.state is RequestState.RUNNING:  # its KV up to here is written
                 self.scheduler.publish_computed(req, sr.start + len(sr.token_ids))
             if sr.sample:
@@ -222,14 +239,23 @@ class Engine:
                 else:
                     self.stats.dropped_samples += 1
             self._release_if_fenced(req)
+        if not landed:
+            self._landing.append(batch)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and apply one step. A runner exception propagates here (the
         simulators' invariant checks live in their runners); the server's loop calls
-        ``schedule``, the runner and ``end_step`` itself, and fails only the step."""
+        ``schedule``, the runner and ``end_step`` itself, and fails only the step.
+        With nothing to schedule it waits for the device work of earlier steps."""
         batch = self.schedule()
         sampled = self.runner.execute(batch) if batch is not None else None
-        return self.end_step(batch, sampled)
+        outputs = self.end_step(batch, sampled)
+        token = self.pending_completion() if batch is None else None
+        if token is not None:
+            token.wait()
+            self._land()
+            outputs += self.take_outputs()
+        return outputs
 
     def end_step(
         self,
@@ -241,6 +267,8 @@ class Engine:
         """Apply what the runner made of ``batch`` (from ``schedule``; None when nothing
         was scheduled): its samples, or the ``error`` it raised. The server's loop runs
         the runner between ``schedule`` and this call without holding the relay's lock."""
+        if self._landing:
+            self._land()
         if batch is not None and error is not None:
             self._fail_batch(batch, error)
         elif batch is not None:
@@ -257,6 +285,24 @@ class Engine:
         return out
 
     # -- internals ---------------------------------------------------------------
+    def _lands_now(self, batch: Batch) -> bool:
+        """Whether ``batch``, being applied, lands at once: its device work is done and
+        no older step is still landing. Steps land in order: on one device stream a
+        later step cannot finish first, and the order keeps a step that wrote a block
+        (later shared through the prefix cache) landed before any step after it."""
+        if self._landing:
+            self._land()
+        return not self._landing and batch.completion.done()
+
+    def _land(self) -> None:
+        """Land the oldest steps whose device work is done: their requests may release."""
+        landing = self._landing
+        while landing and landing[0].completion.done():
+            for sr in landing.popleft().requests:
+                req = self.requests[sr.request_id]  # held by this step until now
+                req.in_flight -= 1
+                self._release_if_fenced(req)
+
     def _fail_batch(self, batch: Batch, error: BaseException) -> None:
         """The runner raised on this step: its requests end with an error, their blocks
         released on the one path (after any other in-flight step that holds them). The
@@ -264,15 +310,19 @@ class Engine:
         admission validates what it can so that no single request can cause this."""
         message = f"the model step failed: {type(error).__name__}: {error}"
         self.stats.failed_steps += 1
+        landed = self._lands_now(batch)  # kernels it queued before raising may still run
         for sr in batch.requests:
             req = self.requests[sr.request_id]
-            req.in_flight -= 1
+            if landed:
+                req.in_flight -= 1
             if sr.sample:
                 req.num_pending_samples -= 1
             if req.state not in TERMINAL_DECIDED:
                 self._finish(req, FinishReason.ERROR, error=message)
             else:
                 self._release_if_fenced(req)
+        if not landed:
+            self._landing.append(batch)
 
     def _append_token(self, req: Request, tok: SampledToken) -> None:
         req.token_ids.append(tok.token_id)

@@ -89,6 +89,26 @@ class KvChains:
         return tags
 
 
+class FakeDeviceWork:
+    """A step's completion token (``Batch.completion``) for a device that ends the step's
+    work when its driver says so (``finish``): the simulators and tests hold a step's
+    blocks with it, as a CUDA event holds them on a GPU."""
+
+    __slots__ = ("finished",)
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def finish(self) -> None:
+        self.finished = True
+
+    def wait(self) -> None:
+        raise AssertionError("nothing blocks on a fake device: its driver ends the work")
+
+
 class FakeRunner:
     def __init__(
         self,

@@ -13,8 +13,10 @@ Who owns the request's KV blocks in each state:
     LOADING         the request     decode side: a transfer writes into the blocks
     DRAINING        the request     decode side: aborted while loading; the transfer
                                     may still write, so the blocks stay until it ends
-    FINISHING       the request     terminal decided, output emitted; an in-flight
-                                    step may still read or write the blocks (fence)
+    FINISHING       the request     terminal decided, output emitted; a step that
+                                    has not landed (output not applied, or its
+                                    device work not done) may still read or write
+                                    the blocks (the fence)
     FINISHED        none            released exactly once: freed, or handed to a
                                     lease (prefill side, reason REMOTE_DECODE)
 

@@ -31,7 +31,8 @@ class Request:
     num_computed_tokens: int = 0
     # Tokens sampled by in-flight steps and not yet known (async scheduling).
     num_pending_samples: int = 0
-    # Steps scheduled with this request whose output has not been applied: the fence.
+    # Steps scheduled with this request that have not landed (output not applied, or
+    # device work not done): the fence. No release or preemption while it is nonzero.
     in_flight: int = 0
     block_ids: list[int] = field(default_factory=list)
     owner: Owner = ""

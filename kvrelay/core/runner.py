@@ -9,6 +9,13 @@ Async scheduling: a decode chunk may end with ``PLACEHOLDER``, meaning "the toke
 you sampled for this request in the previous step" (not yet known to the core
 when this step was scheduled). The runner keeps its last sampled token per
 request to resolve it.
+
+Step completion: a runner on an asynchronous device (CUDA) may return, or raise,
+while kernels of the step still write its requests' blocks. Before it does, it sets
+``batch.completion`` to a token that says when that device work is done (a CUDA event
+recorded after the forward); the default, ``COMPLETE``, is right for a runner whose
+work is done when it returns (the CPU). The engine releases no block a step references
+before that step's token is done (docs/core.md, "The in-flight fence").
 """
 
 from __future__ import annotations
@@ -20,6 +27,33 @@ from typing import Protocol
 from kvrelay.sampling_params import SamplingParams
 
 PLACEHOLDER = -1
+
+
+class StepToken(Protocol):
+    """When a step's device work (every write into its requests' blocks) is done."""
+
+    def done(self) -> bool:
+        """True once the work is done; never blocks."""
+        ...
+
+    def wait(self) -> None:
+        """Block until the work is done (bounded by the device, not by a peer)."""
+        ...
+
+
+class _Complete:
+    __slots__ = ()
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+# The token of a step whose work was done when the runner returned: one shared object,
+# so a CPU step allocates nothing for it.
+COMPLETE: StepToken = _Complete()
 
 
 @dataclass(slots=True)
@@ -44,6 +78,8 @@ class Batch:
     # Requests that finished since the previous batch: the runner may drop its
     # per-request state (last sampled token, sampler generators).
     finished_ids: list[str] = field(default_factory=list)
+    # Set by the runner before it returns or raises (see the module's docstring).
+    completion: StepToken = COMPLETE
 
     @property
     def num_tokens(self) -> int:
@@ -68,5 +104,7 @@ class SampledToken:
 
 class Runner(Protocol):
     def execute(self, batch: Batch) -> Mapping[str, SampledToken]:
-        """Run one step; return a sampled token for every request with ``sample`` set."""
+        """Run one step; return a sampled token for every request with ``sample`` set.
+        A runner whose device may still write the step's blocks after it returns (or
+        raises) sets ``batch.completion`` first."""
         ...

@@ -15,8 +15,9 @@ is published once it is full and a completed step has written it (``publish_comp
 called by the engine as steps complete): published blocks are never written again,
 so sharing them is safe; each holder releases its reference through ``free_blocks``.
 
-Preemption never touches a request that an in-flight step still references
-(async scheduling): such a step may still read or write its blocks. When no
+Preemption never touches a request that a step which has not landed still
+references (async scheduling, or device work not done: ``Request.in_flight``): such
+a step may still read or write its blocks. When no
 victim is free to take, the request that needs blocks waits a step instead.
 """
 
@@ -46,8 +47,15 @@ class Scheduler:
         self.pool = pool
         self.waiting: OrderedDict[str, Request] = OrderedDict()
         self.running: dict[str, Request] = {}
-        # Decode side: admitted with blocks, waiting for (or loading) remote KV.
+        # Decode side: admitted with blocks, waiting for (or loading) remote KV. They
+        # count against max_num_seqs like running requests, and the blocks they hold
+        # against the awaiting-KV block budget (their params are a client's).
         self.awaiting_kv: dict[str, Request] = {}
+        # Blocks each took at admission, and their sum. A transfer that overran its drain
+        # bound moves some to quarantine (Engine.kv_quarantine) while the request still
+        # waits: they stay pinned, so they stay counted until the request leaves.
+        self._awaiting_blocks: dict[str, int] = {}
+        self.awaiting_kv_blocks = 0
         self.newly_awaiting_kv: list[Request] = []
         self.num_preemptions = 0
         self._next_step_id = 0
@@ -81,7 +89,34 @@ class Scheduler:
     def remove(self, req: Request) -> None:
         self.waiting.pop(req.request_id, None)
         self.running.pop(req.request_id, None)
-        self.awaiting_kv.pop(req.request_id, None)
+        self._leave_awaiting_kv(req)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences that hold a slot of max_num_seqs: running, or admitted for remote KV."""
+        return len(self.running) + len(self.awaiting_kv)
+
+    def _leave_awaiting_kv(self, req: Request, *, required: bool = False) -> None:
+        if self.awaiting_kv.pop(req.request_id, None) is not None:
+            self.awaiting_kv_blocks -= self._awaiting_blocks.pop(req.request_id)
+        elif required:
+            raise KeyError(f"request {req.request_id} is not waiting for remote KV")
+
+    def check_accounts(self) -> None:
+        """The admission bounds hold and the awaiting-KV block count adds up (the
+        simulators call this after every event; it scans, so never on a hot path)."""
+        if self.num_seqs > self.config.max_num_seqs:
+            raise AssertionError(f"{self.num_seqs} sequences admitted; max_num_seqs is "
+                                 f"{self.config.max_num_seqs}")
+        taken = self._awaiting_blocks
+        if taken.keys() != self.awaiting_kv.keys() or sum(taken.values()) != \
+                self.awaiting_kv_blocks:
+            raise AssertionError(f"awaiting-KV block counts {taken} do not add up to "
+                                 f"{self.awaiting_kv_blocks} for {list(self.awaiting_kv)}")
+        for rid, req in self.awaiting_kv.items():
+            if len(req.block_ids) > taken[rid]:
+                raise AssertionError(f"{rid} holds {len(req.block_ids)} blocks; it took "
+                                     f"{taken[rid]} at admission")
 
     def has_pending(self) -> bool:
         return bool(self.waiting or self.running)
@@ -151,7 +186,7 @@ class Scheduler:
 
     def _admit(self, batch: Batch, budget: int) -> None:
         max_seqs = self.config.max_num_seqs
-        while self.waiting and budget > 0 and len(self.running) < max_seqs:
+        while self.waiting and budget > 0 and self.num_seqs < max_seqs:
             req = next(iter(self.waiting.values()))
             if req.remote_kv is not None:
                 if not self._admit_remote(req):
@@ -222,8 +257,10 @@ class Scheduler:
         and wait for the remote KV of those (a partial pull when the prefix hit)."""
         hits = self._prefix_hits(req)
         need = self.config.blocks_for(req.prompt_len) - len(hits)
-        if not self.pool.can_allocate(need, reusing=hits):
-            return False
+        over_budget = self.awaiting_kv_blocks + len(hits) + need > \
+            self.config.awaiting_kv_block_budget
+        if (over_budget and self.awaiting_kv) or not self.pool.can_allocate(need, reusing=hits):
+            return False  # FCFS: it waits for pulls in flight to land, or for blocks
         self.waiting.popitem(last=False)
         self._share_hits(req, hits, queried=req.prompt_len)
         req.num_cached_blocks = len(hits)
@@ -231,6 +268,8 @@ class Scheduler:
         assert grown, "can_allocate said the blocks were there"
         req.transition(Event.AWAIT_KV)
         self.awaiting_kv[req.request_id] = req
+        self._awaiting_blocks[req.request_id] = len(req.block_ids)
+        self.awaiting_kv_blocks += len(req.block_ids)
         self.newly_awaiting_kv.append(req)
         return True
 
@@ -239,7 +278,7 @@ class Scheduler:
         from the first token; the prompt's full blocks are published at once, unless the
         KV is not ``shareable`` (its source is not authenticated): then the request
         publishes nothing, ever (its later blocks' KV attends over the pulled KV)."""
-        del self.awaiting_kv[req.request_id]
+        self._leave_awaiting_kv(req, required=True)
         req.num_computed_tokens = req.prompt_len
         req.remote_kv = None  # the KV is ours now: a preemption recomputes it locally
         req.shareable = shareable
@@ -248,7 +287,7 @@ class Scheduler:
 
     def kv_load_failed(self, req: Request, recompute: bool) -> None:
         """Blocks freed once; with ``recompute`` the request prefills locally, first."""
-        del self.awaiting_kv[req.request_id]
+        self._leave_awaiting_kv(req, required=True)
         self.free_blocks(req)
         req.num_computed_tokens = 0
         req.num_cached_blocks = 0

@@ -1,15 +1,46 @@
-"""The model runner: one engine step on the real model (implements core.runner.Runner)."""
+"""The model runner: one engine step on the real model (implements core.runner.Runner).
+
+On a CUDA device ``execute`` returns once the step's kernels are queued: without any
+synchronisation when no row samples (a step of middle chunks of a chunked prefill).
+So every step's ``batch.completion`` is an event recorded after everything the step
+queued, also when it raised; the engine frees none of the step's blocks (abort,
+preemption, hand-off to a lease) before the event completes. On the CPU the work is
+done when ``execute`` returns and the batch keeps ``COMPLETE``.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from kvrelay.core.runner import PLACEHOLDER, Batch, SampledToken, ScheduledRequest
+from kvrelay.core.runner import (
+    COMPLETE,
+    PLACEHOLDER,
+    Batch,
+    SampledToken,
+    ScheduledRequest,
+    StepToken,
+)
 from kvrelay.model.attention import ChunkSpec
 from kvrelay.model.graphs import DecodeGraphs
 from kvrelay.model.model import LlamaModel
 from kvrelay.model.sampler import Sampler
 from kvrelay.sampling_params import SamplingParams
+
+
+class CudaStepDone:
+    """A step's completion token: an event recorded on the current (compute) stream."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
 
 
 class ModelRunner:
@@ -20,14 +51,26 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.device
+        self._cuda = self.device.type == "cuda"
         self.sampler = Sampler(seed)
         # The token sampled for each request in its latest step: resolves PLACEHOLDER.
         self._last: dict[str, int] = {}
         # Decode steps replay CUDA graphs when set (graph_runner.enable_decode_graphs).
         self.graphs: DecodeGraphs | None = None
 
-    @torch.inference_mode()
     def execute(self, batch: Batch) -> dict[str, SampledToken]:
+        try:
+            return self._execute(batch)
+        finally:
+            batch.completion = self.step_token()
+
+    def step_token(self) -> StepToken:
+        """Done once everything queued on the device so far is: an event on CUDA; on
+        the CPU the work is done when ``execute`` returns."""
+        return CudaStepDone() if self._cuda else COMPLETE
+
+    @torch.inference_mode()
+    def _execute(self, batch: Batch) -> dict[str, SampledToken]:
         for rid in batch.finished_ids:
             self._last.pop(rid, None)
             self.sampler.forget(rid)

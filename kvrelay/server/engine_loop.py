@@ -253,8 +253,14 @@ class EngineLoop:
                 sampled, error = self._execute(batch)
                 with hooks.lock:
                     outputs = engine.end_step(batch, sampled, error=error)
+                    device_tail = engine.pending_completion() if batch is None else None
                 self._deliver(outputs)
                 self.stats.steps += 1
+                if device_tail is not None:
+                    # Nothing to run but blocks held for earlier steps' device work
+                    # (a CUDA event): wait for it without the lock, then release them.
+                    device_tail.wait()
+                    continue
                 if engine.stats.steps == steps_before and not outputs:
                     # Nothing schedulable: only requests waiting for remote KV (look
                     # at the relay again soon), or none (cannot happen with a

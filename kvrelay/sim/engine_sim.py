@@ -5,17 +5,20 @@ off, prefix caching mostly on) and a workload (arrivals, prompts of a few famili
 that share prefixes, output lengths, aborts at random moments, including while a
 request is inside an in-flight step). Tight pools keep the prefix cache evicting.
 Steps take simulated time, so aborts land between a step's scheduling and its
-completion. After every event the invariants below are checked; the first violation
-ends the seed.
+completion. In some seeds the device lags the host, as a GPU does when no row of a step
+samples: a step's completion token (``Batch.completion``) is done only at a later
+simulated time, after its output was applied. After every event the invariants below
+are checked; the first violation ends the seed.
 
 Invariants:
 - pool integrity (free + cached + in use == total, each block in one place);
 - every owner in the pool is a live request in a state that holds blocks, owning
   exactly its block table (no block owned by a request past its fence);
-- every block of every in-flight step is still held by the request it was
-  scheduled for (nobody computes on freed or evicted KV), and the fake runner's KV
-  check (every slot a request samples from holds the KV of its own token prefix,
-  shared cached blocks included);
+- every block of every in-flight step, and of every step whose device work is not
+  done, is still held by the request it was scheduled for (nobody computes on freed
+  or evicted KV, no block is reused while the device still writes it), and the fake
+  runner's KV check (every slot a request samples from holds the KV of its own token
+  prefix, shared cached blocks included);
 - exactly one terminal output per request, nothing after it;
 - finished requests produced exactly the fake runner's tokens (aborted ones a prefix);
 - at quiescence every request is terminal and every block is free or cached.
@@ -33,7 +36,7 @@ from functools import partial
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine, RequestOutput
-from kvrelay.core.fake_runner import FakeRunner, expected_output
+from kvrelay.core.fake_runner import FakeDeviceWork, FakeRunner, expected_output
 from kvrelay.core.lifecycle import HOLDS_BLOCKS, FinishReason
 from kvrelay.core.runner import Batch, SampledToken
 from kvrelay.core.scheduler import RequestRejected
@@ -96,6 +99,8 @@ class EngineSim:
             enable_prefix_caching=rng.random() < 0.75,
         )
         self.vocab = rng.choice([8, 50, 1000])
+        # How far the device may run behind the host's completion of a step (0: none).
+        self.device_lag = rng.choice([0.0, 0.0, 0.05, 0.5])
         self.engine = Engine(self.config, runner=_Unused())
         self.runner = FakeRunner(
             self.vocab, block_size=block_size, pool=self.engine.pool, check_kv=True
@@ -104,6 +109,8 @@ class EngineSim:
         self.result = SeedResult(seed)
         self.in_flight: deque[tuple[Batch, Mapping[str, SampledToken]]] = deque()
         self.pipeline_end = 0.0
+        self.device_end = 0.0
+        self.device_tails: deque[tuple[Batch, FakeDeviceWork]] = deque()  # not done, in order
         self.tokens: dict[str, list[int]] = {}
         self.terminal: dict[str, FinishReason] = {}
         self.specs: dict[str, tuple[int, int, int]] = {}  # id -> (seed, prompt_len, max_tokens)
@@ -161,8 +168,24 @@ class EngineSim:
             start = max(self.events.now, self.pipeline_end)
             self.pipeline_end = start + 0.05 + 0.01 * batch.num_tokens * self.rng.random()
             self.events.at(self.pipeline_end, self.complete)
+            if self.device_lag:
+                self.lag(batch)
             self.log(f"schedule {batch.step_id} " + ",".join(
                 f"{r.request_id}:{r.start}+{len(r.token_ids)}" for r in batch.requests))
+
+    def lag(self, batch: Batch) -> None:
+        """The step's device work ends after the host applied it; in order, like a stream."""
+        tail = FakeDeviceWork()
+        batch.completion = tail
+        end = self.pipeline_end + self.rng.uniform(0, self.device_lag)
+        self.device_end = max(self.device_end, end)
+        self.device_tails.append((batch, tail))
+        self.events.at(self.device_end, self.device_done)
+
+    def device_done(self) -> None:
+        batch, tail = self.device_tails.popleft()
+        tail.finish()
+        self.log(f"device {batch.step_id}")
 
     def complete(self) -> None:
         batch, sampled = self.in_flight.popleft()
@@ -210,16 +233,22 @@ class EngineSim:
             if count != len(req.block_ids):
                 raise Violation(f"{owner} owns {count} blocks; its table has {len(req.block_ids)}")
         for batch, _ in self.in_flight:
-            for sr in batch.requests:
-                for b in sr.block_ids:
-                    if not pool.holds(b, f"req:{sr.request_id}"):
-                        raise Violation(
-                            f"step {batch.step_id}: block {b} of {sr.request_id} is owned by "
-                            f"{pool.owners_of(b) or 'nobody'} while the step is in flight"
-                        )
+            self.check_held(batch, "the step is in flight")
+        for batch, _ in self.device_tails:
+            self.check_held(batch, "the device still writes it")
+
+    def check_held(self, batch: Batch, why: str) -> None:
+        pool = self.engine.pool
+        for sr in batch.requests:
+            for b in sr.block_ids:
+                if not pool.holds(b, f"req:{sr.request_id}"):
+                    raise Violation(
+                        f"step {batch.step_id}: block {b} of {sr.request_id} is owned by "
+                        f"{pool.owners_of(b) or 'nobody'} while {why}"
+                    )
 
     def check_quiescent(self) -> None:
-        if self.in_flight or self.engine.has_work():
+        if self.in_flight or self.device_tails or self.engine.has_work():
             raise Violation(f"stalled: {len(self.engine.requests)} requests never finished")
         missing = set(self.tokens) - set(self.terminal)
         if missing:

@@ -237,6 +237,7 @@ class World:
         self.p.table.check_integrity()
         for d in (self.d, self.d2):
             d.pool.check_integrity()
+            d.engine.scheduler.check_accounts()
             d.receiver.check_integrity(functools.partial(_state_of, d.engine.requests))
 
     def check_quiescence(self) -> None:

@@ -1,4 +1,5 @@
-"""Hypothesis drives the engine with add, abort, schedule and complete in any order."""
+"""Hypothesis drives the engine with add, abort, schedule and complete in any order, and
+a device that may finish a step's writes long after the step was applied."""
 
 from collections import deque
 from collections.abc import Mapping
@@ -9,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import FakeRunner, expected_output
+from kvrelay.core.fake_runner import FakeDeviceWork, FakeRunner, expected_output
 from kvrelay.core.lifecycle import HOLDS_BLOCKS, FinishReason
 from kvrelay.core.runner import Batch, SampledToken
 from kvrelay.core.scheduler import RequestRejected
@@ -41,6 +42,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.runner = FakeRunner(VOCAB, block_size=block_size, pool=self.engine.pool, check_kv=True)
         self.depth = 2 if async_scheduling else 1
         self.in_flight: deque[tuple[Batch, Mapping[str, SampledToken]]] = deque()
+        self.device: deque[tuple[Batch, FakeDeviceWork]] = deque()  # not done, in order
         self.tokens: dict[str, list[int]] = {}
         self.spec: dict[str, tuple[int, int, int]] = {}
         self.terminal: dict[str, FinishReason] = {}
@@ -83,13 +85,21 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.abort_request(rid)
         self.collect()
 
-    @rule()
-    def schedule(self) -> None:
+    @rule(device_lags=st.booleans())
+    def schedule(self, device_lags: bool = False) -> None:
         if len(self.in_flight) >= self.depth:
             return
         batch = self.engine.schedule()
         if batch is not None:
             self.in_flight.append((batch, self.runner.execute(batch)))
+            if device_lags or self.device:  # one stream: a step ends after the one before
+                batch.completion = work = FakeDeviceWork()
+                self.device.append((batch, work))
+
+    @precondition(lambda self: bool(self.device))
+    @rule()
+    def device_done(self) -> None:
+        self.device.popleft()[1].finish()
 
     @precondition(lambda self: bool(self.in_flight))
     @rule()
@@ -105,8 +115,8 @@ class EngineMachine(RuleBasedStateMachine):
             req = self.engine.requests.get(owner.removeprefix("req:"))
             assert req is not None and req.state in HOLDS_BLOCKS, f"{owner} is past its fence"
             assert count == len(req.block_ids)
-        for batch, _ in self.in_flight:
-            for sr in batch.requests:
+        for batch in [b for b, _ in self.in_flight] + [b for b, _ in self.device]:
+            for sr in batch.requests:  # a step in flight, or whose device work is not done
                 assert all(pool.holds(b, f"req:{sr.request_id}") for b in sr.block_ids)
 
     def teardown(self) -> None:
@@ -116,6 +126,8 @@ class EngineMachine(RuleBasedStateMachine):
         for _ in range(10_000):
             if not self.engine.has_work() and not self.in_flight:
                 break
+            while self.device:
+                self.device_done()
             if self.in_flight:
                 self.complete()
             batch = self.engine.schedule()

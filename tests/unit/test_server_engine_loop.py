@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Mapping
 
 import httpx
@@ -11,7 +12,7 @@ import pytest
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine, RequestOutput, RequestRejected
 from kvrelay.core.fake_runner import FakeRunner, expected_output
-from kvrelay.core.lifecycle import FinishReason
+from kvrelay.core.lifecycle import FinishReason, RequestState
 from kvrelay.core.runner import Batch, SampledToken
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.server.engine_loop import AdmissionFailed, EngineDead, EngineLoop
@@ -190,3 +191,54 @@ def test_drain_ends_streams_with_abort_and_refuses_new_requests() -> None:
         r2 = httpx.post(url + "/v1/completions", json={**body, "stream": False})
         assert r2.status_code == 503
         assert state.loop.engine.pool.num_free == state.loop.engine.pool.num_blocks
+
+
+class ThreadDeviceWork:
+    """A completion token that a test thread ends; says when the loop blocked on it."""
+
+    def __init__(self) -> None:
+        self.finished = threading.Event()
+        self.waited = threading.Event()
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def wait(self) -> None:
+        self.waited.set()
+        assert self.finished.wait(10), "the test never ended the device work"
+
+
+class LaggingDeviceRunner(FakeRunner):
+    """Every step's device work ends only when the test ends ``work``."""
+
+    def __init__(self) -> None:
+        super().__init__(100)
+        self.work = ThreadDeviceWork()
+
+    def execute(self, batch: Batch) -> dict[str, SampledToken]:
+        out = super().execute(batch)
+        batch.completion = self.work
+        return out
+
+
+def test_the_loop_holds_blocks_until_the_device_is_done_and_waits_without_spinning() -> None:
+    async def main() -> None:
+        runner = LaggingDeviceRunner()
+        loop = make_loop(runner=runner)
+        loop.start(asyncio.get_running_loop())
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        await loop.add("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2, seed=1), q)
+        outs = await drain(q)  # the client has its answer at once
+        assert [t for o in outs for t in o.new_token_ids] == expected_output(1, 5, 2, 100)
+        # Nothing left to run: the loop blocks on the token (outside the relay's lock),
+        # and while it does, the request's blocks are still its own.
+        assert await asyncio.to_thread(runner.work.waited.wait, 10)
+        engine = loop.engine
+        assert engine.requests["r"].state is RequestState.FINISHING
+        assert engine.pool.num_free == 32 - 2
+        runner.work.finished.set()
+        await asyncio.to_thread(loop.stop)
+        assert engine.pool.num_free == 32 and not engine.requests
+        engine.pool.check_integrity()
+
+    asyncio.run(main())
