@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -268,8 +269,10 @@ class _Handlers:
         if tools is not None and "tools" not in template:
             tools = None  # described in a system message instead
         try:
+            # tools only when there are some: a tokenizer without tool support still serves.
+            extra = {} if tools is None else {"tools": tools}
             text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                           tools=tools)
+                                           **extra)
         except ChatTemplateError as exc:
             raise bad_request("messages", f"the model's chat template refused the "
                               f"messages: {exc}") from exc
@@ -413,12 +416,15 @@ def tool_messages(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]
     in the system message (Hermes' format, as vLLM's tool templates do), earlier calls
     as ``<tool_call>`` text. A template that knows ``tools``/``tool_calls`` gets them."""
     out = [dict(m) for m in messages]
-    if "tool_calls" not in template:
-        for m in out:
-            calls = m.pop("tool_calls", None)
-            if calls:
-                m["content"] = "\n".join(p for p in (m.get("content") or "",
-                                                     hermes_calls_text(calls)) if p)
+    for m in out:
+        calls = m.pop("tool_calls", None)
+        if not calls:
+            continue
+        if "tool_calls" in template:
+            m["tool_calls"] = [_args_as_object(c) for c in calls]
+        else:
+            m["content"] = "\n".join(p for p in (m.get("content") or "",
+                                                 hermes_calls_text(calls)) if p)
     if tools and "tools" not in template:
         text = describe_tools(tuple(tools))
         if out and out[0]["role"] == "system":
@@ -426,6 +432,19 @@ def tool_messages(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]
         else:
             out.insert(0, {"role": "system", "content": text})
     return out
+
+
+def _args_as_object(call: Any) -> Any:
+    """OpenAI sends ``function.arguments`` as JSON text; templates (Qwen's, Llama's)
+    write it with ``tojson``: given as an object, as vLLM and transformers do."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 # The kvrelay lease fields D needs (RemoteKv's required fields); first_token_sent is the

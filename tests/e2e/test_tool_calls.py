@@ -143,21 +143,6 @@ def test_same_call_colocated_and_1p1d(procs: dict[str, Proc]) -> None:
     assert out[0] == out[1] and out[0]
 
 
-def test_parallel_calls_required(procs: dict[str, Proc]) -> None:
-    """parallel_tool_calls true lets required make several calls; each is valid."""
-    seen = 0
-    for seed in range(4):
-        r = client(procs["colo"]).chat.completions.create(
-            model="x" if False else client(procs["colo"]).models.list().data[0].id,
-            messages=ASK, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=160)
-        calls = r.choices[0].message.tool_calls or []
-        if r.choices[0].finish_reason == "tool_calls":
-            assert calls and all(_valid_args(t.function.name, t.function.arguments)
-                                 for t in calls)
-            seen = max(seen, len(calls))
-    assert seen >= 1
-
-
 def test_auto_needs_the_flag(procs: dict[str, Proc]) -> None:
     c = client(procs["colo"])
     model = c.models.list().data[0].id
