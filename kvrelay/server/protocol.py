@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
@@ -332,11 +332,20 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None  # required, may be null (assistant turns)
+    # Required, may be null (assistant turns); an assistant turn with tool_calls may leave
+    # it out (OpenAI's clients do).
+    content: str | list[TextPart] | None
     # Earlier tool turns of a conversation reach the chat template as sent.
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_without_content(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "content" not in data and data.get("tool_calls"):
+            return {**data, "content": None}
+        return data
 
     def text(self) -> str:
         if self.content is None:
