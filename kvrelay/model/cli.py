@@ -38,6 +38,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV dtype; auto: on a CPU bfloat16 where it computes "
                    "bf16 natively (avx512_bf16, amx_bf16), else float32; on CUDA the "
                    "checkpoint's")
+    p.add_argument("--quantization", choices=["none", "gguf"], default="none",
+                   help="gguf: serve a GGUF's Q8_0/Q4_1 weights as stored in decode steps")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--enforce-eager", action="store_true",
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, num_blocks=None,
-                  enforce_eager=args.enforce_eager)
+                  enforce_eager=args.enforce_eager, quantization=args.quantization)
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: bad --device
         print(f"kvrelay generate: {e}", file=sys.stderr)
         return EXIT_USAGE

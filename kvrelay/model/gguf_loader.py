@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,18 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Types the native quantized GEMM serves as stored (``--quantization gguf``).
+SERVED_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1})
+
+
+@dataclass(frozen=True, slots=True)
+class QuantWeight:
+    """A matrix as the file stores it: ``raw`` (N, K / 32 * block bytes) uint8, rows in
+    HF order (llama.cpp's Q/K row permutation undone), ``qtype`` its ggml type code."""
+
+    qtype: int
+    raw: torch.Tensor
+    k: int
 
 
 class GgufModel:
@@ -106,6 +119,20 @@ class GgufModel:
                 w = _unpermute(w, heads)
             state[hf_name] = w
         return state, freq_factors
+
+    def quantized_weights(self) -> dict[str, QuantWeight]:
+        """The 2-D Q8_0 and Q4_1 weights under HF names, their bytes as stored."""
+        out: dict[str, QuantWeight] = {}
+        for name, t in self.tensors.items():
+            if t.tensor_type not in SERVED_TYPES or len(t.shape) != 2:
+                continue
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, order="C"))
+            hf_name, kind = _hf_name(name)
+            if kind in ("attn_q", "attn_k") and self.config.architecture == "llama":
+                heads = self.config.num_heads if kind == "attn_q" else self.config.num_kv_heads
+                raw = _unpermute(raw, heads).contiguous()  # whole rows move: bytes as stored
+            out[hf_name] = QuantWeight(int(t.tensor_type), raw, int(t.shape[0]))
+        return out
 
 
 def _dequantize(t: GgufTensor) -> np.ndarray:

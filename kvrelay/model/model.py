@@ -10,52 +10,63 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from kvrelay.model import hugepages, kernel_choice
+from kvrelay.model import hugepages, kernel_choice, native
 from kvrelay.model.attention import ChunkSpec
 from kvrelay.model.backend import KernelBackend, SmallGemm, StepMetadata, select_backend
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.rope import RotaryTable
 
+if TYPE_CHECKING:
+    from kvrelay.model.gguf_loader import QuantWeight
+
 # Up to this many rows (a decode step's batch, a short prefill chunk) a bfloat16
 # GEMM runs the native AVX-512 BF16 kernel over its own packed weight when it has
 # one: 1.2-1.8x faster than oneDNN's packed GEMM at 1-64 rows, on par from 128 rows
-# on; larger prefill chunks keep oneDNN (docs/model.md, "Decode GEMMs").
-SMALL_GEMM_ROWS = 128
+# on; larger prefill chunks keep oneDNN (docs/model.md, "Decode GEMMs"). float32's
+# native GEMM has its own, lower limit (native.F32_GEMM_ROWS).
+SMALL_GEMM_ROWS = native.BF16_GEMM_ROWS
 
 
 class Linear:
     """y = x W^T + b. On CPU the weight is reordered once, at load, into oneDNN's
     blocked layout: F.linear reorders (bfloat16) or runs an unpacked GEMM (float32)
     on every call; packed is 1.3-2.5x faster at decode batch sizes (docs/model.md).
-    With ``small`` (native.SmallGemm, bfloat16 on an AVX-512 BF16 CPU) calls of at
-    most SMALL_GEMM_ROWS rows go to the native kernel instead."""
+    With ``small`` (native.NativeSmallGemm: bfloat16 on an AVX-512 BF16 CPU, float32
+    with AVX-512 or AVX2) calls of at most ``small.max_rows`` rows go to the native
+    kernel instead."""
 
-    __slots__ = ("bias", "packed", "small", "small_w", "weight")
+    __slots__ = ("bias", "packed", "small", "small_rows", "small_w", "weight")
     small: Callable[..., torch.Tensor] | None
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
         small: SmallGemm | None = None,
         arena: hugepages.Arena | None = None,
+        small_w: torch.Tensor | None = None,
     ) -> None:
-        """``arena``: where the small GEMM's packed weight goes (2 MiB pages)."""
+        """``arena``: where the small GEMM's packed weight goes (2 MiB pages);
+        ``small_w``: that weight already packed (the GGUF codes as stored)."""
         self.weight = weight
         self.bias = bias
         self.packed: torch.Tensor | None = None
         if pack:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-        self.small_w = small.pack(weight) if small is not None else None
+        if small_w is None and small is not None:
+            small_w = small.pack(weight)
+        self.small_w = small_w
         if arena is not None and self.small_w is not None:
             self.small_w = arena.copy(self.small_w)
         self.small = small.run if small is not None and self.small_w is not None else None
+        self.small_rows = small.max_rows if small is not None else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # (0 rows: a chunked prefill step that samples nothing gives lm_head no rows)
-        if self.small is not None and 0 < x.shape[0] <= SMALL_GEMM_ROWS:
+        if self.small is not None and 0 < x.shape[0] <= self.small_rows:
             y: torch.Tensor = self.small(x, self.small_w, self.weight.shape[0], self.bias)
             return y
         if self.packed is not None:
@@ -105,9 +116,11 @@ class LlamaModel:
         max_len: int,
         rope_freq_factors: torch.Tensor | None = None,
         kernels: str | None = None,
+        quantized: Mapping[str, QuantWeight] | None = None,
     ) -> None:
         """``state`` uses Hugging Face parameter names and layout; ``kernels``: see
-        backend.select_backend."""
+        backend.select_backend; ``quantized``: GGUF weights to serve as stored in
+        decode-sized calls (``--quantization gguf``), the native backend's job."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -125,18 +138,29 @@ class LlamaModel:
         self.rope = RotaryTable(cfg, max_len, dtype, device, rope_freq_factors)
         self.backend: KernelBackend = select_backend(cfg, self.rope, dtype, device, kernels)
         small = self.backend.small_gemm()
-        self.small_gemm = small is not None  # the native small-M GEMM is in use
+        gguf = native.gguf_gemms(self.backend, quantized) if quantized else None
+        self.small_gemm = small is not None or gguf is not None  # a native small-M GEMM
         kernel_choice.record_gemm(
-            "native-bf16" if small else "onednn" if pack else "torch",
-            "" if small else getattr(self.backend, "gemm_off", None) or "not the native backend",
+            gguf.label if gguf else small.label if small else "onednn" if pack else "torch",
+            "" if small or gguf
+            else getattr(self.backend, "gemm_off", None) or "not the native backend",
         )
         # The decode GEMMs' packed weights on 2 MiB pages (hugepages), copied as packed.
-        arena = hugepages.Arena() if small is not None and hugepages.enabled() else None
+        arena = hugepages.Arena() if self.small_gemm and hugepages.enabled() else None
+
+        def linear(names: Sequence[str], weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+            """One (fused) Linear: the GGUF codes as stored when every part has them in
+            one type, else the float weight (packed for ``small`` if there is one)."""
+            if gguf is not None:
+                served = gguf.pack(names)
+                if served is not None:
+                    return Linear(weight, bias, pack, served[0], arena, served[1])
+            return Linear(weight, bias, pack, small, arena)
+
         self.embed = get("model.embed_tokens.weight")
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
-        self.lm_head = Linear(
-            self.embed if tied else get("lm_head.weight"), None, pack, small, arena
-        )
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        self.lm_head = linear([head], self.embed if tied else get(head), None)
         self.norm = get("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
@@ -146,26 +170,24 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     attn_norm=get(p + "input_layernorm.weight"),
-                    qkv=Linear(
+                    qkv=linear(
+                        [n + ".weight" for n in qkv],
                         cat(*(n + ".weight" for n in qkv)),
                         cat(*(n + ".bias" for n in qkv)) if cfg.qkv_bias else None,
-                        pack,
-                        small,
-                        arena,
                     ),
-                    o=Linear(
+                    o=linear(
+                        [a + "o_proj.weight"],
                         get(a + "o_proj.weight"),
                         get(a + "o_proj.bias") if cfg.o_bias else None,
-                        pack,
-                        small,
-                        arena,
                     ),
                     ffn_norm=get(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(
-                        cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), None, pack,
-                        small, arena,
+                    gate_up=linear(
+                        [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                        cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), None,
                     ),
-                    down=Linear(get(p + "mlp.down_proj.weight"), None, pack, small, arena),
+                    down=linear(
+                        [p + "mlp.down_proj.weight"], get(p + "mlp.down_proj.weight"), None
+                    ),
                 )
             )
 

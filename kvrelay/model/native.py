@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from kvrelay.model.attention import ChunkSpec
 from kvrelay.model.backend import StepMetadata
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.rope import RotaryTable
+
+if TYPE_CHECKING:
+    from kvrelay.model.gguf_loader import QuantWeight
 
 _module: ModuleType | None = None
 _load_error: str | None = None
@@ -77,31 +80,103 @@ def _self_check(mod: Any, dtype: torch.dtype) -> str | None:
     return None
 
 
-class NativeSmallGemm:
-    """bfloat16 y = x W^T + b for a few rows with AVX-512 BF16 ``vdpbf16ps``
-    (csrc/gemm_bf16.cpp): the weight packed once into the instruction's pair layout,
-    each byte of it read once per call, columns split across the threads."""
+# Rows up to which each native small-M GEMM beats oneDNN's packed GEMM (docs/model.md,
+# "Decode GEMMs"): bfloat16 up to 128 rows, float32 on par at 32 and behind from 64.
+BF16_GEMM_ROWS = 128
+F32_GEMM_ROWS = 32
 
-    def __init__(self, mod: Any) -> None:
-        self._pack = mod.pack_bf16_gemm
-        self.run = mod.bf16_gemm
+
+class NativeSmallGemm:
+    """y = x W^T + b for a few rows (csrc/gemm_bf16.cpp, csrc/gemm_f32_impl.h): the
+    weight packed once into the kernel's layout, each byte of it read once per call,
+    columns split across the threads. bfloat16: AVX-512 BF16 ``vdpbf16ps``; float32:
+    AVX-512 or AVX2 + FMA, whichever the kernels run with (``KVRELAY_NATIVE_ISA=avx2``
+    forces AVX2)."""
+
+    def __init__(self, mod: Any, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        if dtype is torch.bfloat16:
+            self._pack, self.run = mod.pack_bf16_gemm, mod.bf16_gemm
+            self.label, self.max_rows = "native-bf16", BF16_GEMM_ROWS
+        else:
+            self._pack, self.run = mod.pack_f32_gemm, mod.f32_gemm
+            self.label, self.max_rows = f"native-f32-{mod.isa()}", F32_GEMM_ROWS
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
-        if weight.dtype is not torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+        if weight.dtype is not self.dtype or weight.dim() != 2:
             return None
+        if self.dtype is torch.bfloat16 and weight.shape[1] % 2:
+            return None  # vdpbf16ps takes k in pairs
         packed: torch.Tensor = self._pack(weight.contiguous())
         return packed
 
 
 def small_gemm_unavailable(mod: Any, dtype: torch.dtype) -> str | None:
     """Why the native small-M GEMM is not used, or None when it is."""
-    if dtype is not torch.bfloat16:
-        return f"{dtype} (it is bfloat16-only)"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"{dtype} (it takes bfloat16 or float32)"
     if os.environ.get("KVRELAY_NATIVE_GEMM", "1") == "0":
         return "KVRELAY_NATIVE_GEMM=0"
-    if not mod.has_bf16_gemm():
+    if dtype is torch.bfloat16 and not mod.has_bf16_gemm():
         return "the CPU lacks AVX-512 BF16"
+    if dtype is torch.float32 and not mod.has_f32_gemm():
+        return "the CPU lacks AVX2 + FMA"
     return None
+
+
+class NativeGgufGemm:
+    """y = x W^T + b with W as a GGUF file stores it (Q8_0 or Q4_1 codes, repacked into
+    16-column groups, same bits per weight) and dequantized in registers
+    (csrc/gemm_q_impl.h): a decode step streams 8.5 or 5 bits a weight instead of 32
+    (float32) or 16 (bfloat16). x float32 or bfloat16, computed in float32."""
+
+    def __init__(self, mod: Any, qtype: int, label: str) -> None:
+        self._mod, self.qtype, self.label = mod, qtype, label
+        self.max_rows = F32_GEMM_ROWS
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        return None  # its weights come packed from the file's codes (pack_raw)
+
+    def pack_raw(self, raw: torch.Tensor, k: int) -> torch.Tensor:
+        packed: torch.Tensor = self._mod.pack_gguf_gemm(raw, self.qtype, k)
+        return packed
+
+    def run(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+            bias: torch.Tensor | None) -> torch.Tensor:
+        y: torch.Tensor = self._mod.gguf_gemm(x, packed, self.qtype, n, bias)
+        return y
+
+
+class GgufGemms:
+    """The quantized GEMMs of one model: ``pack(names)`` gives a (fused) Linear's kernel
+    and packed codes when all its parts are stored in one served type, else None."""
+
+    def __init__(self, mod: Any, quantized: Mapping[str, QuantWeight]) -> None:
+        self.label = f"native-gguf-{mod.isa()}"
+        self._mod, self._quantized = mod, quantized
+        self._kernels: dict[int, NativeGgufGemm] = {}
+
+    def pack(self, names: Sequence[str]) -> tuple[NativeGgufGemm, torch.Tensor] | None:
+        parts = [self._quantized.get(n) for n in names]
+        if any(p is None for p in parts):
+            return None
+        qws = [p for p in parts if p is not None]
+        if len({(q.qtype, q.k) for q in qws}) != 1:
+            return None
+        qtype, k = qws[0].qtype, qws[0].k
+        kernel = self._kernels.setdefault(qtype, NativeGgufGemm(self._mod, qtype, self.label))
+        raw = qws[0].raw if len(qws) == 1 else torch.cat([q.raw for q in qws])
+        return kernel, kernel.pack_raw(raw, k)
+
+
+def gguf_gemms(backend: Any, quantized: Mapping[str, QuantWeight]) -> GgufGemms:
+    """``--quantization gguf``: the native backend's quantized GEMMs, or a ValueError
+    that says why they cannot run."""
+    if not isinstance(backend, NativeBackend):
+        why = load_error() or f"the {backend.name} kernels were chosen"
+        raise ValueError(f"--quantization gguf needs the native kernels (AVX2 + FMA or "
+                         f"AVX-512) and cannot use them: {why}")
+    return GgufGemms(backend._ops, quantized)
 
 
 class NativeStep:
@@ -134,7 +209,7 @@ class NativeBackend:
         self.gemm_off = small_gemm_unavailable(mod, dtype)
 
     def small_gemm(self) -> NativeSmallGemm | None:
-        return NativeSmallGemm(self._ops) if self.gemm_off is None else None
+        return NativeSmallGemm(self._ops, self.dtype) if self.gemm_off is None else None
 
     def build_metadata(
         self, chunks: Sequence[ChunkSpec], positions: torch.Tensor, block_size: int

@@ -391,6 +391,11 @@ class LeaseTable:
         if self.stats.active != {"held": held, "pulling": pulling}:
             raise AssertionError(f"state gauges {self.stats.active} != {held=} {pulling=}")
 
+    def release_reason(self, lease_id: str) -> ReleaseReason | None:
+        """Why a released lease ended (None: live, unknown, or forgotten already)."""
+        tomb = self._tombstones.get(lease_id)
+        return tomb.reason if tomb is not None else None
+
     def leases_by_state(self) -> dict[str, int]:
         return dict(self.stats.active)
 

@@ -30,6 +30,7 @@ from kvrelay import __version__
 from kvrelay.model.interface import Tokenizer
 from kvrelay.model.tokenizer import ChatTemplateError
 from kvrelay.relay.remote import RemoteKv
+from kvrelay.server.drain import DrainState
 from kvrelay.server.engine_loop import EngineLoop
 from kvrelay.server.generation import ChoiceSpec, DetokenizerFactory, Generation
 from kvrelay.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -95,6 +96,7 @@ class ServerState:
     release_lease: Callable[[str, str], dict[str, Any]] | None = None
     # --tool-call-parser when --enable-auto-tool-choice: tool_choice auto is served.
     tool_parser: str | None = None
+    drain: DrainState = field(default_factory=DrainState)  # set going by SIGTERM
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -132,6 +134,10 @@ class _Handlers:
 
     # -- plain endpoints -------------------------------------------------------------
     async def health(self) -> Response:
+        drain = self.state.drain
+        if drain.draining:
+            return JSONResponse({"status": "draining", **drain.error_body()}, status_code=503,
+                                headers=drain.headers())
         if not self.state.loop.alive:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})

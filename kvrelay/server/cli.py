@@ -82,6 +82,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV dtype; auto: on a CPU bfloat16 where it computes "
                    "bf16 natively (avx512_bf16, amx_bf16), else float32, whatever the "
                    "checkpoint stores; on CUDA the checkpoint's")
+    p.add_argument("--quantization", choices=["none", "gguf"], default="none",
+                   help="gguf: serve a GGUF's Q8_0/Q4_1 weights as stored in decode steps "
+                   "(native kernels; prefill keeps them dequantized); none: dequantize at load")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's own)")
@@ -115,8 +118,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="on SIGTERM/SIGINT, how long in-flight requests may finish before "
-                   "they are aborted")
+                   help="grace period of the drain on SIGTERM/SIGINT: /health says draining, "
+                   "new requests are refused (503), in-flight ones (and a prefill engine's "
+                   "leases) may finish this long before they are aborted")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice \"auto\": the model writes calls in its own "
                    "format, --tool-call-parser finds them (vLLM's flag)")
@@ -163,6 +167,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory,
         max_model_len=args.max_model_len, kv_cache_factory=shm.factory if shm else None,
         max_num_seqs=args.max_num_seqs, enforce_eager=getattr(args, "enforce_eager", False),
+        quantization=args.quantization,
     )
     block_size = model.kv_geometry.block_size
     config = SchedulerConfig(
@@ -210,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvrelay.server.api import create_app
+    from kvrelay.server.drain import DrainGate
     from kvrelay.server.graceful import GracefulServer
 
     logging.basicConfig(
@@ -223,16 +229,20 @@ def run(args: argparse.Namespace) -> int:
         state = kernel_choice.run_in_own_thread(lambda: build_state(args))
     except (OSError, ValueError) as exc:  # no such model, bad flag values: say which
         raise UsageError(f"cannot start: {exc}") from exc
+    state.drain.grace_s = args.shutdown_timeout
     config = uvicorn.Config(
-        create_app(state), host=args.host, port=args.port, log_level=args.log_level,
-        access_log=args.log_level == "debug",
-        # The drain at shutdown_timeout ends every response; this only catches a hang.
-        timeout_graceful_shutdown=args.shutdown_timeout + 5.0,
+        DrainGate(create_app(state), state.drain), host=args.host, port=args.port,
+        log_level=args.log_level, access_log=args.log_level == "debug",
+        # The drain ends every response by shutdown_timeout; this only catches a hang.
+        timeout_graceful_shutdown=5,
     )
-    server = GracefulServer(config, drain=state.loop.drain, drain_after=args.shutdown_timeout)
+    server = GracefulServer(config, drain=state.loop.drain, drain_after=args.shutdown_timeout,
+                            state=state.drain, pending=state.loop.hooks.drain_pending)
     log.info("serving %s on http://%s:%d/v1", state.model.name, args.host, args.port)
     server.run()
     if not server.started:
         return EXIT_FAILURE  # e.g. the port was taken; uvicorn logged why
-    log.info("stopped")
+    pool = state.loop.engine.pool
+    log.info("stopped; KV blocks: %d of %d free or cached%s", pool.num_free + pool.num_cached,
+             pool.num_blocks, state.loop.hooks.exit_summary())
     return 0

@@ -88,6 +88,23 @@ class PrefillHooks(LoopHooks):
         with self.lock:
             return prefill_metrics(self.server.table, self.server)
 
+    def drain_pending(self) -> str | None:
+        # The relay keeps serving while draining: each lease ends by its pull, its
+        # release by the proxy, or its expiry (the relay's expiry thread).
+        with self.lock:
+            active = self.server.table.leases_by_state()
+        if not sum(active.values()):
+            return None
+        return f"{active['held']} leases held and {active['pulling']} being pulled"
+
+    def exit_summary(self) -> str:
+        with self.lock:
+            stats = self.server.table.stats
+            released = ", ".join(f"{k} {v}" for k, v in sorted(stats.released.items()))
+            held = sum(stats.active.values())
+        return (f"; leases: {stats.created} created, {sum(stats.released.values())} released "
+                f"({released or 'none'}), {held} still held")
+
 
 class DecodeHooks(LoopHooks):
     def __init__(self, receiver: Receiver, clients: list[RelayClient]) -> None:

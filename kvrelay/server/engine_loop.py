@@ -119,6 +119,15 @@ class LoopHooks:
         """Outputs to deliver now (the prefill side holds back until the hand-off)."""
         return outputs
 
+    def drain_pending(self) -> str | None:
+        """What a draining server still waits for besides its requests (the prefill
+        side: leases decode engines have yet to pull), or None. Any thread."""
+        return None
+
+    def exit_summary(self) -> str:
+        """Appended to the log line of a stopped server (the prefill side: its leases)."""
+        return ""
+
 
 class EngineLoop:
     """Runs ``engine`` in a dedicated thread; ``add``/``abort`` are safe from asyncio."""

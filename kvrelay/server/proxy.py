@@ -41,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrelay.server.protocol import ApiError, install_error_handlers, read_body
 from kvrelay.server.proxy_affinity import POLICIES, RoutingConfig
+from kvrelay.server.proxy_discovery import add_discovery_args, discovery_from
 from kvrelay.server.proxy_routing import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -140,10 +141,13 @@ def register(subparsers: Any) -> None:
         "(by expected prefix-cache reuse and load among the healthy), seeding the first "
         "token.",
     )
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                   help="prefill engines (kvrelay serve --role prefill), e.g. http://h:8100")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                   help="decode engines (kvrelay serve --role decode)")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                   help="prefill engines (kvrelay serve --role prefill), e.g. http://h:8100 "
+                   "(this or --prefill-dns is required)")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL",
+                   help="decode engines (kvrelay serve --role decode) (this or --decode-dns "
+                   "is required)")
+    add_discovery_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
@@ -196,7 +200,8 @@ def run(args: Any) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     routing = routing_config(args)
     proxy = Proxy(args.prefill, args.decode, api_key=args.api_key,
-                  health_interval=args.health_interval, routing=routing)
+                  health_interval=args.health_interval, routing=routing,
+                  discovery=discovery_from(args))
     log.info("proxy on http://%s:%d/v1: prefill %s, decode %s; routing %s", args.host,
              args.port, " ".join(args.prefill), " ".join(args.decode), routing)
     config = uvicorn.Config(create_proxy_app(proxy), host=args.host, port=args.port,

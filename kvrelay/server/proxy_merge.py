@@ -39,11 +39,17 @@ class Leg:
     # chain and its length in characters.
     chain: list[int] = field(default_factory=list)
     text_len: int = 0
+    # P's params say its decode engine samples the first token again (vLLM's decode
+    # engine behind kvrelay.vllm): D's answer is the whole choice, and in a stream the
+    # text the client already got from P (``resent_left`` characters) is cut from D's.
+    resends: bool = False
+    resent_left: int = 0
 
     def prefilled(self, first: dict[str, Any], prefill_url: str) -> None:
         """P's answer: the first token, and the lease unless that token ended it."""
         self.first, self.prefill_url = first, prefill_url
         self.params = first.pop("kv_transfer_params", None)
+        self.resends = bool(self.params and self.params.get("resends_first_token") is True)
         finish = first["choices"][0].get("finish_reason")
         wanted = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
         self.ended_at_prefill = self.params is None or finish == "stop" or wanted == 1
@@ -118,6 +124,8 @@ def leg_choice(leg: Leg, decoded: dict[str, Any] | None) -> dict[str, Any]:
     d = decoded["choices"][0]
     leg.usage = decoded.get("usage")
     out = dict(d, index=leg.index)
+    if leg.resends:  # D's choice starts with the first token itself
+        return out
     text = text_of(p) + text_of(d)
     if "message" in d:
         out["message"] = dict(d["message"], content=text)
@@ -157,11 +165,28 @@ def seed_chunk(leg: Leg) -> dict[str, Any]:
     p = leg.first["choices"][0]
     text = text_of(p)
     leg.shift = len(text)
+    leg.resent_left = len(text) if leg.resends else 0
     finish = _finish_of(p) if leg.ended_at_prefill else None
     if "message" in p:
         return {"index": 0, "delta": {"content": text}, "logprobs": p.get("logprobs"),
                 "finish_reason": finish}
     return {"index": 0, "text": text, "logprobs": p.get("logprobs"), "finish_reason": finish}
+
+
+def cut_resent(leg: Leg, choice: dict[str, Any]) -> dict[str, Any] | None:
+    """D's chunk choice less the text the client already got from P (a decode engine
+    that samples the first token again); None when nothing of it is left to send."""
+    if leg.resent_left <= 0:
+        return choice
+    text = text_of(choice)
+    n = min(len(text), leg.resent_left)
+    leg.resent_left -= n
+    rest = text[n:]
+    if not rest and choice.get("finish_reason") is None:
+        return None  # the first token again (its logprobs went out with P's chunk)
+    if "delta" in choice:
+        return dict(choice, delta=dict(choice["delta"], content=rest))
+    return dict(choice, text=rest)
 
 
 def reframe(

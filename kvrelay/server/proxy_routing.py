@@ -40,6 +40,7 @@ from kvrelay.server.proxy_affinity import (
     choose,
     completion_text,
 )
+from kvrelay.server.proxy_discovery import Discovery
 from kvrelay.server.proxy_merge import Frame, Leg
 from kvrelay.server.responses import EventStream, until_disconnect
 
@@ -48,10 +49,19 @@ T = TypeVar("T")
 
 RELEASE_PATH = "/v1/kv/release"  # on the prefill engine
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+NO_DECODE_ENGINE = "no decode engine is known: its DNS names resolve to no address"
 
 
 class UpstreamDown(Exception):
     """An engine did not answer (connection refused, reset, timeout, 5xx)."""
+
+
+class _Unseen(Exception):
+    """A decode engine refused a leg before it saw it: the next one may take it."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 class Refused(Exception):
@@ -75,12 +85,25 @@ class Upstream:
 
 
 class Upstreams:
-    def __init__(self, role: str, urls: list[str], config: RoutingConfig) -> None:
-        if not urls:
+    def __init__(self, role: str, urls: list[str], config: RoutingConfig,
+                 *, discovered: bool = False) -> None:
+        if not urls and not discovered:
             raise ValueError(f"at least one --{role} URL is required")
         self.role, self.config = role, config
         self.all = [Upstream(u.rstrip("/"), role, PrefixRecord(config.cache_size))
                     for u in urls]
+
+    def update(self, urls: list[str]) -> tuple[list[str], list[str]]:
+        """The engines are now ``urls`` (DNS discovery): (added, removed). A new one
+        joins unhealthy, so its health check comes before any request; a removed one's
+        requests in flight hold their Upstream and finish."""
+        want = {u.rstrip("/") for u in urls}
+        have = {u.url for u in self.all}
+        added, removed = sorted(want - have), sorted(have - want)
+        self.all = [u for u in self.all if u.url in want] + [
+            Upstream(u, self.role, PrefixRecord(self.config.cache_size), healthy=False)
+            for u in added]
+        return added, removed
 
     def candidates(self) -> list[Upstream]:
         """The healthy by outstanding requests, then the rest: a failed health check is
@@ -90,8 +113,8 @@ class Upstreams:
 
     def pick(self) -> Upstream | None:
         """Least outstanding among the healthy; None when none is healthy."""
-        best = self.candidates()[0]
-        return best if best.healthy else None
+        best = self.candidates()[:1]
+        return best[0] if best and best[0].healthy else None
 
     def route(self, leg: Leg) -> tuple[Upstream, Reason]:
         """The engine for ``leg`` by expected prefix reuse and load (proxy_affinity);
@@ -149,10 +172,15 @@ class Proxy:
         health_interval: float = 2.0,
         timeout: float = 600.0,
         routing: RoutingConfig | None = None,
+        discovery: Discovery | None = None,
     ) -> None:
         self.routing = routing or RoutingConfig()
-        self.prefill = Upstreams("prefill", prefill, self.routing)
-        self.decode = Upstreams("decode", decode, self.routing)
+        named = discovery.names if discovery is not None else {}
+        self.prefill = Upstreams("prefill", prefill, self.routing,
+                                 discovered=bool(named.get("prefill")))
+        self.decode = Upstreams("decode", decode, self.routing,
+                                discovered=bool(named.get("decode")))
+        self.discovery = discovery  # engines found by DNS names
         self.api_key = api_key
         self.health_interval = health_interval
         self.timeout = timeout
@@ -176,6 +204,10 @@ class Proxy:
     async def health_loop(self) -> None:
         """Each poll is logged at debug; a change of an engine's health at info."""
         while True:
+            if self.discovery is not None:
+                for role, url in await self.discovery.refresh([self.prefill, self.decode]):
+                    with contextlib.suppress(KeyError):  # gone before its first check
+                        self.metrics.healthy.remove(role, url)
             for up in self.prefill.all + self.decode.all:
                 try:
                     r = await self._http().get(f"{up.url}/health", timeout=2.0)
@@ -267,8 +299,23 @@ class Proxy:
 
     def _prefill_order(self, leg: Leg) -> list[Upstream]:
         """The routed prefill engine, then the others to retry on, least loaded first."""
+        if not self.prefill.all:  # DNS names that resolve to nothing (now)
+            return []
         first = self._pick(self.prefill, leg)
         return [first, *(up for up in self.prefill.candidates() if up is not first)]
+
+    def _decode_order(self, leg: Leg) -> list[Upstream]:
+        """The routed decode engine, then the others, least loaded first: an engine that
+        refuses a leg unseen (503: draining, or its loop down; connection refused) hands
+        it to the next, the lease untouched."""
+        if not self.decode.all:  # DNS names that resolve to nothing (now)
+            return []
+        first = self._pick(self.decode, leg)
+        return [first, *(up for up in self.decode.candidates() if up is not first)]
+
+    def _refused_unseen(self, up: Upstream, why: str) -> None:
+        up.healthy = False  # until its next health check says otherwise
+        log.info("decode engine %s refused a leg unseen (%s): trying the next", up.url, why)
 
     def _release_all(self, legs: list[Leg]) -> None:
         """Every lease still the proxy's (D never got it): back to its prefill engine."""
@@ -334,8 +381,10 @@ class Proxy:
         if stream:
             body["stream_options"] = {"include_usage": True}  # the proxy sums usage
         if leg.params is not None:
-            # The client has token 1 from P already: D must not send it again.
-            body["kv_transfer_params"] = dict(leg.params, first_token_sent=True)
+            # The client has token 1 from P already: D must not send it again (a vLLM
+            # decode engine does: its answer is cut instead, see Leg.resends).
+            body["kv_transfer_params"] = (dict(leg.params) if leg.resends
+                                          else dict(leg.params, first_token_sent=True))
         return body
 
     # -- whole answers ---------------------------------------------------------------
@@ -343,16 +392,26 @@ class Proxy:
         frame.saw(leg.first or {})
         if leg.ended_at_prefill:
             return merge.leg_choice(leg, None)
-        up = self._pick(self.decode, leg)
         body = self._decode_body(leg, stream=False)
-        async with self._outstanding(up):
-            try:
-                r = await self._http().post(f"{up.url}{path}", json=body,
-                                            headers=self._headers(), timeout=self.timeout)
-            except httpx.HTTPError as exc:
-                self._release(leg)  # D may never have seen it; a second release is stale
-                raise Refused(_error(502, f"the decode engine {up.url} failed: "
-                                     f"{type(exc).__name__}: {exc}")) from exc
+        r: httpx.Response | None = None
+        for up in self._decode_order(leg):
+            async with self._outstanding(up):
+                try:
+                    r = await self._http().post(f"{up.url}{path}", json=body,
+                                                headers=self._headers(), timeout=self.timeout)
+                except httpx.ConnectError as exc:  # D never saw the leg: the next one
+                    self._refused_unseen(up, f"{type(exc).__name__}: {exc}")
+                    r = _error(502, f"the decode engine {up.url} is unreachable: {exc}")
+                    continue
+                except httpx.HTTPError as exc:
+                    self._release(leg)  # D may never have seen it; a second release is stale
+                    raise Refused(_error(502, f"the decode engine {up.url} failed: "
+                                         f"{type(exc).__name__}: {exc}")) from exc
+            if r.status_code != 503:
+                break
+            self._refused_unseen(up, f"HTTP {r.status_code}")
+        if r is None:
+            r = _error(503, NO_DECODE_ENGINE)
         if r.status_code != 200:
             self._release(leg)
             raise Refused(r)
@@ -379,7 +438,12 @@ class Proxy:
                     yield sse(payload)
                     break
                 else:  # "p": P's first token, "d": D's after it, "c": D's colocated
-                    shift = leg.shift if kind == "d" else 0
+                    if kind == "d" and leg.resends:
+                        payload = merge.cut_resent(leg, payload)
+                        if payload is None:
+                            continue
+                    # D's text offsets count from token 2, unless D sent token 1 again.
+                    shift = leg.shift if kind == "d" and not leg.resends else 0
                     for chunk in merge.reframe(frame, leg, payload, shift):
                         if not first_out:
                             first_out = True
@@ -423,8 +487,21 @@ class Proxy:
     async def _stream_decode(
         self, path: str, leg: Leg, frame: Frame, events: asyncio.Queue[tuple[Leg, str, Any]]
     ) -> dict[str, Any] | None:
-        """D's chunks for the leg; returns the error event that ended it, if any."""
-        up = self._pick(self.decode, leg)
+        """D's chunks for the leg; returns the error event that ended it, if any. An
+        engine that refuses the leg unseen hands it to the next (``_decode_order``)."""
+        error: dict[str, Any] | None = merge.error_event(NO_DECODE_ENGINE, 503)
+        for up in self._decode_order(leg):
+            try:
+                return await self._stream_from(up, path, leg, frame, events)
+            except _Unseen as exc:
+                self._refused_unseen(up, str(exc.error)[:200])
+                error = exc.error
+        return error
+
+    async def _stream_from(
+        self, up: Upstream, path: str, leg: Leg, frame: Frame,
+        events: asyncio.Queue[tuple[Leg, str, Any]],
+    ) -> dict[str, Any] | None:
         body = self._decode_body(leg, stream=True)
         kind = "d" if leg.first is not None else "c"
         async with self._outstanding(up):
@@ -434,6 +511,8 @@ class Proxy:
                                                timeout=self.timeout) as r:
                     if r.status_code != 200:
                         await r.aread()
+                        if r.status_code == 503:
+                            raise _Unseen(_json_body(r))
                         return dict(_json_body(r))
                     leg.params = None  # D has the lease: it pulls or gives it back
                     async for line in r.aiter_lines():
@@ -450,6 +529,9 @@ class Proxy:
                             leg.usage = chunk["usage"]
                         for choice in chunk.get("choices") or []:
                             events.put_nowait((leg, kind, choice))
+            except httpx.ConnectError as exc:
+                raise _Unseen(merge.error_event(f"the decode engine {up.url} is unreachable: "
+                                                f"{exc}")) from exc
             except httpx.HTTPError as exc:
                 return merge.error_event(f"the decode engine {up.url} failed mid-stream: "
                                          f"{type(exc).__name__}: {exc}")
@@ -503,7 +585,9 @@ def json_or_error(r: httpx.Response) -> Response:
         except ValueError:
             return JSONResponse(merge.error_event(f"the engine answered HTTP "
                                                   f"{r.status_code} without JSON"), 502)
-    return JSONResponse(_json_body(r), status_code=r.status_code)
+    retry = r.headers.get("retry-after")  # a draining engine's, for the client
+    return JSONResponse(_json_body(r), status_code=r.status_code,
+                        headers={"Retry-After": retry} if retry else None)
 
 
 def _error(status: int, message: str) -> httpx.Response:

@@ -43,13 +43,14 @@ class Proc:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"  # any of 127.0.0.0/8: engines of one DNS name share a port
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> Proc:
-        cmd = [sys.executable, "-m", "kvrelay", *self.args, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "kvrelay", *self.args, "--host", self.host,
                "--port", str(self.port), "--log-level", "info"]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(cmd, env=env(self.extra_env), stdout=out,
@@ -104,24 +105,27 @@ class Cluster:
         self.extra_env = extra_env or {}
         self.procs: list[Proc] = []
 
-    def _proc(self, name: str, args: list[str]) -> Proc:
+    def _proc(self, name: str, args: list[str], **where: Any) -> Proc:
+        """``where``: the Proc's host and port, when not 127.0.0.1 and a free port."""
         p = Proc(name, args, self.logdir / f"{name}-{len(self.procs)}.log",
-                 extra_env=self.extra_env)
+                 extra_env=self.extra_env, **where)
         self.procs.append(p)
         return p
 
     def colocated(self, name: str = "colo", *extra: str) -> Proc:
         return self._proc(name, ["serve", str(self.model), *BLOCK_ARGS, *extra]).start()
 
-    def prefill(self, name: str = "prefill", *extra: str) -> Proc:
+    def prefill(self, name: str = "prefill", *extra: str, **where: Any) -> Proc:
         return self._proc(name, [
             "serve", str(self.model), "--role", "prefill", "--relay-port", str(free_port()),
-            "--kv-transport", "auto", "--lease-timeout", "2", *BLOCK_ARGS, *extra]).start()
+            "--kv-transport", "auto", "--lease-timeout", "2", *BLOCK_ARGS, *extra],
+            **where).start()
 
-    def decode(self, name: str = "decode", transport: str = "shm", *extra: str) -> Proc:
+    def decode(self, name: str = "decode", transport: str = "shm", *extra: str,
+               **where: Any) -> Proc:
         return self._proc(name, [
             "serve", str(self.model), "--role", "decode", "--kv-transport", transport,
-            "--lease-timeout", "2", *BLOCK_ARGS, *extra]).start()
+            "--lease-timeout", "2", *BLOCK_ARGS, *extra], **where).start()
 
     def proxy(self, prefill: list[Proc], decode: list[Proc], name: str = "proxy") -> Proc:
         return self._proc(name, [
@@ -131,7 +135,8 @@ class Cluster:
     def restart(self, old: Proc) -> Proc:
         """A fresh process with the same arguments and port (the proxy keeps its URL)."""
         old.kill()
-        new = Proc(old.name, old.args, old.log, port=old.port, extra_env=old.extra_env)
+        new = Proc(old.name, old.args, old.log, port=old.port, extra_env=old.extra_env,
+                   host=old.host)
         self.procs.append(new)
         return new.start().wait_healthy()
 

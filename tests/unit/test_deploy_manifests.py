@@ -1,9 +1,14 @@
-"""docs/deploy.md's Kubernetes manifests parse, and every flag they pass to kvrelay exists.
+"""docs/deploy.md's Kubernetes manifests are valid Kubernetes objects, drain as the
+engines do, and every flag they pass to kvrelay exists.
 
-The YAML blocks of the page are parsed with PyYAML; every container's command and args
-are collected, the kvrelay subcommand (serve or proxy) is found, and each ``--flag``
-is looked up in the real ``kvrelay serve --help`` / ``kvrelay proxy --help`` output
-(the same parsers the CLI uses), so a renamed or removed flag fails here.
+The YAML blocks of the page are parsed with PyYAML. Each object is validated against
+Kubernetes' own OpenAPI schemas by ``kubernetes-validate`` (strict: an unknown or
+misspelt field fails), those of the oldest and the newest version named in the docs,
+which the package ships: no network (the test cuts it off to be sure). Every
+container's command and args are collected, the kvrelay subcommand (serve or proxy) is
+found, and each ``--flag`` is looked up in the real ``kvrelay serve --help`` /
+``kvrelay proxy --help`` output (the same parsers the CLI uses), so a renamed or
+removed flag fails here.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import contextlib
 import io
 import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +27,10 @@ import yaml
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+K8S_VERSIONS = ("1.29", "1.37")  # as docs/deploy.md says
+# What an engine may still take after its grace period: 5 s for aborted responses to
+# end, 10 s for steps and transfers to stop (docs/server.md, "Shutdown").
+EXIT_AFTER_GRACE_S = 15
 
 
 def yaml_documents() -> list[Any]:
@@ -122,3 +132,83 @@ def test_every_invocation_parses_with_the_real_parser() -> None:
                 build_parser().parse_args([sub, *expanded])
             except SystemExit:
                 pytest.fail(f"{name}: kvrelay {sub} {' '.join(expanded)}: {err.getvalue()}")
+
+
+def objects() -> list[dict[str, Any]]:
+    """The whole Kubernetes objects of the page (not the partial patches)."""
+    return [d for d in yaml_documents() if "kind" in d and "apiVersion" in d]
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"the schema check reached for the network: {args!r}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
+@pytest.mark.usefixtures("no_network")
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_object_is_valid_against_the_kubernetes_schemas(version: str) -> None:
+    import kubernetes_validate
+
+    docs = objects()
+    assert len(docs) >= 8
+    for d in docs:
+        try:
+            kubernetes_validate.validate(d, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{d['kind']} {d['metadata']['name']} (Kubernetes {version}): "
+                        f"{exc.message}")
+
+
+@pytest.mark.usefixtures("no_network")
+def test_the_schema_check_catches_a_misspelt_or_mistyped_field() -> None:
+    import kubernetes_validate
+
+    deployment = next(d for d in objects() if d["kind"] == "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    bad = [{**spec, "terminationGracePeriodSecond": 45},  # a typo: strict refuses it
+           {**spec, "terminationGracePeriodSeconds": "45"}]  # a string, not an integer
+    for b in bad:
+        d = {**deployment, "spec": {**deployment["spec"],
+                                    "template": {**deployment["spec"]["template"], "spec": b}}}
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(d, K8S_VERSIONS[-1], strict=True)
+
+
+def _flag(args: list[str], name: str, default: float) -> float:
+    for a in args:
+        if a.startswith(f"{name}="):
+            return float(a.split("=", 1)[1])
+    return default
+
+
+def test_engines_get_the_grace_period_their_drain_needs_and_stay_reachable() -> None:
+    """terminationGracePeriodSeconds covers --shutdown-timeout and the exit after it;
+    no preStop delays the drain; each engine's Service keeps a draining pod reachable;
+    the proxy, which stops accepting on SIGTERM, sleeps in preStop first."""
+    from kvrelay.cli import build_parser
+
+    default = build_parser().parse_args(["serve"]).shutdown_timeout
+    docs = objects()
+    services = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Service"}
+    engines = 0
+    for d in (d for d in docs if d["kind"] == "Deployment"):
+        spec = d["spec"]["template"]["spec"]
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        for c in spec["containers"]:
+            if c["args"][0] == "proxy":
+                assert "sleep" in c["lifecycle"]["preStop"]["exec"]["command"]
+                continue
+            engines += 1
+            grace = _flag(c["args"], "--shutdown-timeout", default)
+            assert spec["terminationGracePeriodSeconds"] >= grace + EXIT_AFTER_GRACE_S, \
+                d["metadata"]["name"]
+            assert "preStop" not in c.get("lifecycle", {}), "SIGTERM itself drains"
+            mine = [s for s in services.values() if s["selector"].items() <= labels.items()]
+            assert mine, d["metadata"]["name"]  # its own, and the role's headless one
+            assert all(s.get("publishNotReadyAddresses") is True for s in mine), \
+                d["metadata"]["name"]
+    assert engines == 2

@@ -9,6 +9,7 @@ failure instead of a skip, so CI cannot pass without building it.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from kvrelay.model import kernel_choice, native
 from kvrelay.model.attention import ChunkSpec
 from kvrelay.model.backend import TorchBackend, select_backend
 from kvrelay.model.config import ModelConfig
+from kvrelay.model.model import LlamaModel
 from kvrelay.model.rope import RotaryTable
 
 _mod = native.load()
@@ -262,6 +264,25 @@ def test_attention_refuses_block_ids_outside_the_cache() -> None:
     assert cache.abs().sum() == 0  # nothing written
 
 
+def _tiny_model(dtype: torch.dtype, kernels: str | None = None) -> LlamaModel:
+    """A 2-layer model on random weights, built through LlamaModel."""
+    cfg = _cfg(4, 2, 16)
+    g = torch.Generator().manual_seed(0)
+    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "lm_head.weight": (32, h),
+              "model.norm.weight": (h,)}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
+    state = {name: torch.randn(*shape, generator=g) for name, shape in shapes.items()}
+    cpu = torch.device("cpu")
+    return LlamaModel(cfg, state, dtype=dtype, device=cpu, max_len=64, kernels=kernels)
+
+
 _bf16_gemm = _mod is not None and _mod.has_bf16_gemm()
 needs_bf16_gemm = pytest.mark.skipif(not _bf16_gemm, reason="the CPU lacks AVX-512 BF16")
 
@@ -308,39 +329,23 @@ def test_bf16_gemm_rejects_bad_input() -> None:
 @needs_bf16_gemm
 def test_model_uses_the_small_gemm_only_where_it_may(monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 on the native backend: decode-sized calls go to the native GEMM (same
-    result as calling it directly), larger ones to oneDNN; float32, the torch
-    backend and KVRELAY_NATIVE_GEMM=0 keep oneDNN."""
-    from kvrelay.model.model import SMALL_GEMM_ROWS, LlamaModel
-
-    cfg = _cfg(4, 2, 16)
-    g = torch.Generator().manual_seed(0)
-    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "lm_head.weight": (32, h),
-              "model.norm.weight": (h,)}
-    for layer in range(cfg.num_layers):
-        p = f"model.layers.{layer}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i)}
-    state = {name: torch.randn(*shape, generator=g) for name, shape in shapes.items()}
-    cpu = torch.device("cpu")
+    result as calling it directly), larger ones to oneDNN; the torch backend and
+    KVRELAY_NATIVE_GEMM=0 keep oneDNN (float32: test_float32_model_uses_...)."""
+    from kvrelay.model.model import SMALL_GEMM_ROWS
 
     def build(dtype: torch.dtype, kernels: str | None = None) -> LlamaModel:
-        return LlamaModel(cfg, state, dtype=dtype, device=cpu, max_len=64, kernels=kernels)
+        return _tiny_model(dtype, kernels)
 
     m = build(torch.bfloat16)
     assert m.small_gemm and kernel_choice.info()["gemm"] == "native-bf16"
     lin = m.layers[0].gate_up
-    x = torch.randn(SMALL_GEMM_ROWS, cfg.hidden_size).bfloat16()
+    x = torch.randn(SMALL_GEMM_ROWS, lin.weight.shape[1]).bfloat16()
     assert _mod is not None
     direct = _mod.bf16_gemm(x, _mod.pack_bf16_gemm(lin.weight), lin.weight.shape[0])
     assert torch.equal(lin(x), direct)
-    big = torch.randn(SMALL_GEMM_ROWS + 1, cfg.hidden_size).bfloat16()
+    big = torch.randn(SMALL_GEMM_ROWS + 1, lin.weight.shape[1]).bfloat16()
     onednn = torch.ops.mkldnn._linear_pointwise(big, lin.packed, None, "none", [], "")
     assert torch.equal(lin(big), onednn)
-    assert not build(torch.float32).small_gemm
     assert not build(torch.bfloat16, "torch").small_gemm
     assert kernel_choice.info()["gemm"] == "onednn"
     monkeypatch.setenv("KVRELAY_NATIVE_GEMM", "0")
@@ -377,3 +382,172 @@ def test_a_bfloat16_prefill_chunk_that_samples_nothing(tmp_path: Path) -> None:
                 tokens += out.new_token_ids
         outputs.append(tokens)
     assert len(outputs[0]) == 3 and outputs[1] == outputs[0]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 17, 21, 32, 33])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 95), (832, 576), (576, 1536), (7, 3)])
+def test_f32_gemm_matches_torch(isa: str, rows: int, n: int, k: int) -> None:
+    """The float32 small-M GEMM on each ISA path against torch's float32 GEMM: within
+    the float32 tolerance the native layer kernels are held to, and on average within
+    2.5x torch's distance from a float64 reference (both at float32 rounding: torch's
+    one-row GEMV keeps more partial sums at K = 64), over odd K, N not a multiple of
+    16 and more rows than one tile (16 under AVX-512, 6 under AVX2)."""
+    assert _mod is not None and _mod.has_f32_gemm()
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(rows + 3, k, generator=g)[1 : rows + 1]  # rows apart by a stride
+    bias = torch.randn(n, generator=g)
+    packed = _mod.pack_f32_gemm(w)
+    assert packed.shape == (-(-n // 16), k, 16)
+    for b in (None, bias):
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        theirs = torch.nn.functional.linear(x, w, b)
+        out = _mod.f32_gemm(x, packed, n, b)
+        assert out.dtype is torch.float32 and out.shape == (rows, n)
+        torch.testing.assert_close(out, theirs, rtol=1e-5, atol=1e-5 * k**0.5)
+        err, torch_err = (out - ref).abs().mean(), (theirs - ref).abs().mean()
+        assert err <= torch_err * 2.5 + 1e-7
+
+
+def test_f32_gemm_rejects_bad_input() -> None:
+    assert _mod is not None
+    w = torch.randn(32, 64)
+    packed = _mod.pack_f32_gemm(w)
+    with pytest.raises(RuntimeError, match="does not match"):
+        _mod.f32_gemm(torch.randn(2, 64), packed, 48)
+    with pytest.raises(RuntimeError, match="does not match"):
+        _mod.f32_gemm(torch.randn(2, 63), packed, 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        _mod.f32_gemm(torch.randn(2, 64).bfloat16(), packed, 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        _mod.pack_f32_gemm(w.bfloat16())
+    with pytest.raises(RuntimeError, match="bias"):
+        _mod.f32_gemm(torch.randn(2, 64), packed, 32, torch.ones(3))
+    assert _mod.f32_gemm(torch.empty(0, 64), packed, 32).shape == (0, 32)
+
+
+def test_float32_model_uses_the_native_gemm_of_its_isa(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """float32 on the native backend: decode-sized calls go to the float32 GEMM of the
+    ISA the kernels run with (the ``gemm`` label names it), larger ones to oneDNN; with
+    the AVX2 path forced by KVRELAY_NATIVE_ISA=avx2 (in a fresh process, where the
+    choice is made) a model's greedy tokens equal those of oneDNN's GEMMs."""
+    import subprocess
+    import sys
+
+    from kvrelay.model.testing import write_tiny_hf_model
+
+    m = _tiny_model(torch.float32)
+    assert m.small_gemm and kernel_choice.info()["gemm"] == f"native-f32-{_best}"
+    lin = m.layers[0].gate_up
+    rows = native.F32_GEMM_ROWS
+    x = torch.randn(rows, lin.weight.shape[1])
+    assert _mod is not None
+    direct = _mod.f32_gemm(x, _mod.pack_f32_gemm(lin.weight), lin.weight.shape[0])
+    assert torch.equal(lin(x), direct)
+    big = torch.randn(rows + 1, lin.weight.shape[1])
+    onednn = torch.ops.mkldnn._linear_pointwise(big, lin.packed, None, "none", [], "")
+    assert torch.equal(lin(big), onednn)
+    monkeypatch.setenv("KVRELAY_NATIVE_GEMM", "0")
+    assert not _tiny_model(torch.float32).small_gemm
+    assert kernel_choice.info()["gemm"] == "onednn"
+
+    path = write_tiny_hf_model(tmp_path / "llama", seed=3)
+    script = (
+        "import json; from kvrelay.model import kernel_choice;"
+        "from kvrelay.model.llm import LLM;"
+        "from kvrelay.sampling_params import SamplingParams;"
+        f"llm = LLM({str(path)!r}, dtype='float32');"
+        "outs = llm.generate([[5, 6, 7], [9] * 20, list(range(40, 80))],"
+        " SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True));"
+        "print(json.dumps([kernel_choice.info()['gemm'], [o.outputs[0].token_ids for o in outs]]))"
+    )
+    results = []
+    for env in ({"KVRELAY_NATIVE_ISA": "avx2"}, {"KVRELAY_NATIVE_GEMM": "0"}):
+        run_env = {**os.environ, "KVRELAY_NATIVE_GEMM": "1", **env}
+        out = subprocess.run([sys.executable, "-c", script], env=run_env, check=True,
+                             capture_output=True, text=True).stdout
+        results.append(json.loads(out.splitlines()[-1]))
+    assert results[0][0] == "native-f32-avx2" and results[1][0] == "onednn"
+    assert results[0][1] == results[1][1]
+
+
+@pytest.mark.parametrize("qtype", [8, 3], ids=["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 16, 17, 32])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 96), (832, 576), (576, 1536)])
+def test_gguf_gemm_matches_the_dequantized_weight(isa: str, qtype: int, rows: int, n: int,
+                                                   k: int) -> None:
+    """The quantized GEMM on each ISA path against x @ W^T with W dequantized by the
+    gguf package (what --quantization none serves), in float64: within float32
+    rounding of the same sums (float32 and bfloat16 x)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    assert _mod is not None
+    g = torch.Generator().manual_seed(rows * 1000 + n + k + qtype)
+    gtype = GGMLQuantizationType(qtype)
+    raw = quantize(torch.randn(n, k, generator=g).numpy(), gtype)
+    w = torch.from_numpy(np.asarray(dequantize(raw, gtype), dtype=np.float64)).view(n, k)
+    packed = _mod.pack_gguf_gemm(torch.from_numpy(raw), qtype, k)
+    bias = torch.randn(n, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        for b in (None, bias):
+            ref = x.double() @ w.T + (0 if b is None else b.double())
+            out = _mod.gguf_gemm(x, packed, qtype, n, b)
+            assert out.dtype is dtype and out.shape == (rows, n)
+            tol = 1e-5 if dtype is torch.float32 else 1e-2
+            torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * k**0.5)
+
+
+def test_gguf_gemm_rejects_bad_input() -> None:
+    assert _mod is not None
+    raw = torch.zeros(32, 2 * 34, dtype=torch.uint8)
+    packed = _mod.pack_gguf_gemm(raw, 8, 64)
+    with pytest.raises(RuntimeError, match="Q8_0"):
+        _mod.pack_gguf_gemm(raw, 2, 64)
+    with pytest.raises(RuntimeError, match="raw must be"):
+        _mod.pack_gguf_gemm(raw, 3, 64)  # Q4_1 rows are 2 x 20 bytes
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        _mod.pack_gguf_gemm(raw, 8, 48)
+    with pytest.raises(RuntimeError, match="does not match"):
+        _mod.gguf_gemm(torch.randn(2, 64), packed, 8, 48)
+    with pytest.raises(RuntimeError, match="does not match"):
+        _mod.gguf_gemm(torch.randn(2, 64), packed, 3, 32)
+    with pytest.raises(RuntimeError, match="bias"):
+        _mod.gguf_gemm(torch.randn(2, 64), packed, 8, 32, torch.ones(3))
+    assert _mod.gguf_gemm(torch.empty(0, 64), packed, 8, 32).shape == (0, 32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str) -> None:
+    """--quantization gguf on a GGUF with mixed tensor types: the Q8_0 ones (ffn_down, the
+    lm_head) go to the quantized GEMM, the fused q/k/v and gate/up, whose parts differ
+    in type, keep the dequantized weights; greedy tokens equal the dequantized model's
+    (float32). An HF directory is refused with a message naming the flag."""
+    from kvrelay.model.llm import LLM
+    from kvrelay.model.testing import write_tiny_gguf, write_tiny_hf_model
+    from kvrelay.sampling_params import SamplingParams
+
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", seed=4))
+    prompts = [[5, 6, 7], [9] * 20, list(range(40, 80))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for quant in ("gguf", "none"):
+        llm = LLM(path, dtype=dtype, quantization=quant)
+        model = llm.model.runner.model  # type: ignore[attr-defined]
+        if quant == "gguf":
+            assert kernel_choice.info()["gemm"] == f"native-gguf-{_best}"
+            assert isinstance(model.layers[0].down.small.__self__, native.NativeGgufGemm)
+            assert isinstance(model.lm_head.small.__self__, native.NativeGgufGemm)
+            assert not isinstance(getattr(model.layers[0].qkv.small, "__self__", None),
+                                  native.NativeGgufGemm)
+        tokens[quant] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    if dtype == "float32":
+        assert tokens["gguf"] == tokens["none"]
+    with pytest.raises(ValueError, match="--quantization gguf"):
+        LLM(str(write_tiny_hf_model(tmp_path / "hf")), quantization="gguf")
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
+        LLM(path, quantization="int4")

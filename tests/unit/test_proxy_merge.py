@@ -79,3 +79,37 @@ def test_completion_stream_offsets_shift_by_the_text_before() -> None:
                                                  "finish_reason": None}, shift=4)
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [4, 5]
     assert "usage" not in chunk
+
+
+def _vllm_leg(first_text: str) -> Leg:
+    leg = Leg(0, True, {"prompt": "x", "max_tokens": 8})
+    leg.prefilled({"choices": [{"text": first_text, "finish_reason": "length"}],
+                   "kv_transfer_params": {"lease_id": "L", "resends_first_token": True}},
+                  "http://p")
+    return leg
+
+
+def test_a_decode_engine_that_resends_the_first_token_is_not_doubled() -> None:
+    # vLLM's decode engine (kvrelay.vllm) samples token 1 again: its answer is the choice.
+    leg = _vllm_leg(" Paris")
+    assert leg.resends
+    choice = leg_choice(leg, {"choices": [{"text": " Paris is big", "finish_reason": "length"}],
+                              "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
+    assert choice["text"] == " Paris is big"
+
+
+def test_a_stream_cuts_the_resent_first_token_across_chunks() -> None:
+    from kvrelay.server.proxy_merge import cut_resent, seed_chunk
+
+    leg = _vllm_leg(" Paris")
+    assert seed_chunk(leg)["text"] == " Paris"
+    texts = []
+    for piece in [" Pa", "ris", " is", " big"]:  # D's own first token, split, then more
+        out = cut_resent(leg, {"index": 0, "text": piece, "finish_reason": None})
+        if out is not None:
+            texts.append(out["text"])
+    assert " Paris" + "".join(texts) == " Paris is big"
+    plain = Leg(0, True, {"prompt": "x"})
+    plain.prefilled({"choices": [{"text": " Paris"}], "kv_transfer_params": {"lease_id": "L"}},
+                    "http://p")
+    assert not plain.resends  # kvrelay's own decode engine: token 1 is not sent again

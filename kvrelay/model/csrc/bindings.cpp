@@ -13,6 +13,47 @@
 #include "kernels.h"
 
 namespace kvr {
+
+// Generic code (this file has no target pragma): runs once per weight at load.
+void pack_f32_blocks(const float* w, int64_t N, int64_t K, float* out) {
+  const int64_t nblk = (N + 15) / 16;
+  for (int64_t b = 0; b < nblk; ++b)
+    for (int64_t k = 0; k < K; ++k)
+      for (int c = 0; c < 16; ++c) {
+        const int64_t n = b * 16 + c;
+        out[(b * K + k) * 16 + c] = n < N ? w[n * K + k] : 0.f;
+      }
+}
+
+int64_t gguf_block_bytes(int type) { return type == int(QType::Q8_0) ? 34 : 20; }
+int64_t gguf_group_bytes(int type) { return type == int(QType::Q8_0) ? 544 : 320; }
+
+// GGUF rows (N rows of K / 32 blocks: Q8_0 f16 d + 32 int8; Q4_1 f16 d, f16 m + 16
+// bytes, k < 16 in the low nibbles) -> the groups of gemm_q_impl.h. Columns past N
+// get zero scales, mins and codes. Generic code, once per weight at load.
+void pack_gguf_blocks(int type, const uint8_t* raw, int64_t N, int64_t K, uint8_t* out) {
+  const int64_t G = K / 32, nblk = (N + 15) / 16, bb = gguf_block_bytes(type);
+  const int64_t gb = gguf_group_bytes(type);
+  std::memset(out, 0, size_t(nblk * G * gb));
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t b = n / 16, c = n % 16;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* src = raw + (n * G + g) * bb;
+      uint8_t* dst = out + (b * G + g) * gb;
+      std::memcpy(dst + 2 * c, src, 2);  // the scale d, f16
+      if (type == int(QType::Q8_0)) {
+        for (int k = 0; k < 32; ++k) dst[32 + k * 16 + c] = src[2 + k];
+      } else {
+        std::memcpy(dst + 32 + 2 * c, src + 2, 2);  // the min m, f16
+        for (int k = 0; k < 32; ++k) {
+          const uint8_t code = k < 16 ? src[4 + k] & 0x0f : src[4 + k - 16] >> 4;
+          dst[64 + k * 8 + c % 8] |= uint8_t(code << (c < 8 ? 0 : 4));
+        }
+      }
+    }
+  }
+}
+
 namespace {
 
 bool env_is(const char* name, const char* value) {
@@ -265,6 +306,114 @@ torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t
   return y;
 }
 
+// float32 small-M GEMM: AVX-512 or AVX2 + FMA, whichever the kernels run with.
+bool has_f32_gemm() { return isa() == "avx512" || isa() == "avx2"; }
+
+// (N, K) float32 -> the block layout of gemm_f32_impl.h, (ceil(N/16), K, 16).
+torch::Tensor pack_f32_gemm(const torch::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
+                  w.scalar_type() == torch::kFloat32,
+              "pack_f32_gemm takes a contiguous float32 (N, K) CPU matrix");
+  const int64_t N = w.size(0), K = w.size(1);
+  auto out = torch::empty({(N + 15) / 16, K, 16}, w.options());
+  pack_f32_blocks(w.data_ptr<float>(), N, K, out.data_ptr<float>());
+  return out;
+}
+
+// y = x W^T (+ bias) with W packed by pack_f32_gemm; x (M, K) float32.
+torch::Tensor f32_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
+                       const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(has_f32_gemm(), "f32_gemm needs AVX2 + FMA or AVX-512");
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && wp.scalar_type() == torch::kFloat32,
+              "f32_gemm takes float32 x and weight");
+  const int64_t M = x.size(0), K = x.size(1), nblk = (N + 15) / 16;
+  TORCH_CHECK(wp.is_contiguous() && wp.dim() == 3 && wp.size(0) == nblk && wp.size(1) == K &&
+                  wp.size(2) == 16,
+              "packed weight does not match N=", N, ", K=", K);
+  torch::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "bias must have N=", N, " values");
+    b = bias->to(torch::kFloat32).contiguous();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;  // the row kernels take 1 or more rows
+  auto* run = isa() == "avx512" ? gemm_f32_avx512 : gemm_f32_avx2;
+  const float* xp = x.data_ptr<float>();
+  const float* wpp = wp.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+#pragma omp parallel if (N * K >= kParallelElems)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    // Contiguous block ranges, one per thread: each streams its own part of W once.
+    const int64_t b0 = nblk * t / nt, b1 = nblk * (t + 1) / nt;
+    if (b0 < b1) run(xp, ldx, M, wpp, K, b0, b1, bp, yp, N, N);
+  }
+  return y;
+}
+
+// GGUF raw rows (N, K / 32 * block bytes) uint8 -> (ceil(N/16), K/32, group bytes).
+torch::Tensor pack_gguf_gemm(const torch::Tensor& raw, int64_t type, int64_t K) {
+  TORCH_CHECK(type == int(QType::Q8_0) || type == int(QType::Q4_1),
+              "pack_gguf_gemm takes GGUF types Q8_0 (8) or Q4_1 (3), got ", type);
+  TORCH_CHECK(K > 0 && K % 32 == 0, "K must be a positive multiple of 32, got ", K);
+  TORCH_CHECK(raw.device().is_cpu() && raw.dim() == 2 && raw.is_contiguous() &&
+                  raw.scalar_type() == torch::kUInt8 &&
+                  raw.size(1) == K / 32 * gguf_block_bytes(int(type)),
+              "raw must be contiguous uint8 (N, K / 32 * ", gguf_block_bytes(int(type)), ")");
+  const int64_t N = raw.size(0);
+  auto out = torch::empty({(N + 15) / 16, K / 32, gguf_group_bytes(int(type))}, raw.options());
+  pack_gguf_blocks(int(type), raw.data_ptr<uint8_t>(), N, K, out.data_ptr<uint8_t>());
+  return out;
+}
+
+// y = x W^T (+ bias), W packed by pack_gguf_gemm; x (M, K) float32 or bfloat16 (computed
+// in float32, the result in x's dtype).
+torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int64_t type,
+                        int64_t N, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(has_f32_gemm(), "gguf_gemm needs AVX2 + FMA or AVX-512");
+  check_rows(x_in, "x");
+  TORCH_CHECK(type == int(QType::Q8_0) || type == int(QType::Q4_1), "unknown GGUF type ", type);
+  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 || x_in.scalar_type() == torch::kBFloat16,
+              "gguf_gemm takes float32 or bfloat16 x");
+  const torch::Tensor x = x_in.to(torch::kFloat32);
+  const int64_t M = x.size(0), K = x.size(1), nblk = (N + 15) / 16, G = K / 32;
+  TORCH_CHECK(wp.scalar_type() == torch::kUInt8 && wp.is_contiguous() && wp.dim() == 3 &&
+                  K % 32 == 0 && wp.size(0) == nblk && wp.size(1) == G &&
+                  wp.size(2) == gguf_group_bytes(int(type)),
+              "packed weight does not match N=", N, ", K=", K);
+  torch::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "bias must have N=", N, " values");
+    b = bias->to(torch::kFloat32).contiguous();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y.to(x_in.scalar_type());
+  const int64_t ldx = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  auto sx = torch::empty({M, G}, x.options());
+  float* sxp = sx.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int k = 0; k < 32; ++k) s += xp[m * ldx + g * 32 + k];
+      sxp[m * G + g] = s;
+    }
+  auto* run = isa() == "avx512" ? gemm_q_avx512 : gemm_q_avx2;
+  const uint8_t* wpp = wp.data_ptr<uint8_t>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+#pragma omp parallel if (N * K >= kParallelElems)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t b0 = nblk * t / nt, b1 = nblk * (t + 1) / nt;
+    if (b0 < b1) run(int(type), xp, ldx, sxp, M, wpp, K, b0, b1, bp, yp, N, N);
+  }
+  return x_in.scalar_type() == torch::kFloat32 ? y : y.to(x_in.scalar_type());
+}
+
 }  // namespace
 }  // namespace kvr
 
@@ -284,5 +433,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_gemm", &kvr::has_bf16_gemm, "AVX-512 BF16 small-M GEMM available");
   m.def("pack_bf16_gemm", &kvr::pack_bf16_gemm, nogil());
   m.def("bf16_gemm", &kvr::bf16_gemm, pybind11::arg("x"), pybind11::arg("packed"),
+        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), nogil());
+  m.def("pack_gguf_gemm", &kvr::pack_gguf_gemm, nogil());
+  m.def("gguf_gemm", &kvr::gguf_gemm, pybind11::arg("x"), pybind11::arg("packed"),
+        pybind11::arg("type"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        nogil());
+  m.def("has_f32_gemm", &kvr::has_f32_gemm, "float32 small-M GEMM available");
+  m.def("pack_f32_gemm", &kvr::pack_f32_gemm, nogil());
+  m.def("f32_gemm", &kvr::f32_gemm, pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), nogil());
 }

@@ -2,7 +2,20 @@
 #pragma GCC target("avx2,fma,f16c")
 #define KVR_ISA avx2
 #include "kernels_impl.h"
+#define KVR_F32_LANES 8
+#include "gemm_f32_impl.h"
+#include "gemm_q_impl.h"
 
 namespace kvr {
 const Kernels* kernels_avx2(DType dt) { return avx2::table(dt); }
+void gemm_f32_avx2(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K,
+                   int64_t blk0, int64_t blk1, const float* bias, float* y, int64_t ldy,
+                   int64_t N) {
+  avx2::f32::gemm(x, ldx, M, wp, K, blk0, blk1, bias, y, ldy, N);
+}
+void gemm_q_avx2(int type, const float* x, int64_t ldx, const float* sx, int64_t M,
+                 const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1, const float* bias,
+                 float* y, int64_t ldy, int64_t N) {
+  avx2::q::gemm_any(type, x, ldx, sx, M, wp, K, blk0, blk1, bias, y, ldy, N);
+}
 }  // namespace kvr

@@ -58,6 +58,35 @@ void gemm_bf16_pairs(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* 
                      int64_t N);
 const Kernels* kernels_avx2(DType dt);
 
+// GGUF block types the quantized decode GEMM takes (their ggml type codes).
+enum class QType : int { Q4_1 = 3, Q8_0 = 8 };
+
+// GGUF-quantized GEMM for decode-sized M (gemm_q_impl.h, compiled per ISA): the (N, K)
+// weight, as the file stores it (N rows of K / 32 blocks), is repacked by
+// pack_gguf_blocks into ceil(N/16) * (K/32) groups of gguf_group_bytes(type) bytes;
+// gemm_q_<isa> takes x (M, K) float32 and sx (M, K/32), the sums of x over each group.
+int64_t gguf_block_bytes(int type);
+int64_t gguf_group_bytes(int type);
+void pack_gguf_blocks(int type, const uint8_t* raw, int64_t N, int64_t K, uint8_t* out);
+void gemm_q_avx512(int type, const float* x, int64_t ldx, const float* sx, int64_t M,
+                   const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1, const float* bias,
+                   float* y, int64_t ldy, int64_t N);
+void gemm_q_avx2(int type, const float* x, int64_t ldx, const float* sx, int64_t M,
+                 const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1, const float* bias,
+                 float* y, int64_t ldy, int64_t N);
+
+// float32 GEMM for decode-sized M (gemm_f32_impl.h, compiled per ISA). The weight
+// (N, K) is packed by pack_f32_blocks into ceil(N/16) * K * 16 values, one layout for
+// both ISAs; gemm_f32_<isa> computes the columns of blocks [blk0, blk1) (16 columns
+// each) for all M rows, bias optional.
+void pack_f32_blocks(const float* w, int64_t N, int64_t K, float* out);
+void gemm_f32_avx512(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K,
+                     int64_t blk0, int64_t blk1, const float* bias, float* y, int64_t ldy,
+                     int64_t N);
+void gemm_f32_avx2(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K,
+                   int64_t blk0, int64_t blk1, const float* bias, float* y, int64_t ldy,
+                   int64_t N);
+
 // Attention tiles over a bfloat16 cache with AVX-512 BF16 (attn_bf16.cpp); the caller
 // checks the CPU. False when it does not take the tile (head_dim other than 64 or 128,
 // blocks not a multiple of 16 positions): Kernels::attend runs it instead.

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -48,10 +48,19 @@ log = logging.getLogger(__name__)
 IOV_BATCH = 64  # buffers per sendmsg/recvmsg_into (IOV_MAX is 1024)
 
 
-def _views(kv_bytes: np.ndarray, block_ids: Sequence[int]) -> list[memoryview]:
-    """One flat memoryview per run of consecutive blocks (no copies)."""
-    return [memoryview(kv_bytes[start : start + n].reshape(-1).data).cast("B")
-            for start, _, n in runs(block_ids, block_ids)]
+Regions: TypeAlias = np.ndarray | Sequence[np.ndarray]
+
+
+def _views(kv_bytes: Regions, block_ids: Sequence[int]) -> list[memoryview]:
+    """One flat memoryview per run of consecutive blocks per region (no copies).
+
+    ``kv_bytes``: one (num_blocks, piece_bytes) uint8 view per region of the layout
+    (transports/layout.py), or one view for a block-major cache. The stream is region
+    by region, block by block within a region: each side groups its own runs."""
+    regions = [kv_bytes] if isinstance(kv_bytes, np.ndarray) else kv_bytes
+    spans = runs(block_ids, block_ids)
+    return [memoryview(r[start : start + n].reshape(-1).data).cast("B")
+            for r in regions for start, _, n in spans]
 
 
 def _advance(bufs: list[memoryview], i: int, n: int) -> int:
@@ -66,7 +75,7 @@ def _advance(bufs: list[memoryview], i: int, n: int) -> int:
     return i
 
 
-def send_blocks(sock: socket.socket, kv_bytes: np.ndarray, block_ids: Sequence[int],
+def send_blocks(sock: socket.socket, kv_bytes: Regions, block_ids: Sequence[int],
                 deadline: float | None = None) -> None:
     """Scatter-gather send: up to IOV_BATCH runs of blocks per system call.
 
@@ -83,7 +92,7 @@ def send_blocks(sock: socket.socket, kv_bytes: np.ndarray, block_ids: Sequence[i
 
 def recv_blocks(
     sock: socket.socket,
-    kv_bytes: np.ndarray,
+    kv_bytes: Regions,
     block_ids: Sequence[int],
     cancelled: threading.Event,
 ) -> None:
@@ -100,11 +109,13 @@ def recv_blocks(
 
 
 class HostBlocks:
-    """A cache in host memory: the socket reads and writes the blocks' own bytes."""
+    """A cache in host memory: the socket reads and writes the blocks' own bytes
+    (one view, block-major; or one view per region, layout.py)."""
 
-    def __init__(self, kv_bytes: np.ndarray) -> None:
+    def __init__(self, kv_bytes: Regions) -> None:
         self.kv_bytes = kv_bytes
-        self.block_bytes = int(kv_bytes.shape[1])
+        regions = [kv_bytes] if isinstance(kv_bytes, np.ndarray) else kv_bytes
+        self.block_bytes = sum(int(r.shape[1]) for r in regions)
 
     def send(self, sock: socket.socket, block_ids: Sequence[int],
              deadline: float | None = None) -> None:

@@ -1,0 +1,174 @@
+// float32 GEMM for the few rows of a decode step, included once per ISA (after
+// kernels_impl.h, inside its `#pragma GCC target`) with KVR_F32_LANES 16 (AVX-512) or
+// 8 (AVX2 + FMA): y (M, N) = x (M, K) W^T + b, float32 throughout.
+//
+// The weight is packed once at load (pack_f32_blocks, the same layout for both ISAs)
+// into [N/16][K][16 columns]: a column block is one contiguous stream of K * 64 bytes,
+// and at each k one 64-byte line (one zmm, two ymm) serves its 16 columns for every
+// row of the tile. A tile of MR rows x NB blocks keeps its accumulators in registers
+// over all of K and broadcasts x[m][k]; each weight byte then comes from memory once
+// per call (decode is weight-bandwidth bound). More rows than a tile holds: row groups
+// inside a span of blocks sized for L2, so the later groups read the span from L2.
+#ifndef KVR_F32_LANES
+#error "define KVR_F32_LANES (16 or 8) before including gemm_f32_impl.h"
+#endif
+#include <immintrin.h>
+
+namespace kvr {
+namespace KVR_ISA {
+namespace f32 {
+
+#if KVR_F32_LANES == 16
+typedef __m512 vf;
+static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vzero() { return _mm512_setzero_ps(); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+// Rows per tile and column blocks per tile of mr rows: the MR * NB accumulators (one
+// zmm per block) take at most 16 of the 32 registers, leaving room for NB weights.
+constexpr int kTileRows = 16;
+constexpr int blocks_per_tile(int mr) { return mr <= 4 ? 4 : mr <= 8 ? 2 : 1; }
+#elif KVR_F32_LANES == 8
+typedef __m256 vf;
+static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vzero() { return _mm256_setzero_ps(); }
+static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+// 16 ymm: MR * NB * 2 accumulators + NB * 2 weights + one broadcast, at most 15.
+constexpr int kTileRows = 6;
+constexpr int blocks_per_tile(int mr) { return mr <= 2 ? 2 : 1; }
+#else
+#error "KVR_F32_LANES must be 16 or 8"
+#endif
+
+constexpr int kCols = 16;                     // columns per packed block
+constexpr int kVecs = kCols / KVR_F32_LANES;  // vectors per block row
+constexpr int kAhead = 32;                    // k rows (2 KiB) prefetched ahead per block
+// The k sums run in chunks of kChunkK, each chunk's sums added to the total: the
+// rounding error grows with K / kChunkK + kChunkK instead of K (oneDNN blocks K too).
+constexpr int64_t kChunkK = 32;
+
+// Lines of the next span's weights to fetch into L2 while a later row group computes
+// from L2 (see gemm): `per_step` 64-byte lines from `next` at each k, until `end`.
+struct Ahead {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int per_step = 0;
+};
+
+template <int MR, int NB>
+static inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict wp,
+                        int64_t K, int64_t blk, const float* __restrict bias,
+                        float* __restrict y, int64_t ldy, int64_t N, Ahead& ahead) {
+  constexpr int NV = NB * kVecs;
+  vf sum[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NV; ++j) sum[m][j] = vzero();
+  const float* w[NB];
+  for (int j = 0; j < NB; ++j) w[j] = wp + (blk + j) * K * kCols;
+  for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
+    const int64_t k1 = K - k0 < kChunkK ? K : k0 + kChunkK;
+    vf acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NV; ++j) acc[m][j] = vzero();
+    for (int64_t k = k0; k < k1; ++k) {
+      for (int i = 0; i < ahead.per_step && ahead.next < ahead.end; ++i, ahead.next += 64)
+        _mm_prefetch(ahead.next, _MM_HINT_T1);
+      vf wv[NV];
+      for (int j = 0; j < NB; ++j) {
+        _mm_prefetch((const char*)(w[j] + (k + kAhead) * kCols), _MM_HINT_T0);
+        for (int v = 0; v < kVecs; ++v)
+          wv[j * kVecs + v] = vload(w[j] + k * kCols + v * KVR_F32_LANES);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const vf xb = vset1(x[m * ldx + k]);
+        for (int j = 0; j < NV; ++j) acc[m][j] = vfma(wv[j], xb, acc[m][j]);
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NV; ++j) sum[m][j] = vadd(sum[m][j], acc[m][j]);
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t col = (blk + j) * kCols;
+    const int64_t left = N - col;
+    float bb[kCols] = {};
+    if (bias != nullptr)
+      for (int c = 0; c < kCols && c < left; ++c) bb[c] = bias[col + c];
+    for (int m = 0; m < MR; ++m) {
+      float out[kCols];
+      for (int v = 0; v < kVecs; ++v)
+        vstore(out + v * KVR_F32_LANES,
+               vadd(sum[m][j * kVecs + v], vload(bb + v * KVR_F32_LANES)));
+      float* dst = y + m * ldy + col;
+      const int64_t n = left < kCols ? left : kCols;  // the last block may be partial
+      for (int c = 0; c < n; ++c) dst[c] = out[c];
+    }
+  }
+}
+
+template <int MR>
+static void rows(const float* x, int64_t ldx, const float* wp, int64_t K, int64_t blk0,
+                 int64_t blk1, const float* bias, float* y, int64_t ldy, int64_t N,
+                 Ahead& ahead) {
+  constexpr int NB = blocks_per_tile(MR);
+  int64_t b = blk0;
+  for (; b + NB <= blk1; b += NB) tile<MR, NB>(x, ldx, wp, K, b, bias, y, ldy, N, ahead);
+  for (; b < blk1; ++b) tile<MR, 1>(x, ldx, wp, K, b, bias, y, ldy, N, ahead);
+}
+
+typedef void (*RowsFn)(const float*, int64_t, const float*, int64_t, int64_t, int64_t,
+                       const float*, float*, int64_t, int64_t, Ahead&);
+
+template <int MR>
+static RowsFn rows_fn(int mr) {
+  if constexpr (MR == 0) {
+    return nullptr;
+  } else {
+    return mr == MR ? rows<MR> : rows_fn<MR - 1>(mr);
+  }
+}
+
+// Columns of blocks [blk0, blk1) for all M rows.
+static void gemm(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K,
+                 int64_t blk0, int64_t blk1, const float* bias, float* y, int64_t ldy,
+                 int64_t N) {
+  Ahead none;
+  if (M <= kTileRows) {
+    rows_fn<kTileRows>(int(M))(x, ldx, wp, K, blk0, blk1, bias, y, ldy, N, none);
+    return;
+  }
+  // Row groups of kTileRows (the widest tile; under AVX2, 6 + 2 rows for 8 beat 4 + 4,
+  // whose 8 accumulators are too few FMA chains) inside spans of ~192 KiB of weights
+  // (at least one block), which stay in L2 (256 KiB on the oldest AVX2 cores) while
+  // every group passes over them: the first group streams the span from memory, the
+  // later ones read it from L2 and meanwhile fetch the next span into L2 a few lines
+  // per k, so the memory stream overlaps all of the arithmetic.
+  const int64_t block_bytes = K * kCols * int64_t(sizeof(float));
+  int64_t span = (192 << 10) / block_bytes;
+  span = span < 1 ? 1 : span;
+  int64_t later_steps = 0;  // k steps of the later groups' tiles over one span
+  for (int64_t m = kTileRows; m < M; m += kTileRows) {
+    const int nb = blocks_per_tile(M - m < kTileRows ? int(M - m) : kTileRows);
+    later_steps += (span + nb - 1) / nb * K;
+  }
+  const int per_step = int((span * block_bytes / 64 + later_steps - 1) / later_steps);
+  for (int64_t b = blk0; b < blk1; b += span) {
+    const int64_t e = blk1 - b < span ? blk1 : b + span;
+    const int64_t e2 = blk1 - e < span ? blk1 : e + span;
+    Ahead ahead{(const char*)(wp + e * K * kCols), (const char*)(wp + e2 * K * kCols),
+                per_step};
+    for (int64_t m = 0; m < M; m += kTileRows) {
+      const int64_t mr = M - m < kTileRows ? M - m : kTileRows;
+      rows_fn<kTileRows>(int(mr))(x + m * ldx, ldx, wp, K, b, e, bias, y + m * ldy, ldy, N,
+                                  m == 0 ? none : ahead);
+    }
+  }
+}
+
+}  // namespace f32
+}  // namespace KVR_ISA
+}  // namespace kvr

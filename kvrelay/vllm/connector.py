@@ -1,0 +1,288 @@
+"""``KvRelayConnector``: vLLM's KV connector API (0.32) onto kvrelay's relay.
+
+Which process runs what (vLLM's MP executor: the scheduler in EngineCore, the worker
+that owns the KV memory in a process of its own; nothing shared but what vLLM pickles
+between them):
+
+- scheduler (``KVConnectorRole.SCHEDULER``): decides. Prefill: ``request_finished``
+  asks the worker for a lease (HoldServer, synchronously) for a request that asked for
+  remote decode and finished by length, and returns ``delay_free=True`` with the
+  params. Decode: ``get_num_new_matched_tokens`` validates the params before vLLM
+  allocates anything; ``update_state_after_alloc`` queues the load with its blocks;
+  ``build_connector_meta`` hands loads and aborts to the worker.
+- worker (``KVConnectorRole.WORKER``): the lease table and relay server (prefill.py),
+  the receiver and its transport (decode.py). ``get_transfer_results`` reports each
+  lease's one release as ``finished_sending`` and each load's one outcome as
+  ``finished_recving`` (plus ``failed_recving`` for a fallback).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import socket
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvrelay.model.interface import KvGeometry
+from kvrelay.relay.remote import RemoteKv
+from kvrelay.relay.transports.layout import layer_regions
+from kvrelay.vllm.decode import DecodeSide, LoadSpec
+from kvrelay.vllm.prefill import PrefillSide, prompt_digest
+from kvrelay.vllm.settings import ConnectorSettings, run_unpinned
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _log_to_stderr() -> None:
+    """vLLM configures only its own loggers: kvrelay's go to stderr, at INFO, so a
+    server's log shows relay addresses, pulls and lease ends."""
+    root = logging.getLogger("kvrelay")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            "%(levelname)s %(asctime)s [%(name)s pid=%(process)d] %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
+_log_to_stderr()
+HOLD_TIMEOUT_S = 10.0
+_LOADED = "_kvrelay_loaded"  # set in a request's params once its load was queued
+
+
+@dataclass
+class KvRelayMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    give_back: list[dict[str, Any]] = field(default_factory=list)  # leases never loaded
+    idle: bool = False  # nothing scheduled: vLLM steps only to collect our reports
+
+
+@dataclass
+class KvRelayHandshake(KVConnectorHandshakeMetadata):
+    hold_path: str
+    hold_key: bytes
+
+
+class KvRelayConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra(cfg.kv_connector_extra_config)
+        self.producer, self.consumer = cfg.is_kv_producer, cfg.is_kv_consumer
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.vocab_size = int(vllm_config.model_config.get_vocab_size())
+        # scheduler side
+        self._hold: Connection | None = None
+        self._hold_lock = threading.Lock()
+        self._handshake: KvRelayHandshake | None = None
+        self._meta = KvRelayMetadata()
+        self._loading: dict[str, Request] = {}  # loads handed to the worker, unreported
+        # worker side
+        self.prefill: PrefillSide | None = None
+        self.decode: DecodeSide | None = None
+        self._ready = threading.Event()  # a report is queued (either side)
+
+    # ==== worker ===========================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        regions, layout = layer_regions(kv_caches)
+        first = next(iter(kv_caches.values()))
+        mc = self._vllm_config.model_config
+        geometry = KvGeometry(
+            architecture=",".join(mc.architectures or ()), num_layers=len(regions),
+            num_kv_heads=mc.get_num_kv_heads(self._vllm_config.parallel_config),
+            head_dim=mc.get_head_size(), block_size=self.block_size,
+            dtype=str(first.dtype).removeprefix("torch."), layout=layout.name)
+        compat = geometry.compat_hash(f"vllm:{mc.served_model_name}")
+        engine_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        # Started on an unpinned thread: their threads must not share vLLM's bound core.
+        if self.producer:
+            self.prefill = run_unpinned(lambda: PrefillSide(
+                self.settings, regions, layout, compat, engine_id, self._ready))
+        if self.consumer:
+            self.decode = run_unpinned(lambda: DecodeSide(
+                self.settings, regions, layout, compat, engine_id, self._ready))
+
+    def get_handshake_metadata(self) -> KvRelayHandshake | None:
+        if self.prefill is None:
+            return None
+        addr = self.prefill.hold_server.address
+        return KvRelayHandshake(addr.path, addr.authkey)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvRelayMetadata)
+        if self.decode is not None and (meta.loads or meta.aborts or meta.give_back):
+            self.decode.start(meta.loads, meta.aborts, meta.give_back)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # decode engines pull from the blocks in place
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        meta = self._connector_metadata
+        if isinstance(meta, KvRelayMetadata) and meta.idle and self.settings.idle_step_ms:
+            # An empty step (vLLM keeps stepping while a lease is held or D waits for
+            # KV): wait for a report, a bounded while, instead of spinning the loop.
+            self._ready.wait(self.settings.idle_step_ms / 1000)
+        self._ready.clear()
+        out = KVConnectorTransferResults()
+        if self.prefill is not None:
+            out.finished_sending = self.prefill.take_released()
+        if self.decode is not None:
+            out.finished_recving, out.failed_recving = self.decode.take_finished()
+        return out
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending, res.finished_recving
+
+    def shutdown(self) -> None:
+        for side in (self.prefill, self.decode):
+            if side is not None:
+                side.close()
+
+    # ==== scheduler ========================================================================
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        for meta in metadata.values():
+            if isinstance(meta, KvRelayHandshake):
+                self._handshake = meta
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        if self._lease_of(request) is None:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens <= 0 or self._lease_of(request) is None:
+            return
+        params = request.kv_transfer_params
+        assert params is not None
+        prompt = list(request.prompt_token_ids or ())
+        need = math.ceil(len(prompt) / self.block_size)
+        block_ids = list(blocks.get_block_ids()[0][:need])
+        cached = (len(prompt) - num_external_tokens) // self.block_size
+        params[_LOADED] = True  # one load per request: a preempted one recomputes
+        rid = request.request_id
+        self._meta.loads.append(LoadSpec(rid, dict(params), prompt, block_ids, cached))
+        self._loading[rid] = request
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta, self._meta = self._meta, KvRelayMetadata()
+        meta.idle = (scheduler_output.total_num_scheduled_tokens == 0 and not meta.loads
+                     and not meta.aborts and not meta.give_back)
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for rid in connector_output.finished_recving or ():
+            self._loading.pop(rid, None)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        if self._loading.get(rid) is request:
+            # Finished (aborted) while its load is in the worker: the blocks stay until
+            # the worker reports the load ended (the transfer no longer writes).
+            self._meta.aborts.append(rid)
+            return True, None
+        params = request.kv_transfer_params or {}
+        if self.consumer and "lease_id" in params and not params.get(_LOADED):
+            # Ended before its load was queued (aborted while waiting, or the duplicate
+            # of vLLM's rejection path, whose prompt is [0]): P frees the lease now, not
+            # at its timeout (a lease another request of ours pulls refuses the ABORT).
+            params[_LOADED] = True
+            self._meta.give_back.append(dict(params))
+            return False, None
+        if not (self.producer and params.get("do_remote_decode") and block_ids):
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        if request.status is not RequestStatus.FINISHED_LENGTH_CAPPED:
+            return False, None  # aborted, failed or stopped: the client has it all
+        try:
+            lease = self._hold_call(request, block_ids)
+        except Exception as e:  # no lease: vLLM frees, the proxy sees no params
+            log.error("kvrelay: no lease for %s: %s", rid, e)
+            return False, None
+        return True, dict(lease, do_remote_prefill=True, do_remote_decode=False,
+                          resends_first_token=True)
+
+    # -- helpers ------------------------------------------------------------------------
+    def _lease_of(self, request: Request) -> RemoteKv | None:
+        """The request's lease params, validated in full; None when it has none, when
+        its load was queued already, or when they are invalid (then vLLM prefills it
+        here: vLLM gives a connector no way to answer the client 400)."""
+        params = request.kv_transfer_params
+        if not (self.consumer and params and "lease_id" in params) or params.get(_LOADED):
+            return None
+        try:
+            kv = RemoteKv.from_client(params, vocab_size=self.vocab_size)
+            n = len(request.prompt_token_ids or ())
+            if kv.num_tokens != n:
+                raise ValueError(f"num_tokens {kv.num_tokens}: the prompt has {n} tokens")
+            if len(kv.block_ids) < math.ceil(n / self.block_size):
+                raise ValueError(f"block_ids: {len(kv.block_ids)} blocks cannot hold {n} "
+                                 f"tokens in blocks of {self.block_size}")
+        except ValueError as e:
+            log.warning("kvrelay: request %s: invalid kv_transfer_params (%s): prefilling "
+                        "here", request.request_id, e)
+            params[_LOADED] = True
+            return None
+        return kv
+
+    def _hold_call(self, request: Request, block_ids: list[int]) -> dict[str, Any]:
+        if self._handshake is None:
+            raise RuntimeError("the worker sent no relay handshake (is kv_role a producer?)")
+        prompt = list(request.prompt_token_ids or ())
+        msg = ("hold", request.request_id, list(block_ids), len(prompt),
+               int(request.output_token_ids[0]), prompt_digest(prompt))
+        with self._hold_lock:
+            if self._hold is None:
+                self._hold = Client(self._handshake.hold_path, "AF_UNIX",
+                                    authkey=self._handshake.hold_key)
+            conn = self._hold
+            try:
+                conn.send(msg)
+                if not conn.poll(HOLD_TIMEOUT_S):
+                    raise TimeoutError(f"the worker did not answer within {HOLD_TIMEOUT_S} s")
+                status, body = conn.recv()
+            except Exception:
+                self._hold = None  # a late answer must not be read as the next one's
+                conn.close()
+                raise
+        if status != "ok":
+            raise RuntimeError(body)
+        return dict(body)

@@ -1,0 +1,266 @@
+"""The decode side of the connector, in vLLM's worker: kvrelay's receiver pulling
+leases into vLLM's blocks, and what it reports back to vLLM's scheduler.
+
+vLLM's scheduler allocated the blocks (``update_state_after_alloc``) and holds the
+request in WAITING_FOR_REMOTE_KVS until a worker lists it in ``finished_recving``;
+a failed load is listed in ``failed_recving`` too, and vLLM's
+``kv_load_failure_policy`` then recomputes (or fails) it. ``VllmKvLoads`` is the
+receiver's ``KvLoads`` port onto that: every load ends in exactly one report, made
+only once no transfer writes into the request's blocks:
+
+| receiver says | reported |
+|---|---|
+| ``load_done`` (the fence said done) | finished_recving |
+| ``load_failed`` (the transfer stopped, or never started) | finished_recving + failed_recving |
+| ``transfer_ended`` (an aborted request's transfer stopped) | finished_recving (vLLM frees) |
+| abort before any transfer started | finished_recving (vLLM frees) |
+| ``quarantine`` (a transfer past its drain bound) | nothing until ``unquarantine`` |
+
+(A quarantined request keeps its blocks in vLLM: they are not reused while a copy may
+still write.) A receiver thread applies relay replies and timers (heartbeats, retransmits, drains)
+between vLLM's steps, so a long forward pass does not stall a pull; vLLM's hooks
+(``start_load_kv``, ``get_finished``) take the same lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvrelay.core.scheduler import RequestRejected
+from kvrelay.relay import protocol as P
+from kvrelay.relay.client import RelayClient
+from kvrelay.relay.receiver import Phase, Policy, Receiver, ReceiverConfig
+from kvrelay.relay.remote import RemoteKv
+from kvrelay.relay.transports.layout import BlockLayout
+from kvrelay.relay.transports.tcp import HostBlocks, TcpTransport
+from kvrelay.sampling_params import SamplingParams
+from kvrelay.vllm.settings import ConnectorSettings, unpin
+
+log = logging.getLogger(__name__)
+
+
+# Put on the relay client's reply queue by start(): wakes the receiver thread at once.
+_WAKE = P.Reply(0, "wake")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """A load the scheduler asks for (in the step's connector metadata)."""
+
+    request_id: str
+    params: dict[str, Any]  # kv_transfer_params, validated by the scheduler already
+    prompt_token_ids: list[int]
+    block_ids: list[int]  # the prompt's blocks on this engine
+    cached_blocks: int  # leading blocks this engine's prefix cache holds: not pulled
+
+
+class VllmKvLoads:
+    """``KvLoads`` over vLLM's scheduler: loads end in reports (see the module table)."""
+
+    def __init__(self, ready: threading.Event | None = None) -> None:
+        self.ready = ready or threading.Event()  # set when a report is queued
+        self._pending: dict[str, tuple[list[int], int]] = {}
+        self._waiting: list[tuple[str, list[int], int]] = []
+        self._live: set[str] = set()  # admitted, not reported yet
+        self._quarantined: dict[str, bool | None] = {}  # rid -> deferred report (failed?)
+        self.finished: set[str] = set()
+        self.failed: set[str] = set()
+        self.errors: dict[str, str] = {}
+
+    def expect(self, request_id: str, block_ids: list[int], cached: int) -> None:
+        self._pending[request_id] = (block_ids, cached)
+
+    def admit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+              *, eos_token_ids: Sequence[int], remote_kv: Any, first_token: int) -> bool:
+        blocks, cached = self._pending.pop(request_id)
+        self._live.add(request_id)
+        self._waiting.append((request_id, blocks, cached))
+        return False  # vLLM's decode samples the first token itself
+
+    def reject(self, request_id: str, error: str) -> None:
+        """Refused before admission: nothing was pulled, vLLM gets the failure."""
+        self._pending.pop(request_id, None)
+        self._live.add(request_id)
+        self.load_failed(request_id, error, recompute=True)
+
+    def abort(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def live(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def take_waiting(self) -> list[tuple[str, list[int], int]]:
+        out, self._waiting = self._waiting, []
+        return out
+
+    def load_started(self, request_id: str) -> None:
+        log.info("kvrelay: pulling the KV of request %s", request_id)
+
+    def load_done(self, request_id: str, *, shareable: bool) -> None:
+        self.report(request_id, failed=False)
+
+    def load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
+        log.warning("kvrelay: KV load of %s failed: %s", request_id, error)
+        self.errors[request_id] = error
+        self.report(request_id, failed=True)
+
+    def transfer_ended(self, request_id: str) -> None:
+        self.report(request_id, failed=False)
+
+    def quarantine(self, request_id: str) -> list[int]:
+        self._quarantined[request_id] = None
+        return []  # the blocks stay the request's in vLLM until unquarantine reports
+
+    def unquarantine(self, request_id: str, block_ids: Sequence[int]) -> None:
+        failed = self._quarantined.pop(request_id)
+        if failed is not None:
+            self._emit(request_id, failed)
+
+    def report(self, request_id: str, *, failed: bool) -> None:
+        if request_id in self._quarantined:
+            self._quarantined[request_id] = failed  # reported once the transfer stops
+            return
+        self._emit(request_id, failed)
+
+    def _emit(self, request_id: str, failed: bool) -> None:
+        self._live.remove(request_id)  # a second report of a load raises here
+        self.finished.add(request_id)
+        if failed:
+            self.failed.add(request_id)
+        self.ready.set()
+
+    def take(self) -> tuple[set[str], set[str]]:
+        out = self.finished, self.failed
+        self.finished, self.failed = set(), set()
+        return out
+
+
+class DecodeSide:
+    """The receiver, its relay client and tcp transport, and the thread driving them."""
+
+    def __init__(self, settings: ConnectorSettings, regions: list[np.ndarray],
+                 layout: BlockLayout, compat: str, engine_id: str,
+                 ready: threading.Event | None = None) -> None:
+        io_timeout = settings.lease_timeout / 2
+        self.client = RelayClient(compat=compat, transport=settings.kv_transport,
+                                  client_id=engine_id, layout=layout.name,
+                                  secret=settings.secret, io_timeout=io_timeout)
+        transport = TcpTransport(connect=self.client.open_data, io_timeout=io_timeout)
+        transport.blocks = HostBlocks(regions)
+        self.loads = VllmKvLoads(ready)
+        # Policy recompute: a failure is reported as failed_recving, and vLLM's own
+        # kv_load_failure_policy decides between recompute and an error.
+        self.receiver = Receiver(
+            self.loads, self.client, transport, holder=engine_id, compat=compat,
+            config=ReceiverConfig(policy=Policy.RECOMPUTE, peer_timeout=settings.lease_timeout,
+                                  heartbeat_interval=max(0.05, settings.lease_timeout / 4),
+                                  copy_timeout=settings.lease_max),
+            new_attempt=lambda: secrets.token_hex(8))
+        self.lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[
+            tuple[Sequence[LoadSpec], Sequence[str], Sequence[dict[str, Any]]]] = (
+            queue.SimpleQueue())
+        self.engine_id = engine_id
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drive, daemon=True, name="kvrelay-recv")
+        self._thread.start()
+
+    def start(self, loads: Sequence[LoadSpec], aborts: Sequence[str],
+              give_back: Sequence[dict[str, Any]] = ()) -> None:
+        """From vLLM's step: the receiver thread submits them (the threads of the relay
+        client and the transport are started from there: not pinned to vLLM's core).
+        ``give_back``: params of requests that ended before any load (aborted while
+        queued, or vLLM's rejection path): P is told ABORT so it frees at once."""
+        self._inbox.put((loads, aborts, give_back))
+        self.client.replies.put(_WAKE)
+
+    def _take_inbox(self, now: float) -> None:
+        while True:
+            try:
+                loads, aborts, give_back = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            for spec in loads:
+                self._submit(spec, now)
+            for rid in aborts:
+                self._abort(rid, now)
+            for params in give_back:
+                self._give_back(params)
+
+    def _give_back(self, params: dict[str, Any]) -> None:
+        """ABORT a lease no load of ours holds, under a fresh attempt: P frees a HELD
+        lease; one another attempt pulls refuses it (not_holder); a released one
+        answers released. The answer has no load and is counted stale."""
+        try:
+            kv = RemoteKv.from_client(params)  # a relay that is host:port, or nothing
+        except ValueError:
+            return
+        self.client.send(kv.relay, P.Abort(0, kv.engine_id, kv.lease_id, self.engine_id,
+                                           secrets.token_hex(8)))
+
+    def _submit(self, spec: LoadSpec, now: float) -> None:
+        self.loads.expect(spec.request_id, spec.block_ids, spec.cached_blocks)
+        try:
+            kv = RemoteKv.from_dict(spec.params)
+            self.receiver.submit(spec.request_id, spec.prompt_token_ids, SamplingParams(), kv,
+                                 now)
+        except (RequestRejected, ValueError) as e:
+            # Rejected before any transfer (P was told ABORT): vLLM recomputes or fails.
+            self.loads.reject(spec.request_id, str(e))
+
+    def _abort(self, rid: str, now: float) -> None:
+        load = self.receiver.loads.get(rid)
+        if load is None or not self.loads.live(rid):
+            return  # already reported: vLLM frees it on that report
+        no_transfer = load.phase in (Phase.ADMITTING, Phase.ACQUIRING)
+        self.receiver.abort(rid, now)
+        if no_transfer:
+            self.loads.transfer_ended(rid)  # nothing writes: vLLM may free now
+
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        with self.lock:
+            return self.loads.take()
+
+    def _drive(self) -> None:
+        unpin()
+        replies = self.client.replies
+        while not self._stop.is_set():
+            try:
+                with self.lock:
+                    wake = self.receiver.next_wakeup()
+                    # Transfers are polled (their threads do not signal): often while
+                    # any load is live; idle, only replies and start() wake us.
+                    wait = 0.01 if self.receiver.has_work() else 0.5
+                if wake is not None:
+                    wait = min(wait, max(0.0, wake - time.monotonic()))
+                try:
+                    reply: P.Reply | None = replies.get(timeout=wait)
+                except queue.Empty:
+                    reply = None
+                with self.lock:
+                    now = time.monotonic()
+                    self._take_inbox(now)
+                    while reply is not None:
+                        if reply is not _WAKE:
+                            self.receiver.on_reply(reply, now)
+                        try:
+                            reply = replies.get_nowait()
+                        except queue.Empty:
+                            reply = None
+                    self.receiver.tick(now)
+            except Exception:  # a bug must not stop every later load
+                log.exception("kvrelay: receiver step failed")
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.client.close()

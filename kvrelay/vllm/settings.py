@@ -1,0 +1,106 @@
+"""``kv_connector_extra_config``: kvrelay's relay settings, named as ``kvrelay serve``'s
+flags (docs/vllm.md lists them)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+TRANSPORTS = ("tcp",)
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    relay_host: str = "127.0.0.1"  # prefill: the address decode engines dial
+    relay_port: int = 0  # prefill: 0 = any free port (logged, and named in the params)
+    relay_secret: str | None = None  # HMAC of HELLO; env KVRELAY_RELAY_SECRET
+    kv_transport: str = "tcp"
+    lease_timeout: float = 30.0  # an un-acquired (or un-heartbeated) lease is freed after
+    lease_max: float = 480.0  # hard cap on a lease's life
+    # vLLM steps empty while a lease is held or D waits for KV (~440 steps/s): an empty
+    # step waits up to this long in the worker unless a report is ready. 0: no wait.
+    idle_step_ms: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.kv_transport not in TRANSPORTS:
+            raise ValueError(f"kv_connector_extra_config.kv_transport {self.kv_transport!r} "
+                             f"is not supported by the vLLM connector; allowed: "
+                             f"{', '.join(TRANSPORTS)}")
+        if not 0 <= self.relay_port < 65536:
+            raise ValueError(f"kv_connector_extra_config.relay_port must be 0..65535, got "
+                             f"{self.relay_port}")
+        if not 0 <= self.idle_step_ms <= 1000:
+            raise ValueError("kv_connector_extra_config.idle_step_ms must be 0..1000, got "
+                             f"{self.idle_step_ms}")
+        if not 0 < self.lease_timeout <= self.lease_max:
+            raise ValueError("kv_connector_extra_config: need 0 < lease_timeout "
+                             f"({self.lease_timeout}) <= lease_max ({self.lease_max})")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        """Parse ``kv_connector_extra_config``; an unknown key or a wrong type is an
+        error naming the key and what is allowed."""
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; "
+                             f"allowed: {sorted(known)}")
+        kw: dict[str, Any] = {}
+        for key, value in extra.items():
+            kw[key] = _typed(key, value, type(getattr(cls, key, "")))
+        if "relay_secret" not in kw and os.environ.get("KVRELAY_RELAY_SECRET"):
+            kw["relay_secret"] = os.environ["KVRELAY_RELAY_SECRET"]
+        return cls(**kw)
+
+    @property
+    def secret(self) -> bytes | None:
+        return self.relay_secret.encode() if self.relay_secret else None
+
+
+def _typed(key: str, value: Any, want: type) -> Any:
+    if key == "relay_secret":
+        if value is not None and not isinstance(value, str):
+            raise ValueError("kv_connector_extra_config.relay_secret must be a string")
+        return value
+    if want is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if want is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if want is str and isinstance(value, str):
+        return value
+    raise ValueError(f"kv_connector_extra_config.{key} must be {want.__name__}, got {value!r}")
+
+
+def unpin() -> None:
+    """Let the calling thread (and the threads it starts) run on every CPU. vLLM's CPU
+    worker binds its threads to the cores it computes on; the relay's threads must not
+    queue behind the forward pass on that core (a HELLO then took seconds)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+
+
+def run_unpinned(fn: Callable[[], T]) -> T:
+    """``fn()`` on a fresh unpinned thread, so the threads it starts are unpinned too."""
+    out: list[T] = []
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        unpin()
+        try:
+            out.append(fn())
+        except BaseException as e:  # re-raised in the caller
+            errors.append(e)
+
+    t = threading.Thread(target=body, name="kvrelay-start")
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+    return out[0]

@@ -1,0 +1,40 @@
+"""`kvrelay bench quant` on a tiny mixed-type GGUF: a row per dtype with agreement,
+both perplexities and both TPOTs; the agreement measure itself."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvrelay.bench import quant
+from kvrelay.model import native
+from kvrelay.model.testing import write_tiny_gguf
+
+needs_native = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
+
+
+def test_agreement_counts_the_shared_start() -> None:
+    assert quant.agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]]) == (1, 0.75)
+
+
+@needs_native
+def test_bench_quant_prints_a_row_per_dtype(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", seed=5)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    parser = argparse.ArgumentParser()
+    quant.register(parser.add_subparsers())
+    args = parser.parse_args(["quant", "--model", str(path), "--text", str(text),
+                              "--num-prompts", "3", "--prompt-len", "8", "--output-len", "4",
+                              "--ppl-tokens", "40", "--steps", "3", "--rounds", "1",
+                              "--threads", "1"])
+    assert args.func(args) == 0
+    rows = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert [r.split()[0] for r in rows] == ["float32", "bfloat16"]
+    f32 = rows[0].split()
+    assert f32[1].startswith("native-gguf-") and f32[2] == "3/3"  # same tokens in float32
+    assert float(f32[4]) == pytest.approx(float(f32[5]), rel=1e-3)  # perplexities

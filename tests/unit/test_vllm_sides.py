@@ -1,0 +1,230 @@
+"""The connector's worker halves (kvrelay.vllm.prefill / decode) over real sockets, on
+caches cut as vLLM's CPU cache is (layer-major views of one storage), without vLLM."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvrelay.relay.receiver import Phase
+from kvrelay.relay.transports.layout import BlockLayout, layer_regions
+from kvrelay.vllm.decode import DecodeSide, LoadSpec, VllmKvLoads
+from kvrelay.vllm.prefill import PrefillSide, VllmLeaseBlocks, prompt_digest
+from kvrelay.vllm.settings import ConnectorSettings
+
+LAYERS, BLOCKS, HEADS, BS, HEAD = 3, 16, 2, 4, 8
+PROMPT = list(range(100, 110))  # 10 tokens: 3 blocks of 4
+
+
+def vllm_like_cache(fill: bool) -> dict[str, torch.Tensor]:
+    storage = (torch.randn if fill else torch.zeros)(LAYERS, BLOCKS, HEADS, BS, 2 * HEAD)
+    return {f"model.layers.{i}.self_attn.attn": storage[i] for i in range(LAYERS)}
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Any, ...]]]:
+    made: list[Any] = []
+
+    def make(lease_timeout: float = 5.0, lease_max: float = 60.0,
+             delay: float = 0.0) -> tuple[Any, ...]:
+        if delay:
+            monkeypatch.setenv("KVRELAY_FAULT_TRANSFER_DELAY_S", str(delay))
+        settings = ConnectorSettings(lease_timeout=lease_timeout, lease_max=lease_max)
+        p_cache, d_cache = vllm_like_cache(True), vllm_like_cache(False)
+        p_regions, layout = layer_regions(p_cache)
+        d_regions, _ = layer_regions(d_cache)
+        p = PrefillSide(settings, p_regions, layout, "c0", "P1")
+        d = DecodeSide(settings, d_regions, layout, "c0", "D1")
+        made.extend([p, d])
+        return p, d, p_cache, d_cache
+
+    yield make
+    for side in made:
+        side.close()
+    for side in made:
+        if isinstance(side, PrefillSide):  # the hold socket and its folder are gone
+            assert not os.path.exists(os.path.dirname(side.hold_server.address.path))
+
+
+def lease(p: PrefillSide, rid: str = "p-req") -> dict[str, Any]:
+    return p.hold(rid, [5, 2, 3], len(PROMPT), 42, prompt_digest(PROMPT))
+
+
+def finished(d: DecodeSide, got: dict[str, bool]) -> Callable[[], bool]:
+    def check() -> bool:
+        done, failed = d.take_finished()
+        for rid in done:
+            assert rid not in got, f"{rid} reported twice"
+            got[rid] = rid in failed
+        return bool(got)
+    return check
+
+
+def test_layout_names_round_trip() -> None:
+    _, layout = layer_regions(vllm_like_cache(False))
+    assert layout == BlockLayout(LAYERS, HEADS * BS * 2 * HEAD * 4)
+    assert BlockLayout.parse(layout.name) == layout
+    assert BlockLayout.parse("block_major").name == "block_major"
+    with pytest.raises(ValueError, match="regions:<count>x<piece bytes>"):
+        BlockLayout.parse("regions:3")
+
+
+def test_a_pull_lands_every_layer_and_releases_once(pair: Any) -> None:
+    p, d, p_cache, d_cache = pair()
+    params = lease(p)
+    d.start([LoadSpec("d-req", params, PROMPT, [9, 10, 1], 0)], [])
+    got: dict[str, bool] = {}
+    wait_for(finished(d, got), "the load's report")
+    assert got == {"d-req": False}
+    for name in p_cache:
+        assert torch.equal(d_cache[name][[9, 10, 1]], p_cache[name][[5, 2, 3]])
+    released: set[str] = set()
+    wait_for(lambda: bool(released.update(p.take_released()) or released), "the release")
+    assert released == {"p-req"}
+    time.sleep(0.2)
+    assert p.take_released() == set() and d.take_finished() == (set(), set())
+
+
+def test_a_replay_never_commits(pair: Any) -> None:
+    p, d, _, _ = pair()
+    params = lease(p)
+    d.start([LoadSpec("first", params, PROMPT, [9, 10, 1], 0)], [])
+    got: dict[str, bool] = {}
+    wait_for(finished(d, got), "the first load")
+    d.start([LoadSpec("replay", params, PROMPT, [11, 12, 13], 0)], [])
+    got.clear()
+    wait_for(finished(d, got), "the replay's report")
+    assert got == {"replay": True}  # failed_recving: vLLM recomputes it
+
+
+def test_params_of_another_prompt_are_refused(pair: Any) -> None:
+    p, d, _, _ = pair()
+    other = list(reversed(PROMPT))
+    d.start([LoadSpec("d-req", lease(p), other, [9, 10, 1], 0)], [])
+    got: dict[str, bool] = {}
+    wait_for(finished(d, got), "the report")
+    assert got == {"d-req": True}
+
+
+def test_expiry_while_the_pull_is_delayed_falls_back(pair: Any) -> None:
+    # Heartbeats keep a pulling lease alive up to its hard cap: the cap ends it here.
+    p, d, _, _ = pair(lease_timeout=0.5, lease_max=1.0, delay=2.0)
+    d.start([LoadSpec("d-req", lease(p), PROMPT, [9, 10, 1], 0)], [])
+    released: set[str] = set()
+    wait_for(lambda: bool(released.update(p.take_released()) or released), "expiry")
+    got: dict[str, bool] = {}
+    wait_for(finished(d, got), "the fallback")
+    assert got == {"d-req": True}
+
+
+def test_abort_while_the_pull_waits_reports_once_after_it_stopped(pair: Any) -> None:
+    p, d, _, _ = pair(delay=30.0)
+    d.start([LoadSpec("d-req", lease(p), PROMPT, [9, 10, 1], 0)], [])
+    wait_for(lambda: getattr(d.receiver.loads.get("d-req"), "phase", None) is Phase.COPYING,
+             "the copy")
+    d.start([], ["d-req"])
+    got: dict[str, bool] = {}
+    wait_for(finished(d, got), "the abort's report")
+    assert set(got) == {"d-req"}
+    released: set[str] = set()
+    wait_for(lambda: bool(released.update(p.take_released()) or released), "P's release")
+    assert released == {"p-req"}
+    d.start([], ["d-req"])  # a second abort (vLLM's duplicate request_finished): nothing
+    time.sleep(0.2)
+    assert d.take_finished() == (set(), set())
+
+
+def test_a_lease_never_loaded_is_given_back_at_once(pair: Any) -> None:
+    p, d, _, _ = pair(lease_timeout=30.0)
+    params = lease(p)
+    d.start([], [], [params])  # vLLM's rejection path: request_finished, no load
+    released: set[str] = set()
+    wait_for(lambda: bool(released.update(p.take_released()) or released), "P's release",
+             timeout=10.0)  # well before the 30 s timeout
+    assert released == {"p-req"}
+    assert p.table.release_reason(params["lease_id"]).value == "aborted"
+
+
+def test_lease_blocks_shared_prefix_and_one_report() -> None:
+    blocks = VllmLeaseBlocks(8)
+    blocks.hold("a", [1, 2], "L1")
+    blocks.hold("b", [1, 3], "L2")  # block 1: a prefix both requests share
+    g = blocks.generations([1, 2, 3])
+    blocks.release("L1", [1])  # a partial pull's leading block
+    assert blocks.generations([1, 2, 3]) == g and blocks.take_released() == []
+    blocks.release("L1", [2])
+    assert blocks.take_released() == [("a", "L1")]
+    assert blocks.generations([1, 2, 3]) == [g[0], g[1] + 1, g[2]]  # 1 is still L2's
+    with pytest.raises(KeyError):
+        blocks.release("L1", [])  # the lease is gone: a second release cannot report
+    blocks.release("L2", [1, 3])
+    assert blocks.take_released() == [("b", "L2")]
+    assert blocks.generations([1, 3]) == [g[0] + 1, g[2] + 1]
+
+
+def test_kv_loads_quarantine_defers_the_report() -> None:
+    loads = VllmKvLoads()
+    loads.expect("r", [1, 2], 0)
+    loads.admit("r", [1], None, eos_token_ids=(), remote_kv=None, first_token=0)  # type: ignore[arg-type]
+    loads.quarantine("r")
+    loads.load_failed("r", "stopped", recompute=True)
+    assert loads.take() == (set(), set())  # the transfer may still write: blocks stay
+    loads.unquarantine("r", [])
+    assert loads.take() == ({"r"}, {"r"})
+    with pytest.raises(KeyError):
+        loads.load_done("r", shareable=True)
+
+
+def test_settings_name_the_bad_key() -> None:
+    assert ConnectorSettings.from_extra({"lease_timeout": 3, "relay_port": 0}).lease_timeout == 3
+    with pytest.raises(ValueError, match=r"unknown key.*lease_tmeout"):
+        ConnectorSettings.from_extra({"lease_tmeout": 3})
+    with pytest.raises(ValueError, match="kv_transport 'shm'"):
+        ConnectorSettings.from_extra({"kv_transport": "shm"})
+    with pytest.raises(ValueError, match="relay_port must be int"):
+        ConnectorSettings.from_extra({"relay_port": "80"})
+
+
+def test_importing_kvrelay_never_imports_vllm() -> None:
+    """Where vLLM is absent an import of it would fail; in the vLLM venv (when present)
+    it would land in sys.modules: both fail this test."""
+    from tests.vllm.pair import PYTHON, REPO
+
+    code = ("import sys, kvrelay, kvrelay.vllm, kvrelay.vllm.prefill, kvrelay.vllm.decode, "
+            "kvrelay.relay.server, kvrelay.server.proxy; "
+            "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    if PYTHON.exists():
+        subprocess.run([str(PYTHON), "-c", code],
+                       check=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+def test_docs_list_every_setting_with_its_default() -> None:
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    table = text[text.index("## Settings"):text.index("`kv_load_failure_policy`:")]
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", table, re.M))
+    fields = {f.name: f.default for f in dataclasses.fields(ConnectorSettings)}
+    assert set(rows) == set(fields)
+    for name, default in fields.items():
+        if default is not None:
+            assert rows[name].strip("` ") == f"{default:g}" if isinstance(default, float) \
+                else rows[name].strip("` ") == str(default), name
