@@ -227,7 +227,7 @@ class _Handlers:
             ids = tok.encode(body.prompt, add_special_tokens=special)
         else:
             ids = self._render(body.template_messages(), body.add_generation_prompt,
-                               bool(body.add_special_tokens))
+                               bool(body.add_special_tokens), body.checked_tools())
         return JSONResponse({"count": len(ids), "max_model_len": self.model.max_model_len,
                              "tokens": ids, "token_strs": None})
 

@@ -460,13 +460,13 @@ class TokenizeRequest(_Strict):
     # template holds them), as vLLM.
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None  # rendered by the template, as on chat
 
     REFUSED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
         "continue_final_message": (lambda v: not v, "continue_final_message is not supported"),
         "chat_template": (lambda v: v is None, "a request's own chat_template is not "
                           "supported (the model's is used)"),
         "chat_template_kwargs": (lambda v: not v, "chat_template_kwargs are not supported"),
-        "tools": (lambda v: not v, "tools are not supported"),
         "return_token_strs": (lambda v: not v, "return_token_strs is not supported"),
     }
 
@@ -478,6 +478,15 @@ class TokenizeRequest(_Strict):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages or [])
+
+    def checked_tools(self) -> tuple[dict[str, Any], ...] | None:
+        """The tools the template renders (validated as chat's are), as vLLM's /tokenize
+        takes them."""
+        try:
+            plan = plan_tools(self.tools, "none", None)
+        except InvalidParameter as exc:
+            raise bad_request(exc.param, str(exc)) from exc
+        return None if plan is None else plan.tools
 
 
 class DetokenizeRequest(_Strict):

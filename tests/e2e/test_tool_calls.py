@@ -183,3 +183,32 @@ def test_bad_tools_are_400_naming_the_field(procs: dict[str, Proc], where: str,
         c.chat.completions.create(model=model, messages=ASK, max_tokens=2, extra_body=kwargs)
     body: Any = info.value.body
     assert body["param"] == param, body
+
+
+def test_tools_and_tool_turns_reach_the_prompt(procs: dict[str, Proc]) -> None:
+    """The prompt a tool request is served with is the one /tokenize renders with the
+    same tools; the tools' description and the tool turn are in it."""
+    import httpx
+
+    c = client(procs["colo"])
+    model = c.models.list().data[0].id
+    _, (call,), _ = _calls(c, False, messages=ASK, tools=TOOLS, tool_choice="required",
+                           parallel_tool_calls=False)
+    turn = {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21C"}
+    history: list[Any] = [*ASK, {"role": "assistant", "tool_calls": [call.model_dump()]}, turn]
+    r = c.chat.completions.create(model=model, messages=history, tools=TOOLS,
+                                  tool_choice="none", max_tokens=2)
+
+    def count(**body: Any) -> int:
+        resp = httpx.post(procs["colo"].url + "/tokenize", json=body, timeout=30)
+        assert resp.status_code == 200, resp.text
+        return int(resp.json()["count"])
+
+    served = r.usage.prompt_tokens if r.usage else -1
+    assert served == count(messages=history, tools=TOOLS)
+    assert count(messages=history) < served  # the tools' description
+    assert count(messages=history[:2], tools=TOOLS) < served  # the tool turn
+    assert count(messages=[*history[:1], history[2]], tools=TOOLS) < served  # the call
+    bad = httpx.post(procs["colo"].url + "/tokenize", timeout=30,
+                     json={"messages": ASK, "tools": [{"type": "fn"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].type"
