@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -56,10 +57,12 @@ from kvrelay.server.responses import (
     EchoShape,
     EventStream,
     Shape,
+    ToolChatShape,
     collect,
     stream_events,
     until_disconnect,
 )
+from kvrelay.server.tools import describe_tools, hermes_calls_text, parser
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +94,8 @@ class ServerState:
     role: str = "both"  # "prefill" | "decode" | "both" (colocated)
     # Prefill role: gives a lease back when the client left before the decode engine.
     release_lease: Callable[[str, str], dict[str, Any]] | None = None
+    # --tool-call-parser when --enable-auto-tool-choice: tool_choice auto is served.
+    tool_parser: str | None = None
     drain: DrainState = field(default_factory=DrainState)  # set going by SIGTERM
 
 
@@ -191,12 +196,21 @@ class _Handlers:
         body = parse_body(await read_body(request), ChatCompletionRequest)
         self._check_model(body.model)
         body.check()
+        plan = body.tool_plan
+        if plan is not None and plan.mode == "auto" and self.state.tool_parser is None:
+            # vLLM's answer, word for word.
+            raise bad_request("tool_choice", "\"auto\" tool choice requires "
+                              "--enable-auto-tool-choice and --tool-call-parser to be set")
         prompt = self._render_chat(body)
         specs = self._specs(body, [prompt], body.requested_max_tokens(), body.num_logprobs())
         self._check_extras(specs)
         gen = self._generation("chatcmpl", {"prompt": "messages"}, arrival)
         await gen.start(specs, len(prompt))
-        shape = ChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs)
+        shape: ChatShape = ChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs)
+        if plan is not None and plan.mode != "none":
+            auto = parser(self.state.tool_parser) if self.state.tool_parser else None
+            shape = ToolChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs,
+                                  plan, auto)
         return await self._respond(request, gen, shape, body.stream,
                                    body.include_usage_in_stream(), len(specs))
 
@@ -213,7 +227,7 @@ class _Handlers:
             ids = tok.encode(body.prompt, add_special_tokens=special)
         else:
             ids = self._render(body.template_messages(), body.add_generation_prompt,
-                               bool(body.add_special_tokens))
+                               bool(body.add_special_tokens), body.checked_tools())
         return JSONResponse({"count": len(ids), "max_model_len": self.model.max_model_len,
                              "tokens": ids, "token_strs": None})
 
@@ -248,14 +262,23 @@ class _Handlers:
 
     # -- helpers ---------------------------------------------------------------------
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
-        return self._render(body.template_messages(), True, body.add_special_tokens)
+        plan = body.tool_plan
+        return self._render(body.template_messages(), True, body.add_special_tokens,
+                            plan.tools if plan is not None else None)
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                add_special_tokens: bool) -> list[int]:
+                add_special_tokens: bool, tools: Sequence[dict[str, Any]] | None = None
+                ) -> list[int]:
         tok = self.model.tokenizer
+        template = getattr(tok, "chat_template", None) or ""
+        messages = tool_messages(messages, tools, template)
+        if tools is not None and "tools" not in template:
+            tools = None  # described in a system message instead
         try:
-            text = tok.apply_chat_template(messages,
-                                           add_generation_prompt=add_generation_prompt)
+            # tools only when there are some: a tokenizer without tool support still serves.
+            extra = {} if tools is None else {"tools": tools}
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           **extra)
         except ChatTemplateError as exc:
             raise bad_request("messages", f"the model's chat template refused the "
                               f"messages: {exc}") from exc
@@ -391,6 +414,43 @@ class _Handlers:
             return Response(status_code=499)
         return JSONResponse(shape.full(collected, usage(
             gen.prompt_tokens, shape.completion_tokens(gen.completion_tokens))))
+
+
+def tool_messages(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+                  template: str) -> list[dict[str, Any]]:
+    """Messages for a template that ignores tools (as SmolLM2's): the tools described
+    in the system message (Hermes' format, as vLLM's tool templates do), earlier calls
+    as ``<tool_call>`` text. A template that knows ``tools``/``tool_calls`` gets them."""
+    out = [dict(m) for m in messages]
+    for m in out:
+        calls = m.pop("tool_calls", None)
+        if not calls:
+            continue
+        if "tool_calls" in template:
+            m["tool_calls"] = [_args_as_object(c) for c in calls]
+        else:
+            m["content"] = "\n".join(p for p in (m.get("content") or "",
+                                                 hermes_calls_text(calls)) if p)
+    if tools and "tools" not in template:
+        text = describe_tools(tuple(tools))
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{text}"
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _args_as_object(call: Any) -> Any:
+    """OpenAI sends ``function.arguments`` as JSON text; templates (Qwen's, Llama's)
+    write it with ``tojson``: given as an object, as vLLM and transformers do."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 # The kvrelay lease fields D needs (RemoteKv's required fields); first_token_sent is the

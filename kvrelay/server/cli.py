@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvrelay.serve")
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+# kvrelay.server.tools' parsers (not imported here: it pulls in the grammar engine).
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 def register(subparsers: Any) -> None:
@@ -119,6 +121,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="grace period of the drain on SIGTERM/SIGINT: /health says draining, "
                    "new requests are refused (503), in-flight ones (and a prefill engine's "
                    "leases) may finish this long before they are aborted")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice \"auto\": the model writes calls in its own "
+                   "format, --tool-call-parser finds them (vLLM's flag)")
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                   help="the model family's tool-call format for tool_choice auto: hermes "
+                   "(<tool_call>...</tool_call>, SmolLM2, Qwen), llama3_json, mistral")
 
 
 def build_state(args: argparse.Namespace) -> ServerState:
@@ -198,7 +206,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
     if isinstance(hooks, PrefillHooks | DecodeHooks):
         metrics.register(RelayExport(hooks))  # with model_name, as every engine series
     loop = EngineLoop(engine, hooks=hooks, threads=torch.get_num_threads())
-    return ServerState(loop, served, metrics, args.api_key, role=role, release_lease=release)
+    parser = args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False) else None
+    return ServerState(loop, served, metrics, args.api_key, role=role, release_lease=release,
+                       tool_parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,6 +221,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        raise UsageError("--enable-auto-tool-choice needs --tool-call-parser "
+                         f"({', '.join(TOOL_PARSERS)})")
     try:
         # The engine thread's OpenMP pool should be the only one (run_in_own_thread).
         state = kernel_choice.run_in_own_thread(lambda: build_state(args))

@@ -17,13 +17,14 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from kvrelay.core.runner import TokenLogprobs
 from kvrelay.model.grammar import structured_output
 from kvrelay.sampling_params import InvalidParameter, SamplingParams, StructuredOutput
+from kvrelay.server.tools import ToolPlan, plan_tools
 
 MAX_N = 16
 MAX_CHOICES = 64  # prompts in a batch times n
@@ -177,7 +178,7 @@ class _SamplingRequest(_Strict):
     }
     # Known fields with no effect on the output here: dropped without a warning.
     HARMLESS: ClassVar[frozenset[str]] = frozenset({
-        "store", "metadata", "service_tier", "parallel_tool_calls", "request_id",
+        "store", "metadata", "service_tier", "request_id",
         "guided_decoding_backend", "cache_salt",
     })
 
@@ -215,7 +216,7 @@ class _SamplingRequest(_Strict):
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias=self.logit_bias_pairs(),
-                structured=self.response_format.structured() if self.response_format else None,
+                structured=self.structured(),
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
@@ -231,6 +232,9 @@ class _SamplingRequest(_Strict):
 
     def num_prompt_logprobs(self) -> int | None:
         return None
+
+    def structured(self) -> StructuredOutput | None:
+        return self.response_format.structured() if self.response_format else None
 
     def bad_words_token_ids(self, encode: Callable[[str], list[int]]
                             ) -> tuple[tuple[int, ...], ...]:
@@ -328,11 +332,20 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None  # required, may be null (assistant turns)
+    # Required, may be null (assistant turns); an assistant turn with tool_calls may leave
+    # it out (OpenAI's clients do).
+    content: str | list[TextPart] | None
     # Earlier tool turns of a conversation reach the chat template as sent.
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_without_content(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "content" not in data and data.get("tool_calls"):
+            return {**data, "content": None}
+        return data
 
     def text(self) -> str:
         if self.content is None:
@@ -347,9 +360,13 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_special_tokens: bool = False  # vLLM's: the template already holds them
+    # Set by check(): the validated tools and the grammar that forces a call.
+    _tools: ToolPlan | None = PrivateAttr(default=None)
+    _forced: StructuredOutput | None = PrivateAttr(default=None)
 
     REFUSED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
         **_SamplingRequest.REFUSED,
@@ -374,13 +391,16 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        if self.tools:
-            raise bad_request("tools", "tools are not supported: this server does not parse "
-                              "tool calls out of the output (describe the tools in a message "
-                              "and ask for response_format json_schema instead)")
-        if self.tool_choice is not None and self.tool_choice != "none":
-            raise bad_request("tool_choice", "tool_choice other than \"none\" needs tools, "
-                              "which this server does not support")
+        try:
+            self._tools = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+            self._forced = self._tools.structured() if self._tools else None
+        except InvalidParameter as exc:
+            raise bad_request(exc.param, str(exc)) from exc
+        if self._forced is not None and self.response_format is not None and (
+                self.response_format.type != "text"):
+            raise bad_request("response_format", "response_format cannot be combined with "
+                              "tool_choice \"required\" or a named function (the tools' "
+                              "schemas shape the output)")
         if not self.messages:
             raise bad_request("messages", "messages must contain at least one message")
         if self.top_logprobs is not None:
@@ -392,6 +412,18 @@ class ChatCompletionRequest(_SamplingRequest):
                     f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
                     f"got {self.top_logprobs}",
                 )
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        """The request's tools, as ``check`` validated them."""
+        return self._tools
+
+    def structured(self) -> StructuredOutput | None:
+        return self._forced if self._forced is not None else super().structured()
+
+    def parses_tools(self) -> bool:
+        """The answer is read for tool calls: the whole output must be in one place."""
+        return self._tools is not None and self._tools.mode != "none"
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -428,13 +460,13 @@ class TokenizeRequest(_Strict):
     # template holds them), as vLLM.
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None  # rendered by the template, as on chat
 
     REFUSED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
         "continue_final_message": (lambda v: not v, "continue_final_message is not supported"),
         "chat_template": (lambda v: v is None, "a request's own chat_template is not "
                           "supported (the model's is used)"),
         "chat_template_kwargs": (lambda v: not v, "chat_template_kwargs are not supported"),
-        "tools": (lambda v: not v, "tools are not supported"),
         "return_token_strs": (lambda v: not v, "return_token_strs is not supported"),
     }
 
@@ -446,6 +478,15 @@ class TokenizeRequest(_Strict):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages or [])
+
+    def checked_tools(self) -> tuple[dict[str, Any], ...] | None:
+        """The tools the template renders (validated as chat's are), as vLLM's /tokenize
+        takes them."""
+        try:
+            plan = plan_tools(self.tools, "none", None)
+        except InvalidParameter as exc:
+            raise bad_request(exc.param, str(exc)) from exc
+        return None if plan is None else plan.tools
 
 
 class DetokenizeRequest(_Strict):

@@ -251,9 +251,12 @@ class Proxy:
         self._route_keys(legs, req, chat)
         t0 = asyncio.get_running_loop().time()
         streaming = False
-        # Prompt logprobs need every prompt position where the answer is made: such legs
-        # go to a decode engine whole, as colocated work (no prefill engine, no lease).
-        to_prefill = [] if req.num_prompt_logprobs() is not None else legs
+        # Prompt logprobs need every prompt position where the answer is made, and tool
+        # calls are read out of the whole output: such legs go to a decode engine whole,
+        # as colocated work (no prefill engine, no lease).
+        whole = req.num_prompt_logprobs() is not None or (
+            isinstance(req, ChatCompletionRequest) and req.parses_tools())
+        to_prefill = [] if whole else legs
         try:
             if await self._unless_gone(request, _all(
                     self._prefill_leg(path, leg) for leg in to_prefill)) is None:

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvrelay.server.generation import Delta, Generation
 from kvrelay.server.protocol import ApiError, LogprobFormatter, now, sse, usage
+from kvrelay.server.tools import ContentGate, ToolCall, ToolParser, ToolPlan, call_json
 
 T = TypeVar("T")
 
@@ -68,6 +69,10 @@ class Shape:
 
     def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
         raise NotImplementedError
+
+    def chunks(self, d: Delta, offset: int) -> list[dict[str, Any]]:
+        """The SSE chunks of one delta (a shape that holds text back may send none)."""
+        return [self.chunk(d, offset)]
 
 
 class CompletionShape(Shape):
@@ -174,6 +179,95 @@ class ChatShape(Shape):
         ])
 
 
+class ToolChatShape(ChatShape):
+    """Chat with tools: calls as ``message.tool_calls`` and ``delta.tool_calls``.
+
+    Named function: the output is the arguments, streamed as they come (the first delta
+    carries id, type and name). ``required``: the output is a JSON array of calls, sent
+    whole at the end. ``auto``: content streams until the parser's marker; the calls
+    after it are sent at the end (as vLLM, the text stays content when they do not parse).
+    """
+
+    def __init__(self, rid: str, model: str, with_logprobs: bool, fmt: LogprobFormatter,
+                 plan: ToolPlan, auto: ToolParser | None) -> None:
+        super().__init__(rid, model, with_logprobs, fmt)
+        self.plan, self.auto = plan, auto
+        self._gates: dict[int, ContentGate] = {}
+        self._text: dict[int, list[str]] = {}
+        self._named_started: set[int] = set()
+
+    def _calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.plan.mode == "auto":
+            assert self.auto is not None
+            return self.auto.extract(text)
+        calls = self.plan.forced_calls(text)
+        return (text, []) if not calls else (None, calls)
+
+    def full_choice(self, index: int, c: Collected) -> dict[str, Any]:
+        out = super().full_choice(index, c)
+        content, calls = self._calls("".join(c.text))
+        if calls:
+            out["message"] = {"role": "assistant", "content": content,
+                              "tool_calls": [call_json(t) for t in calls]}
+            if c.finish_reason == "stop":
+                out["finish_reason"] = "tool_calls"
+        return out
+
+    def chunks(self, d: Delta, offset: int) -> list[dict[str, Any]]:
+        if self.plan.mode == "named":
+            return self._named(d)
+        if self.plan.mode == "auto":
+            assert self.auto is not None
+            gate = self._gates.setdefault(d.index, ContentGate(self.auto))
+            content = gate.feed(d.text)
+            calls: list[ToolCall] = []
+            if d.finish_reason is not None:
+                rest, calls = gate.finish()
+                content += rest
+        else:  # required: the array is read whole at the end
+            self._text.setdefault(d.index, []).append(d.text)
+            content, calls = "", []
+            if d.finish_reason is not None:
+                text = "".join(self._text.pop(d.index))
+                calls = self.plan.forced_calls(text) or []
+                content = "" if calls else text
+        out = []
+        if content or d.logprobs:
+            out.append(self._piece(d, {"content": content} if content else {}))
+        if calls:
+            out.append(self._piece(d, {"tool_calls": [call_json(t, i)
+                                                      for i, t in enumerate(calls)]},
+                                   logprobs=False))
+        if d.finish_reason is not None:
+            reason = "tool_calls" if calls and d.finish_reason == "stop" else d.finish_reason
+            out.append(self._piece(d, {}, reason, logprobs=False))
+        return out
+
+    def _named(self, d: Delta) -> list[dict[str, Any]]:
+        out = []
+        if d.index not in self._named_started:
+            self._named_started.add(d.index)
+            assert self.plan.name is not None
+            first = call_json(ToolCall(self.plan.name, ""), 0)
+            out.append(self._piece(d, {"tool_calls": [first]}, logprobs=False))
+        if d.text or d.logprobs:
+            args = {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]}
+            out.append(self._piece(d, args if d.text else {}))
+        if d.finish_reason is not None:
+            reason = "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+            out.append(self._piece(d, {}, reason, logprobs=False))
+        return out
+
+    def _piece(self, d: Delta, delta: dict[str, Any], finish: str | None = None,
+               logprobs: bool = True) -> dict[str, Any]:
+        lp = None
+        if logprobs and self.with_logprobs and d.logprobs is not None:
+            lp = self.fmt.chat(d.token_ids, d.logprobs)
+        return self.envelope(self.object_chunk, [
+            {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        ])
+
+
 # -- collecting and streaming ---------------------------------------------------------
 async def collect(gen: Generation, num_choices: int) -> list[Collected]:
     out = [Collected() for _ in range(num_choices)]
@@ -222,7 +316,8 @@ async def stream_events(
         for chunk in shape.first_chunks(num_choices):
             yield sse(_with_usage(chunk, include_usage))
         async for d in gen.deltas():
-            yield sse(_with_usage(shape.chunk(d, offsets[d.index]), include_usage))
+            for chunk in shape.chunks(d, offsets[d.index]):
+                yield sse(_with_usage(chunk, include_usage))
             offsets[d.index] += len(d.text)
         if include_usage:
             final = shape.envelope(shape.object_chunk, [])

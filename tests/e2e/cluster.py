@@ -112,8 +112,8 @@ class Cluster:
         self.procs.append(p)
         return p
 
-    def colocated(self, name: str = "colo") -> Proc:
-        return self._proc(name, ["serve", str(self.model), *BLOCK_ARGS]).start()
+    def colocated(self, name: str = "colo", *extra: str) -> Proc:
+        return self._proc(name, ["serve", str(self.model), *BLOCK_ARGS, *extra]).start()
 
     def prefill(self, name: str = "prefill", *extra: str, **where: Any) -> Proc:
         return self._proc(name, [

@@ -102,8 +102,8 @@ def test_logit_bias_applied(procs: dict[str, Proc], model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("kind, kwargs, param", [
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-     "tools"),
+    ("chat", {"tools": [{"type": "fn", "function": {"name": "f", "parameters": {}}}]},
+     "tools[0].type"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("completion", {"suffix": "end"}, "suffix"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},

@@ -1,0 +1,214 @@
+"""Tool calling through the openai client, on a colocated ``kvrelay serve`` and on 1P1D
+behind the proxy (real processes, a tiny random model): a whole tool loop, request with
+tools -> the client reads ``tool_calls`` -> a ``tool`` message back -> a final answer.
+
+A tiny random model calls a tool only when made to: ``tool_choice`` ``required`` or a
+named function, which the grammar engine enforces. The parameters' schema bounds every
+string and number so the call ends within max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.e2e.cluster import Cluster, Proc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 6},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+
+
+def _valid_args(name: str, arguments: str) -> bool:
+    doc = json.loads(arguments)
+    if name == "get_time":
+        return doc in ({"zone": "UTC"}, {"zone": "CET"})
+    return (isinstance(doc, dict) and list(doc) == ["city", "days"]
+            and isinstance(doc["city"], str) and len(doc["city"]) <= 6
+            and type(doc["days"]) is int and 1 <= doc["days"] <= 7)
+
+
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
+    from kvrelay.model.testing import write_tiny_hf_model
+
+    model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
+    # The tools' description (a system message: the template ignores tools) is long for
+    # the tiny model's character-level vocabulary: room for it.
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=2048)))
+    room = ("--num-blocks", "1024")
+    c = Cluster(model, tmp_path_factory.mktemp("tools-logs"))
+    try:
+        out = {"colo": c.colocated("colo", *room), "p": c.prefill("prefill", *room),
+               "d": c.decode("decode", "shm", *room),
+               "auto": c.colocated("auto", *room, "--enable-auto-tool-choice",
+                                   "--tool-call-parser", "hermes")}
+        for p in out.values():
+            p.wait_healthy()
+        out["proxy"] = c.proxy([out["p"]], [out["d"]]).wait_healthy()
+        yield out
+    finally:
+        c.close()
+        print(c.logs())
+
+
+def client(proc: Proc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=90)
+
+
+def _calls(c: openai.OpenAI, stream: bool, **kw: Any) -> tuple[Any, list[Any], str | None]:
+    """(content, tool calls, finish_reason), streamed or not, as the client reads them."""
+    model = c.models.list().data[0].id
+    args: dict[str, Any] = dict(model=model, temperature=1.0, seed=3, max_tokens=80, **kw)
+    if not stream:
+        r = c.chat.completions.create(**args)
+        m = r.choices[0].message
+        return m.content, list(m.tool_calls or []), r.choices[0].finish_reason
+    calls: dict[int, dict[str, Any]] = {}
+    content, finish = "", None
+    with c.chat.completions.create(stream=True, **args) as s:
+        for chunk in s:
+            for ch in chunk.choices:
+                content += ch.delta.content or ""
+                for tc in ch.delta.tool_calls or []:
+                    slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                    if tc.id:
+                        assert slot["id"] is None, "id sent twice"
+                        slot["id"] = tc.id
+                        assert tc.type == "function" and tc.function and tc.function.name
+                    if tc.function and tc.function.name:
+                        slot["name"] += tc.function.name
+                    if tc.function and tc.function.arguments:
+                        slot["arguments"] += tc.function.arguments
+                finish = ch.finish_reason or finish
+    as_objs = [openai.types.chat.ChatCompletionMessageToolCall(
+        id=v["id"], type="function", function={"name": v["name"], "arguments": v["arguments"]})
+        for _, v in sorted(calls.items())]
+    return content or None, as_objs, finish
+
+
+@pytest.mark.parametrize("where", ["colo", "proxy"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tool_loop(procs: dict[str, Proc], where: str, stream: bool, choice: str) -> None:
+    c = client(procs[where])
+    tool_choice: Any = ("required" if choice == "required" else
+                        {"type": "function", "function": {"name": "get_weather"}})
+    content, calls, finish = _calls(c, stream, messages=ASK, tools=TOOLS,
+                                    tool_choice=tool_choice, parallel_tool_calls=False)
+    assert finish == "tool_calls" and content is None
+    assert len(calls) == 1
+    call = calls[0]
+    assert call.id.startswith("call_") and call.type == "function"
+    if choice == "named":
+        assert call.function.name == "get_weather"
+    assert call.function.name in SCHEMAS
+    assert _valid_args(call.function.name, call.function.arguments), call.function.arguments
+    # The loop: the call and its result go back, the model answers in text.
+    history: list[Any] = [*ASK, {"role": "assistant", "content": None,
+                                 "tool_calls": [call.model_dump()]},
+                          {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21C"}]
+    content, calls, finish = _calls(c, stream, messages=history, tools=TOOLS,
+                                    tool_choice="none")
+    assert calls == [] and finish in ("stop", "length") and content
+
+
+def test_same_call_colocated_and_1p1d(procs: dict[str, Proc]) -> None:
+    """Seeded: the call is the same colocated and through the proxy."""
+    out = []
+    for where in ("colo", "proxy"):
+        _, calls, _ = _calls(client(procs[where]), False, messages=ASK, tools=TOOLS,
+                             tool_choice="required")
+        out.append([(t.function.name, t.function.arguments) for t in calls])
+    assert out[0] == out[1] and out[0]
+
+
+def test_auto_needs_the_flag(procs: dict[str, Proc]) -> None:
+    c = client(procs["colo"])
+    model = c.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=4)
+    body: Any = info.value.body
+    assert body["param"] == "tool_choice" and "--enable-auto-tool-choice" in body["message"]
+
+
+def test_auto_with_the_flag_serves_text(procs: dict[str, Proc]) -> None:
+    """With --enable-auto-tool-choice a random model's text (no <tool_call>) is content."""
+    c = client(procs["auto"])
+    model = c.models.list().data[0].id
+    r = c.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="auto",
+                                  max_tokens=8, temperature=0)
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+     "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "objectx"}}}]}, "tools[0].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
+])
+@pytest.mark.parametrize("where", ["colo", "proxy"])
+def test_bad_tools_are_400_naming_the_field(procs: dict[str, Proc], where: str,
+                                            kwargs: dict[str, Any], param: str) -> None:
+    c = client(procs[where])
+    model = c.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model=model, messages=ASK, max_tokens=2, extra_body=kwargs)
+    body: Any = info.value.body
+    assert body["param"] == param, body
+
+
+def test_tools_and_tool_turns_reach_the_prompt(procs: dict[str, Proc]) -> None:
+    """The prompt a tool request is served with is the one /tokenize renders with the
+    same tools; the tools' description and the tool turn are in it."""
+    import httpx
+
+    c = client(procs["colo"])
+    model = c.models.list().data[0].id
+    _, (call,), _ = _calls(c, False, messages=ASK, tools=TOOLS, tool_choice="required",
+                           parallel_tool_calls=False)
+    turn = {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21C"}
+    history: list[Any] = [*ASK, {"role": "assistant", "tool_calls": [call.model_dump()]}, turn]
+    r = c.chat.completions.create(model=model, messages=history, tools=TOOLS,
+                                  tool_choice="none", max_tokens=2)
+
+    def count(**body: Any) -> int:
+        resp = httpx.post(procs["colo"].url + "/tokenize", json=body, timeout=30)
+        assert resp.status_code == 200, resp.text
+        return int(resp.json()["count"])
+
+    served = r.usage.prompt_tokens if r.usage else -1
+    assert served == count(messages=history, tools=TOOLS)
+    assert count(messages=history) < served  # the tools' description
+    assert count(messages=history[:2], tools=TOOLS) < served  # the tool turn
+    assert count(messages=[*history[:1], history[2]], tools=TOOLS) < served  # the call
+    bad = httpx.post(procs["colo"].url + "/tokenize", timeout=30,
+                     json={"messages": ASK, "tools": [{"type": "fn"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].type"
