@@ -8,12 +8,14 @@ entirely free and no lease is held.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,6 +148,23 @@ class Cluster:
 
     def logs(self) -> str:
         return "\n".join(f"==== {p.name} ====\n{p.tail()}" for p in self.procs)
+
+
+@contextlib.contextmanager
+def colocated_and_pd(model: Path, logdir: Path) -> Iterator[tuple[Cluster, dict[str, Proc]]]:
+    """A colocated engine ("colo"), 1P1D over shm ("p", "d") and a proxy in front of the
+    pair ("proxy"), all healthy; closed at the end, with the logs printed (pytest shows
+    them when a test failed)."""
+    c = Cluster(model, logdir)
+    try:
+        procs = {"colo": c.colocated(), "p": c.prefill(), "d": c.decode("decode", "shm")}
+        for p in procs.values():
+            p.wait_healthy()
+        procs["proxy"] = c.proxy([procs["p"]], [procs["d"]]).wait_healthy()
+        yield c, procs
+    finally:
+        c.close()
+        print(c.logs())
 
 
 def metric(m: dict[str, float], query: str) -> float:

@@ -24,7 +24,15 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.cluster import REPO, Cluster, Proc, env, free_port, pools_free, sample
+from tests.e2e.cluster import (
+    REPO,
+    Proc,
+    colocated_and_pd,
+    env,
+    free_port,
+    pools_free,
+    sample,
+)
 from tests.metrics_util import metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -41,19 +49,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
-    c = Cluster(model_dir, tmp_path_factory.mktemp("proxy-compat-logs"))
-    try:
-        procs = {"colo": c.colocated(), "p": c.prefill(), "d": c.decode("decode", "shm")}
-        for p in procs.values():
-            p.wait_healthy()
-        procs["proxy"] = c.proxy([procs["p"]], [procs["d"]]).wait_healthy()
+    with colocated_and_pd(model_dir, tmp_path_factory.mktemp("proxy-compat-logs")) as (c, procs):
         dead = [Proc("nobody", [], c.logdir / "unused.log") for _ in range(2)]
         procs["dead"] = c.proxy([dead[0]], [dead[1]], "proxy-dead")
         _wait_up(procs["dead"].url + "/metrics")
         yield procs
-    finally:
-        c.close()
-        print(c.logs())  # shown by pytest when a test failed
 
 
 def _wait_up(url: str, timeout: float = 30.0) -> None:

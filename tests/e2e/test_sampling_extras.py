@@ -14,7 +14,7 @@ import pytest
 
 from kvrelay.model.llm import LLM
 from kvrelay.sampling_params import SamplingParams
-from tests.e2e.cluster import Cluster, Proc, ask, pools_free
+from tests.e2e.cluster import Proc, ask, colocated_and_pd, pools_free
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -40,16 +40,8 @@ def base(model_dir: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
-    c = Cluster(model_dir, tmp_path_factory.mktemp("sampling-extras-logs"))
-    try:
-        procs = {"colo": c.colocated(), "p": c.prefill(), "d": c.decode("decode", "shm")}
-        for p in procs.values():
-            p.wait_healthy()
-        procs["proxy"] = c.proxy([procs["p"]], [procs["d"]]).wait_healthy()
+    with colocated_and_pd(model_dir, tmp_path_factory.mktemp("sampling-extras-logs")) as (_, procs):
         yield procs
-    finally:
-        c.close()
-        print(c.logs())
 
 
 def _client(proc: Proc) -> openai.OpenAI:

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, Proc
+from tests.e2e.cluster import Proc, colocated_and_pd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -34,16 +34,8 @@ def ref(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
-    c = Cluster(model_dir, tmp_path_factory.mktemp("tokenize-logs"))
-    try:
-        procs = {"colo": c.colocated(), "p": c.prefill(), "d": c.decode("decode", "shm")}
-        for p in procs.values():
-            p.wait_healthy()
-        procs["proxy"] = c.proxy([procs["p"]], [procs["d"]]).wait_healthy()
+    with colocated_and_pd(model_dir, tmp_path_factory.mktemp("tokenize-logs")) as (_, procs):
         yield procs
-    finally:
-        c.close()
-        print(c.logs())
 
 
 def _post(proc: Proc, path: str, body: dict[str, Any]) -> httpx.Response:
