@@ -28,13 +28,16 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance as llg
 import numpy as np
-import torch
 
 from kvrelay.core.runner import ScheduledRequest
 from kvrelay.sampling_params import InvalidParameter, StructuredOutput
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,9 @@ class GrammarMasks:
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], request_ids: Sequence[str]) -> None:
         """Set the logits of tokens the grammar forbids to -inf, in place, for ``rows``."""
+        import torch  # here, not at import: the server validates grammars before torch
+        # loads, and the CLI sets libgomp's wait policy before that (kernel_choice)
+
         vocab = logits.shape[1]
         words = (vocab + 31) // 32
         bits = np.zeros((len(rows), words), dtype=np.int32)
