@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import pkgutil
 import sys
@@ -55,8 +56,11 @@ def imports() -> int:
     """Import every kvrelay module; print the failures (optional extras excepted)."""
     import kvrelay
 
-    # nixl_peer imports NIXL (kvrelay[nixl]); __main__ would run the CLI
+    # nixl_peer imports NIXL (kvrelay[nixl]); __main__ would run the CLI; the vLLM
+    # connector imports vLLM (kvrelay[vllm]), which a plain kvrelay install lacks
     optional = {"kvrelay.bench.nixl_peer", "kvrelay.__main__"}
+    if importlib.util.find_spec("vllm") is None:
+        optional.add("kvrelay.vllm.connector")
     failed = []
     for mod in pkgutil.walk_packages(kvrelay.__path__, "kvrelay."):
         if mod.name in optional:
