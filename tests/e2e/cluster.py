@@ -151,13 +151,15 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def colocated_and_pd(model: Path, logdir: Path) -> Iterator[tuple[Cluster, dict[str, Proc]]]:
-    """A colocated engine ("colo"), 1P1D over shm ("p", "d") and a proxy in front of the
-    pair ("proxy"), all healthy; closed at the end, with the logs printed (pytest shows
-    them when a test failed)."""
+def colocated_and_pd(model: Path, logdir: Path,
+                     *extra: str) -> Iterator[tuple[Cluster, dict[str, Proc]]]:
+    """A colocated engine ("colo"), 1P1D over shm ("p", "d"), each started with ``extra``,
+    and a proxy in front of the pair ("proxy"), all healthy; closed at the end, with the
+    logs printed (pytest shows them when a test failed)."""
     c = Cluster(model, logdir)
     try:
-        procs = {"colo": c.colocated(), "p": c.prefill(), "d": c.decode("decode", "shm")}
+        procs = {"colo": c.colocated("colo", *extra), "p": c.prefill("prefill", *extra),
+                 "d": c.decode("decode", "shm", *extra)}
         for p in procs.values():
             p.wait_healthy()
         procs["proxy"] = c.proxy([procs["p"]], [procs["d"]]).wait_healthy()

@@ -18,7 +18,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer as HfTokenizer
 
-from tests.e2e.cluster import Cluster, Proc
+from tests.e2e.cluster import Proc, colocated_and_pd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -52,16 +52,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def procs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
-    c = Cluster(model_dir, tmp_path_factory.mktemp("structured-logs"))
-    try:
-        out = {"colo": c.colocated(), "p": c.prefill(), "d": c.decode()}
-        for p in out.values():
-            p.wait_healthy()
-        out["proxy"] = c.proxy([out["p"]], [out["d"]]).wait_healthy()
+    with colocated_and_pd(model_dir, tmp_path_factory.mktemp("structured-logs")) as (_, out):
         yield out
-    finally:
-        c.close()
-        print(c.logs())
 
 
 def client(proc: Proc) -> openai.OpenAI:

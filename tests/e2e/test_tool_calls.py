@@ -17,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.cluster import Cluster, Proc
+from tests.e2e.cluster import Proc, colocated_and_pd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -57,19 +57,10 @@ def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=2048)))
     room = ("--num-blocks", "1024")
-    c = Cluster(model, tmp_path_factory.mktemp("tools-logs"))
-    try:
-        out = {"colo": c.colocated("colo", *room), "p": c.prefill("prefill", *room),
-               "d": c.decode("decode", "shm", *room),
-               "auto": c.colocated("auto", *room, "--enable-auto-tool-choice",
-                                   "--tool-call-parser", "hermes")}
-        for p in out.values():
-            p.wait_healthy()
-        out["proxy"] = c.proxy([out["p"]], [out["d"]]).wait_healthy()
+    with colocated_and_pd(model, tmp_path_factory.mktemp("tools-logs"), *room) as (c, out):
+        out["auto"] = c.colocated("auto", *room, "--enable-auto-tool-choice",
+                                  "--tool-call-parser", "hermes").wait_healthy()
         yield out
-    finally:
-        c.close()
-        print(c.logs())
 
 
 def client(proc: Proc) -> openai.OpenAI:
