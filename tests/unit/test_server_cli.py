@@ -11,15 +11,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvrelay.cli import build_parser
-from tests.unit.test_server_fakes import free_port
+from tests.unit.test_server_fakes import free_port, stream_in_flight, wait_serving
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = """
@@ -58,30 +55,9 @@ def test_signal_with_a_stream_in_flight_exits_zero(grace: str, sig: signal.Signa
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(port), grace], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.05)
-        lines: list[str] = []
-        first_line = threading.Event()
+        wait_serving(url, proc)
         body = {"model": "tiny", "prompt": "x", "max_tokens": 60, "stream": True}
-
-        def stream() -> None:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        first_line.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        # The signal comes once the stream is in flight (its first event received), not
-        # after a sleep: on a busy machine it once came before the stream connected.
-        assert first_line.wait(30), "the stream never started"
+        lines, t = stream_in_flight(url, body, timeout=30)
         proc.send_signal(sig)
         assert proc.wait(30) == 0
         t.join(10)

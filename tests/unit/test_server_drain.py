@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import pytest
 
 from kvrelay.server.api import create_app
 from kvrelay.server.drain import DrainGate, DrainState
-from tests.unit.test_server_fakes import free_port, make_state
+from tests.unit.test_server_fakes import free_port, make_state, stream_in_flight, wait_serving
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -134,28 +133,9 @@ def test_sigterm_drains_a_stream_refuses_new_work_and_exits_zero(tmp_path: Path)
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-                time.sleep(0.05)
+        wait_serving(url, proc, log)
         body = {"model": "tiny", "prompt": "x", "max_tokens": 20, "stream": True}
-        lines: list[str] = []
-        first = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        first.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first.wait(30), "the stream never started"
+        lines, t = stream_in_flight(url, body, timeout=60)
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
         while (r := httpx.get(url + "/health", timeout=30)).status_code == 200:

@@ -8,10 +8,14 @@ enough to drive the whole HTTP path with exactly predictable output.
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
+import httpx
 import uvicorn
 
 from kvrelay.config import SchedulerConfig
@@ -154,3 +158,38 @@ def serve_in_thread(state: ServerState) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def wait_serving(url: str, proc: subprocess.Popen[Any], log: Path | None = None) -> None:
+    """Wait (30 s at most) until a ``kvrelay serve`` child answers /health 200 (its
+    ``log`` shown when it does not)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline and proc.poll() is None, (
+                log.read_text() if log else "")
+            time.sleep(0.05)
+
+
+def stream_in_flight(url: str, body: dict[str, Any],
+                     timeout: float) -> tuple[list[str], threading.Thread]:
+    """Start a streamed completion on a thread and return (its lines so far, the thread)
+    once its first event came: in flight, not merely sent (on a busy machine a signal
+    sent after a sleep once came before the stream connected)."""
+    lines: list[str] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    first.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first.wait(30), "the stream never started"
+    return lines, t
