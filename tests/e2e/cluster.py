@@ -37,6 +37,23 @@ def env(extra: dict[str, str] | None = None) -> dict[str, str]:
             **(extra or {})}
 
 
+def wait_healthy(p: Any, timeout: float, every: float) -> None:
+    """Poll ``p.url``/health until 200; a process that exits first, or a timeout, raises
+    with the tail of its log. ``p``: a Proc, or tests/vllm's VllmEngine."""
+    assert p.proc is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if p.proc.poll() is not None:
+            raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n" + p.tail())
+        try:
+            if httpx.get(p.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(every)
+    raise TimeoutError(f"{p.name} not healthy within {timeout} s:\n" + p.tail())
+
+
 @dataclass
 class Proc:
     name: str
@@ -60,19 +77,8 @@ class Proc:
         return self
 
     def wait_healthy(self, timeout: float = 60.0) -> Proc:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
-                                   + self.tail())
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.name} not healthy within {timeout} s:\n" + self.tail())
+        wait_healthy(self, timeout, every=0.1)
+        return self
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

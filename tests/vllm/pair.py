@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from kvrelay.server.demo import free_port
+from tests.e2e.cluster import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("KVRELAY_VLLM_VENV", "/tmp/anch/v-vllm"))
@@ -67,19 +68,8 @@ class VllmEngine:
         return self
 
     def wait_healthy(self, timeout: float = 900.0) -> VllmEngine:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
-                                   + self.tail())
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not healthy within {timeout} s:\n" + self.tail())
+        wait_healthy(self, timeout, every=0.5)
+        return self
 
     def signal_all(self, sig: int) -> None:
         """``sig`` to the engine's whole process group (API server, EngineCore, worker)."""
