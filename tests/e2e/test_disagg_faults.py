@@ -214,6 +214,27 @@ def caught_pulling(f: Any, t: threading.Thread, timeout: float = 30) -> bool:
     return False
 
 
+def start_a_caught_pull(f: Any, prompt: str, **kw: Any) -> tuple[
+        str, str, list[httpx.Response], threading.Thread]:
+    """Start D's request for a fresh prompt (``prompt`` and an attempt number) on a thread
+    and return once P's lease was seen PULLING: (the colocated text, P's first text, the
+    list D's response lands in, the thread). A pull that ended before it was seen (a busy
+    machine) is tried again with a new prompt."""
+    for attempt in range(8):
+        body = f.body(f"{prompt} {attempt}", 4)
+        want = f.colocated_text(body)
+        params = f.prefill_direct(body)
+        first_text = f.first_text
+        result: list[httpx.Response] = []
+        t = threading.Thread(target=lambda b=body, p=params, out=result: out.append(
+            f.decode_direct(b, p, **kw)), daemon=True)
+        t.start()
+        if caught_pulling(f, t):
+            return want, first_text, result, t
+        t.join(60)
+    pytest.fail("never saw the lease pulling in 8 attempts")
+
+
 def _stream_and_close(url: str, body: dict[str, Any], after_chunks: int,
                       until: Any = None) -> int:
     """Stream a completion and close the connection after ``after_chunks`` data lines
@@ -492,19 +513,7 @@ def test_prefill_frozen_mid_copy_decode_falls_back_within_the_lease_timeout(f: F
     """Bug (issue 9): the data socket had no timeout, so a P frozen mid-copy held D for
     --lease-max. Now every wait of the pull is bounded by the lease timeout: D falls
     back (recompute) and answers the colocated text."""
-    for attempt in range(8):
-        body = f.body(f"{PULL} frozen {attempt}", 4)
-        want = f.colocated_text(body)
-        params = f.prefill_direct(body)
-        result: list[httpx.Response] = []
-        t = threading.Thread(target=lambda b=body, p=params, out=result: out.append(
-            f.decode_direct(b, p, timeout=60)), daemon=True)
-        t.start()
-        if caught_pulling(f, t):
-            break
-        t.join(60)  # the pull ended before it was seen (a busy machine): a new prompt
-    else:
-        pytest.fail("never saw the lease pulling in 8 attempts")
+    want, _, result, t = start_a_caught_pull(f, f"{PULL} frozen", timeout=60)
     f.p.signal(signal.SIGSTOP)
     t0 = time.monotonic()
     try:
@@ -566,20 +575,7 @@ def test_eviction_on_d_while_a_partial_pull_is_in_flight(f: Faults) -> None:
     assert r.status_code == 200, r.text
     filler = f.body(f"{secrets.token_hex(3)} " + "kl " * 100, 1)  # cached blocks on D
     assert httpx.post(f.d.url + "/v1/completions", json=filler, timeout=30).status_code == 200
-    for attempt in range(8):
-        body = f.body(head + f"pulled {attempt}", 4)
-        want = f.colocated_text(body)
-        params = f.prefill_direct(body)
-        first_text = f.first_text
-        result: list[httpx.Response] = []
-        t = threading.Thread(target=lambda b=body, p=params, out=result: out.append(
-            f.decode_direct(b, p)), daemon=True)
-        t.start()
-        if caught_pulling(f, t):
-            break
-        t.join(60)  # the pull ended before it was seen (a busy machine): a new prompt
-    else:
-        pytest.fail("never saw the lease pulling in 8 attempts")
+    want, first_text, result, t = start_a_caught_pull(f, head + "pulled")
     m = metrics(f.d.url)
     free, cached = metric(m, "kvrelay_kv_blocks_free"), metric(m, "kvrelay_kv_blocks_cached")
     assert cached >= 2, (free, cached)
