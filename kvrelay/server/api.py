@@ -62,6 +62,7 @@ from kvrelay.server.responses import (
     stream_events,
     until_disconnect,
 )
+from kvrelay.server.responses_api import ResponsesRoute
 from kvrelay.server.tools import describe_tools, hermes_calls_text, parser
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/models", handlers.models, methods=["GET"])
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/responses", ResponsesRoute(handlers).create, methods=["POST"])
     app.add_api_route("/v1/kv/release", handlers.release_lease, methods=["POST"])
     app.add_api_route("/tokenize", handlers.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", handlers.detokenize, methods=["POST"])
