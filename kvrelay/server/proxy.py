@@ -42,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvrelay.server.protocol import ApiError, install_error_handlers, read_body
 from kvrelay.server.proxy_affinity import POLICIES, RoutingConfig
 from kvrelay.server.proxy_discovery import add_discovery_args, discovery_from
+from kvrelay.server.proxy_responses import RESPONSES_PATH, ResponseRouter
 from kvrelay.server.proxy_routing import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -130,6 +131,13 @@ def create_proxy_app(proxy: Proxy) -> FastAPI:
     async def chat(request: Request) -> Response:
         check_auth(request)
         return await proxy.handle(request, CHAT_PATH)
+
+    responses = ResponseRouter(proxy)
+
+    @app.post(RESPONSES_PATH)
+    async def create_response(request: Request) -> Response:
+        check_auth(request)
+        return await responses.handle(request)
 
     return app
 
