@@ -39,6 +39,11 @@ if TYPE_CHECKING:
     from kvrelay.server.api import _Handlers
 
 MAX_INPUT_ITEMS = 4096
+# Passed to the chat request as they are: OpenAI's temperature and top_p, vLLM's extras.
+SAMPLING = ("temperature", "top_p", "seed", "top_k", "min_p", "stop", "stop_token_ids",
+            "ignore_eos", "include_stop_str_in_output", "logit_bias", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "min_tokens", "bad_words",
+            "allowed_token_ids")
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _Rule = tuple[Callable[[Any], bool], str]
@@ -59,7 +64,21 @@ class ResponsesRequest(_Strict):
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
-    seed: int | None = None  # vLLM's extra parameter
+    # vLLM's extra sampling parameters (as on chat; validated there).
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
 
     # OpenAI's fields that change the answer and that kvrelay does not serve: a 400 naming
     # them unless sent with the value meaning "off".
@@ -92,11 +111,13 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
     turn = input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {"model": req.model, "messages": [*system, *history, *turn]}
-    for key, value in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
-                       ("top_p", req.top_p), ("seed", req.seed),
+    for key, value in (("max_tokens", req.max_output_tokens),
                        ("parallel_tool_calls", req.parallel_tool_calls)):
         if value is not None:
             body[key] = value
+    for key in SAMPLING:
+        if getattr(req, key) is not None:
+            body[key] = getattr(req, key)
     if req.tools:
         body["tools"] = [chat_tool(i, t) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:

@@ -187,6 +187,8 @@ class Output:
         elif self._gate is not None:
             rest, calls = self._gate.finish()
             out += self._content(rest)
+        if not self.items and not calls:  # nothing came: an empty message, as OpenAI
+            out += self._open("message")
         for item in self.items:
             if not item.done:
                 item.cut = item.cut or reason == "length"

@@ -165,6 +165,22 @@ def test_text_events_in_openai_order_and_numbered() -> None:
     assert final["usage"]["input_tokens"] == 3 and final["usage"]["total_tokens"] == 5
 
 
+def test_nothing_generated_is_one_empty_message() -> None:
+    out = Output("r", settings(), None, None)
+    out.start()
+    out.feed(Delta(0, "", [2], None, "stop"))
+    (item,) = out.final(3, 1)["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] == ""
+
+
+def test_vllm_sampling_extras_reach_the_chat_request() -> None:
+    body, _ = to_chat(req(input="x", seed=4, top_k=3, stop=["\n"], min_tokens=2,
+                          logit_bias={"5": 1.0}, repetition_penalty=1.1), [])
+    assert (body["seed"], body["top_k"], body["stop"], body["min_tokens"]) == (4, 3, ["\n"], 2)
+    assert body["logit_bias"] == {"5": 1.0} and body["repetition_penalty"] == 1.1
+    assert "min_p" not in body  # unset stays unset: chat's defaults
+
+
 def test_cut_by_max_output_tokens_is_incomplete() -> None:
     final = run(Output("r", settings(), None, None), ["a"], finish="length")[-1]["response"]
     assert final["status"] == "incomplete"
