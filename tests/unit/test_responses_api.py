@@ -243,3 +243,21 @@ def test_store_is_lru_and_bounded_in_count_and_bytes() -> None:
     assert got is not None
     got[0]["content"] = "changed"  # a copy: the stored conversation stays
     assert s.get("d") == big
+
+
+def test_the_proxy_sends_a_follow_up_to_the_engine_that_made_the_response() -> None:
+    from kvrelay.server.proxy_responses import ResponseRouter
+    from kvrelay.server.proxy_routing import Proxy
+
+    proxy = Proxy(["http://p"], ["http://d1", "http://d2", "http://d3"])
+    router = ResponseRouter(proxy, max_remembered=2)
+    proxy.decode.all[0].outstanding = 0  # d1 is the least loaded
+    proxy.decode.all[1].outstanding = proxy.decode.all[2].outstanding = 3
+    router.remember("resp_a", "http://d2")
+    router.remember("resp_b", "http://d3")
+    assert router.order("resp_a")[0].url == "http://d2"
+    assert router.order("resp_b")[0].url == "http://d3"
+    assert router.order(None)[0].url == "http://d1" == router.order(["x"])[0].url
+    router.remember("resp_c", "http://d2")  # bounded: resp_a, the oldest, is forgotten
+    assert router.order("resp_a")[0].url == "http://d1"
+    assert [u.url for u in router.order("resp_c")] == ["http://d2", "http://d1", "http://d3"]
