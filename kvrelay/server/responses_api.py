@@ -300,8 +300,8 @@ class ResponsesRoute:
             raise bad_request("tool_choice", "\"auto\" tool choice requires "
                               "--enable-auto-tool-choice and --tool-call-parser to be set "
                               "(tool_choice defaults to auto when tools are sent)")
-        prompt = h._render_chat(chat)
         try:
+            prompt = h._render_chat(chat)
             specs = h._specs(chat, [prompt], chat.requested_max_tokens(), None)
             h._check_extras(specs)
         except ApiError as exc:
@@ -329,7 +329,7 @@ class ResponsesRoute:
         found = self.store.get(rid)
         if found is None:
             # OpenAI's answer: 400, naming the field.
-            raise bad_request("previous_response_id", f"Previous response with id {rid!r} "
+            raise bad_request("previous_response_id", f"Previous response with id {rid[:80]!r} "
                               "not found (this engine stores the last responses made with "
                               "store: true, up to a bound)")
         return found
