@@ -7,6 +7,7 @@ function_call_output items, previous_response_id, text.format, and 400s naming t
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.cluster import Proc, colocated_and_pd
+from tests.e2e.cluster import Proc, colocated_and_pd, metric, pools_free
+from tests.metrics_util import metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -253,3 +255,25 @@ def test_proxy_refuses_a_body_that_is_not_an_object(procs: dict[str, Proc]) -> N
         r = httpx.post(procs["proxy"].url + "/v1/responses", content=raw, timeout=30,
                        headers={"content-type": "application/json"})
         assert r.status_code == 400 and "error" in r.json()
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_client_that_leaves_mid_stream_aborts_it(procs: dict[str, Proc], where: str) -> None:
+    """The stream's client goes after the first delta: the engine aborts the generation
+    (through the proxy too: the proxy closes its own upstream stream) and frees its KV."""
+    engine = procs["colo" if where == "colo" else "d"]
+    query = 'kvrelay_requests_finished_total{reason="abort"}'
+    before = metric(metrics(engine.url), query)
+    body = {"model": model_of(client(procs[where])), "input": "Tell me everything",
+            "max_output_tokens": 1900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", procs[where].url + "/v1/responses", json=body,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if '"response.output_text.delta"' in line:
+                break  # and the connection closes
+    deadline = time.monotonic() + 30
+    while metric(metrics(engine.url), query) == before:
+        assert time.monotonic() < deadline, "the engine never aborted the generation"
+        time.sleep(0.05)
+    pools_free(engine)
