@@ -207,8 +207,16 @@ def build_state(args: argparse.Namespace) -> ServerState:
         metrics.register(RelayExport(hooks))  # with model_name, as every engine series
     loop = EngineLoop(engine, hooks=hooks, threads=torch.get_num_threads())
     parser = args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False) else None
+    keys = None
+    if role == "prefill":
+        import time
+
+        from kvrelay.relay.release_keys import ReleaseKeys
+
+        # An entry older than the acquire deadline is of a lease pulled or expired.
+        keys = ReleaseKeys(ttl=args.lease_timeout, clock=time.monotonic)
     return ServerState(loop, served, metrics, args.api_key, role=role, release_lease=release,
-                       tool_parser=parser)
+                       release_keys=keys, tool_parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -105,6 +105,9 @@ class Generation:
     # Prefill role: every lease made for a choice, so that a handler whose client left
     # can give them back (nobody else knows them).
     _leases: list[dict[str, Any]] = field(default_factory=list)
+    # Prefill role: told of each lease as soon as it reaches the handler, before any
+    # answer is written (the proxy's release_key, see kvrelay.relay.release_keys).
+    on_lease: Callable[[dict[str, Any]], None] | None = None
     prompt_tokens: int = 0
 
     @property
@@ -206,6 +209,8 @@ class Generation:
             # Kept even for a choice already given up (its client left as P finished):
             # the lease is made all the same, and only this handler can give it back.
             self._leases.append(out.kv_transfer_params)
+            if self.on_lease is not None:
+                self.on_lease(out.kv_transfer_params)
         choice = self._choices.get(out.request_id)
         if choice is None or choice.finish_reason is not None:
             return None  # e.g. the abort that follows a stop-string match

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -353,28 +354,39 @@ class Proxy:
         self.metrics.requests.labels("prefill_unavailable").inc()
 
     async def _prefill(self, up: Upstream, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        # The key names the lease before it exists: a call that ends without an answer
+        # read here (the client left as P wrote it, P failed mid-answer) gives back by
+        # it whatever lease P made, at once (kvrelay.relay.release_keys).
+        key = secrets.token_urlsafe(16)
         p_body = dict(body, max_tokens=1, stream=False,
-                      kv_transfer_params={"do_remote_decode": True})
+                      kv_transfer_params={"do_remote_decode": True, "release_key": key})
         p_body.pop("stream_options", None)
         p_body.pop("max_completion_tokens", None)
         if "min_tokens" in p_body:  # P samples token 1: min_tokens >= 1 masks its EOS there
             p_body["min_tokens"] = min(p_body["min_tokens"], 1)
-        async with self._outstanding(up):
-            try:
-                r = await self._http().post(f"{up.url}{path}", json=p_body,
-                                            headers=self._headers(), timeout=self.timeout)
-            except httpx.HTTPError as exc:
-                raise UpstreamDown(f"{type(exc).__name__}: {exc}") from exc
-        if r.status_code >= 500:
-            raise UpstreamDown(f"HTTP {r.status_code}: {r.text[:200]}")
-        if r.status_code != 200:
-            raise Refused(r)
+        read = False  # P's answer read: its lease (if any) is the leg's to give back
         try:
-            first = r.json()
-            first["choices"][0]
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise UpstreamDown(f"not an OpenAI answer: {r.text[:200]}") from exc
-        return dict(first)
+            async with self._outstanding(up):
+                try:
+                    r = await self._http().post(f"{up.url}{path}", json=p_body,
+                                                headers=self._headers(), timeout=self.timeout)
+                except httpx.HTTPError as exc:
+                    raise UpstreamDown(f"{type(exc).__name__}: {exc}") from exc
+            if r.status_code >= 500:
+                raise UpstreamDown(f"HTTP {r.status_code}: {r.text[:200]}")
+            if r.status_code != 200:
+                read = True  # refused: no lease was made
+                raise Refused(r)
+            try:
+                first = r.json()
+                first["choices"][0]
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                raise UpstreamDown(f"not an OpenAI answer: {r.text[:200]}") from exc
+            read = True
+            return dict(first)
+        finally:
+            if not read:
+                self._background(self._post_release(up.url, {"release_key": key}))
 
     def _decode_body(self, leg: Leg, stream: bool) -> dict[str, Any]:
         body = dict(leg.body, stream=stream)
