@@ -360,11 +360,16 @@ class Proxy:
         key = secrets.token_urlsafe(16)
         p_body = dict(body, max_tokens=1, stream=False,
                       kv_transfer_params={"do_remote_decode": True, "release_key": key})
+        if body.get("max_completion_tokens", body.get("max_tokens")) == 1:
+            # P's answer is the whole choice: asked as plain work, no lease, and its text
+            # ends as a colocated engine's would (a handed-off answer holds back a
+            # partial character for D, which never comes: the soak saw '' for it).
+            del p_body["kv_transfer_params"]
         p_body.pop("stream_options", None)
         p_body.pop("max_completion_tokens", None)
         if "min_tokens" in p_body:  # P samples token 1: min_tokens >= 1 masks its EOS there
             p_body["min_tokens"] = min(p_body["min_tokens"], 1)
-        read = False  # P's answer read: its lease (if any) is the leg's to give back
+        read = "kv_transfer_params" not in p_body  # True: no lease to give back by key
         try:
             async with self._outstanding(up):
                 try:
