@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from kvrelay.core.engine import RequestOutput, RequestRejected
 from kvrelay.core.lifecycle import FinishReason
 from kvrelay.core.runner import TokenLogprobs
+from kvrelay.core.scheduler import KvQueueFull
 from kvrelay.relay.receiver import INVALID_PARAMS
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.sampling_params import SamplingParams
@@ -129,6 +130,12 @@ class Generation:
         except EngineDead as exc:
             self.abort_unfinished()
             raise ApiError(503, str(exc), type="server_error", code="unavailable") from exc
+        except KvQueueFull as exc:
+            # Nothing was admitted and the lease is untouched: the proxy tries another
+            # decode engine, a client retries after Retry-After.
+            self.abort_unfinished()
+            raise ApiError(429, str(exc), type="server_error", code="kv_queue_full",
+                           headers={"Retry-After": str(exc.retry_after_s)}) from exc
         except AdmissionFailed as exc:
             self.abort_unfinished()
             raise ApiError(500, str(exc), type="server_error") from exc

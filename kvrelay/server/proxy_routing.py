@@ -58,11 +58,12 @@ class UpstreamDown(Exception):
 
 
 class _Unseen(Exception):
-    """A decode engine refused a leg before it saw it: the next one may take it."""
+    """A decode engine refused a leg before it saw it: the next one may take it.
+    ``busy``: a 429 (its queue of pulled requests is full), not a sign of ill health."""
 
-    def __init__(self, error: dict[str, Any]) -> None:
+    def __init__(self, error: dict[str, Any], busy: bool = False) -> None:
         super().__init__(error)
-        self.error = error
+        self.error, self.busy = error, busy
 
 
 class Refused(Exception):
@@ -314,8 +315,9 @@ class Proxy:
         first = self._pick(self.decode, leg)
         return [first, *(up for up in self.decode.candidates() if up is not first)]
 
-    def _refused_unseen(self, up: Upstream, why: str) -> None:
-        up.healthy = False  # until its next health check says otherwise
+    def _refused_unseen(self, up: Upstream, why: str, busy: bool = False) -> None:
+        if not busy:
+            up.healthy = False  # until its next health check says otherwise
         log.info("decode engine %s refused a leg unseen (%s): trying the next", up.url, why)
 
     def _release_all(self, legs: list[Leg]) -> None:
@@ -424,9 +426,10 @@ class Proxy:
                     self._release(leg)  # D may never have seen it; a second release is stale
                     raise Refused(_error(502, f"the decode engine {up.url} failed: "
                                          f"{type(exc).__name__}: {exc}")) from exc
-            if r.status_code != 503:
+            if r.status_code not in (429, 503):
                 break
-            self._refused_unseen(up, f"HTTP {r.status_code}")
+            # 503 draining, 429 its queue of pulled requests full: the lease untouched.
+            self._refused_unseen(up, f"HTTP {r.status_code}", busy=r.status_code == 429)
         if r is None:
             r = _error(503, NO_DECODE_ENGINE)
         if r.status_code != 200:
@@ -511,7 +514,7 @@ class Proxy:
             try:
                 return await self._stream_from(up, path, leg, frame, events)
             except _Unseen as exc:
-                self._refused_unseen(up, str(exc.error)[:200])
+                self._refused_unseen(up, str(exc.error)[:200], busy=exc.busy)
                 error = exc.error
         return error
 
@@ -528,8 +531,8 @@ class Proxy:
                                                timeout=self.timeout) as r:
                     if r.status_code != 200:
                         await r.aread()
-                        if r.status_code == 503:
-                            raise _Unseen(_json_body(r))
+                        if r.status_code in (429, 503):
+                            raise _Unseen(_json_body(r), busy=r.status_code == 429)
                         return dict(_json_body(r))
                     leg.params = None  # D has the lease: it pulls or gives it back
                     async for line in r.aiter_lines():
