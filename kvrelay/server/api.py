@@ -32,6 +32,7 @@ from kvrelay.model.interface import Tokenizer
 from kvrelay.model.tokenizer import ChatTemplateError
 from kvrelay.relay.release_keys import ReleaseKeys, check_key
 from kvrelay.relay.remote import RemoteKv
+from kvrelay.relay.resolve import RelayResolver
 from kvrelay.server.drain import DrainState
 from kvrelay.server.engine_loop import EngineLoop
 from kvrelay.server.generation import ChoiceSpec, DetokenizerFactory, Generation
@@ -136,6 +137,8 @@ class _Handlers:
         tok = state.model.tokenizer
         self.logprobs = LogprobFormatter(lambda t: tok.decode([t], skip_special_tokens=False))
         self._releases: set[asyncio.Future[Any]] = set()  # releases by key under way
+        # Decode role: a relay host name keyed by its address (kvrelay.relay.resolve).
+        self._resolver = RelayResolver() if state.role == "decode" else None
 
     # -- plain endpoints -------------------------------------------------------------
     async def health(self) -> Response:
@@ -178,7 +181,7 @@ class _Handlers:
         prompts = [self._encode_prompt(p, body.add_special_tokens) for p in raw]
         # echo with max_tokens 0: one token is generated and left out of the answer.
         max_tokens = 1 if body.echo_only else body.max_tokens
-        specs = self._specs(body, prompts, max_tokens, body.logprobs)
+        specs = await self._resolved(self._specs(body, prompts, max_tokens, body.logprobs))
         self._check_extras(specs)
         gen = self._generation("cmpl", {}, arrival, body.kv_transfer_params)
         await gen.start(specs, sum(len(p) for p in prompts))
@@ -207,7 +210,8 @@ class _Handlers:
             raise bad_request("tool_choice", "\"auto\" tool choice requires "
                               "--enable-auto-tool-choice and --tool-call-parser to be set")
         prompt = self._render_chat(body)
-        specs = self._specs(body, [prompt], body.requested_max_tokens(), body.num_logprobs())
+        specs = await self._resolved(
+            self._specs(body, [prompt], body.requested_max_tokens(), body.num_logprobs()))
         self._check_extras(specs)
         gen = self._generation("chatcmpl", {"prompt": "messages"}, arrival,
                                body.kv_transfer_params)
@@ -431,6 +435,21 @@ class _Handlers:
                 index = p_index * body.n + i
                 params = body.sampling_params(limit, logprobs, i, bad_words)
                 specs.append(ChoiceSpec(index, prompt, params, remote_decode, remote_kv))
+        return specs
+
+    async def _resolved(self, specs: list[ChoiceSpec]) -> list[ChoiceSpec]:
+        """Specs whose lease names its relay by host name, named by address instead: one
+        relay, one key (one sender, one pool, one of P's slots) however it is spelled."""
+        kv = specs[0].remote_kv if specs else None  # one prompt, n=1 (_kv_mode)
+        if kv is None or self._resolver is None:
+            return specs
+        try:
+            relay = await self._resolver.resolve(kv.relay)
+        except ValueError as exc:
+            raise bad_request("kv_transfer_params", f"invalid kv_transfer_params: {exc}") \
+                from exc
+        if relay != kv.relay:
+            specs[0].remote_kv = dataclasses.replace(kv, relay=relay)
         return specs
 
     def _generation(
