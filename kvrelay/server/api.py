@@ -264,9 +264,10 @@ class _Handlers:
         if isinstance(params, dict) and "release_key" in params:
             return JSONResponse(await self._release_by_key(params["release_key"]))
         try:
-            assert isinstance(params, dict), "not an object"
+            if not isinstance(params, dict):
+                raise TypeError(f"kv_transfer_params is {type(params).__name__}, not an object")
             engine_id, lease_id = str(params["engine_id"]), str(params["lease_id"])
-        except (AssertionError, ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             raise bad_request("kv_transfer_params", f"expected {{'kv_transfer_params': "
                               f"{{'engine_id', 'lease_id'}}}} or {{'kv_transfer_params': "
                               f"{{'release_key'}}}}: {exc}") from exc
