@@ -46,6 +46,7 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.prefix",
     "kvrelay.bench.routing",
     "kvrelay.bench.chaos",
+    "kvrelay.bench.soak",
 ]
 
 

@@ -23,6 +23,11 @@ class SchedulerConfig:
     # the peer timeout). None: half the pool. One such request is always admitted, so a
     # prompt larger than the budget still runs.
     max_awaiting_kv_blocks: int | None = None
+    # Decode side: the most pulled requests queued behind those bounds (not yet holding
+    # blocks); one more is refused at once (HTTP 429 with Retry-After, its lease left
+    # untouched for another engine or a retry) instead of waiting without end. None: 4 x
+    # max_num_seqs.
+    max_queued_kv_requests: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -30,15 +35,20 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        cap = self.max_awaiting_kv_blocks
-        if cap is not None and (not isinstance(cap, int) or cap < 1):
-            raise ValueError(f"max_awaiting_kv_blocks must be a positive integer or None, "
-                             f"got {cap!r}")
+        for name in ("max_awaiting_kv_blocks", "max_queued_kv_requests"):
+            cap = getattr(self, name)
+            if cap is not None and (not isinstance(cap, int) or cap < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {cap!r}")
 
     @property
     def awaiting_kv_block_budget(self) -> int:
         cap = self.max_awaiting_kv_blocks
         return cap if cap is not None else max(1, self.num_blocks // 2)
+
+    @property
+    def kv_queue_bound(self) -> int:
+        cap = self.max_queued_kv_requests
+        return cap if cap is not None else 4 * self.max_num_seqs
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

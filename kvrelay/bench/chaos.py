@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import random
 import re
+import ssl
 import tempfile
 import threading
 import time
@@ -281,6 +282,7 @@ async def drive(url: str, model: str, args: argparse.Namespace) -> list[Shot]:
 
     rng = random.Random(args.seed)
     shots: list[Shot] = []
+    tls = ssl.create_default_context()  # once: each client of its own would load the CAs
     limits = httpx.Limits(max_connections=args.concurrency,
                           max_keepalive_connections=args.concurrency)
     t0 = time.perf_counter() + args.warmup  # the before phase starts at 0
@@ -293,8 +295,16 @@ async def drive(url: str, model: str, args: argparse.Namespace) -> list[Shot]:
                 leave = pick_leave(phase, shots, rng, args)
                 shot = Shot(phase, time.perf_counter() - t0)
                 shots.append(shot)
-                await stream_one(client, url + "/v1/completions", body(model, rng, args),
-                                 shot, leave, t0)
+                payload = body(model, rng, args)
+                if leave is None:
+                    await stream_one(client, url + "/v1/completions", payload, shot, None, t0)
+                    continue
+                # A client that leaves gets a connection of its own: httpx's pool leaks
+                # the slot of a request cancelled while it connects (httpcore 1.0.9,
+                # encode/httpcore#1093), and after a few hundred departures every
+                # client would wait on the pool instead of the cluster.
+                async with httpx.AsyncClient(timeout=120.0, verify=tls) as own:
+                    await stream_one(own, url + "/v1/completions", payload, shot, leave, t0)
 
         await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
     return shots

@@ -117,7 +117,8 @@ class Engine:
             raise RequestRejected("request_id", f"request id {request_id!r} is already in use")
         if (remote_kv is None) != (first_token is None):
             raise ValueError("remote_kv and first_token come together")
-        self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
+        self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens,
+                                        pulled=remote_kv is not None)
         req = Request(
             request_id=request_id,
             prompt_len=len(prompt_token_ids),

@@ -41,6 +41,15 @@ class RequestRejected(ValueError):
         self.param = param
 
 
+class KvQueueFull(Exception):
+    """Decode side: a pulled request arrived with ``max_queued_kv_requests`` already
+    queued. Not a ``RequestRejected``: nothing is wrong with the request (its lease is
+    left untouched, so another engine, or this one later, can pull it); the client is
+    told to retry (HTTP 429 with ``Retry-After``)."""
+
+    retry_after_s = 1
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
         self.config = config
@@ -57,6 +66,8 @@ class Scheduler:
         self._awaiting_blocks: dict[str, int] = {}
         self.awaiting_kv_blocks = 0
         self.newly_awaiting_kv: list[Request] = []
+        # Pulled requests in ``waiting`` (no blocks yet): bounded by kv_queue_bound.
+        self.queued_kv = 0
         self.num_preemptions = 0
         self._next_step_id = 0
         self.caching = config.enable_prefix_caching
@@ -64,8 +75,16 @@ class Scheduler:
         self.prefix_stats = PrefixCacheStats()
 
     # -- admission -------------------------------------------------------------
-    def check_admissible(self, prompt_len: int, max_tokens: int) -> None:
+    def check_admissible(self, prompt_len: int, max_tokens: int, *, pulled: bool = False
+                         ) -> None:
+        """RequestRejected for a request this engine can never serve; KvQueueFull for a
+        ``pulled`` one (its KV comes from a prefill engine) beyond the queue bound."""
         cfg = self.config
+        if pulled and self.queued_kv >= cfg.kv_queue_bound:
+            raise KvQueueFull(
+                f"{self.queued_kv} requests whose KV is pulled are already queued on this "
+                f"decode engine (max_queued_kv_requests {cfg.kv_queue_bound}); retry later "
+                "or send it to another decode engine")
         if prompt_len < 1:
             raise RequestRejected("prompt", "the prompt is empty; at least one token is required")
         if prompt_len + max_tokens > cfg.max_model_len:
@@ -85,9 +104,12 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting[req.request_id] = req
+        if req.remote_kv is not None:
+            self.queued_kv += 1
 
     def remove(self, req: Request) -> None:
-        self.waiting.pop(req.request_id, None)
+        if self.waiting.pop(req.request_id, None) is not None and req.remote_kv is not None:
+            self.queued_kv -= 1
         self.running.pop(req.request_id, None)
         self._leave_awaiting_kv(req)
 
@@ -108,6 +130,10 @@ class Scheduler:
         if self.num_seqs > self.config.max_num_seqs:
             raise AssertionError(f"{self.num_seqs} sequences admitted; max_num_seqs is "
                                  f"{self.config.max_num_seqs}")
+        queued = sum(r.remote_kv is not None for r in self.waiting.values())
+        if queued != self.queued_kv or queued > self.config.kv_queue_bound:
+            raise AssertionError(f"{queued} pulled requests queued, counted {self.queued_kv}; "
+                                 f"the bound is {self.config.kv_queue_bound}")
         taken = self._awaiting_blocks
         if taken.keys() != self.awaiting_kv.keys() or sum(taken.values()) != \
                 self.awaiting_kv_blocks:
@@ -262,6 +288,7 @@ class Scheduler:
         if (over_budget and self.awaiting_kv) or not self.pool.can_allocate(need, reusing=hits):
             return False  # FCFS: it waits for pulls in flight to land, or for blocks
         self.waiting.popitem(last=False)
+        self.queued_kv -= 1
         self._share_hits(req, hits, queried=req.prompt_len)
         req.num_cached_blocks = len(hits)
         grown = self._grow(req, req.prompt_len)

@@ -399,6 +399,11 @@ class LeaseTable:
     def leases_by_state(self) -> dict[str, int]:
         return dict(self.stats.active)
 
+    @property
+    def num_tombstones(self) -> int:
+        """Released leases still remembered (for ``tombstone_ttl``)."""
+        return len(self._tombstones)
+
     # -- internals -----------------------------------------------------------------
     def _find(
         self, engine_id: str, lease_id: str, holder: str, attempt: str, *, commit: bool = False

@@ -73,6 +73,9 @@ def prefill_metrics(table: LeaseTable, server: RelayServer | None = None) -> lis
         _counter("kvrelay_kv_pull_skipped_blocks",
                  "Leading lease blocks the decode engine had in its prefix cache: released "
                  "at ACQUIRE, never sent", st.skipped_blocks),
+        Family("kvrelay_lease_tombstones", "gauge",
+               "Released leases remembered to answer late messages (kept --lease-max)",
+               samples={(): float(table.num_tombstones)}),
     ]
     if server is not None:
         s = server.stats
@@ -101,7 +104,8 @@ _LABELS = {
 }
 
 
-def decode_metrics(receiver: Receiver) -> list[Family]:
+def decode_metrics(receiver: Receiver, relay_peers: int | None = None) -> list[Family]:
+    """``relay_peers``: the relay clients' connected prefill relays (sender threads)."""
     st = receiver.stats
     cumulative, buckets = 0, []
     for bound, n in zip(TRANSFER_SECONDS_BUCKETS, st.transfer_seconds_buckets, strict=True):
@@ -131,7 +135,13 @@ def decode_metrics(receiver: Receiver) -> list[Family]:
         Family("kvrelay_kv_quarantined_blocks", "gauge",
                "KV blocks held for transfers that did not stop within the drain bound",
                samples={(): float(st.quarantined_blocks)}),
-    ]
+        Family("kvrelay_kv_loads", "gauge",
+               "Requests whose remote KV is being acquired, pulled or reported",
+               samples={(): float(len(receiver.loads))}),
+    ] + ([] if relay_peers is None else [
+        Family("kvrelay_relay_peers", "gauge",
+               "Prefill relays this decode engine keeps a connection and sender thread for",
+               samples={(): float(relay_peers)})])
 
 
 def as_dict(families: list[Family]) -> dict[str, Samples]:

@@ -18,6 +18,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,9 @@ from fastapi.responses import JSONResponse, Response
 from kvrelay import __version__
 from kvrelay.model.interface import Tokenizer
 from kvrelay.model.tokenizer import ChatTemplateError
+from kvrelay.relay.release_keys import ReleaseKeys, check_key
 from kvrelay.relay.remote import RemoteKv
+from kvrelay.relay.resolve import RelayResolver
 from kvrelay.server.drain import DrainState
 from kvrelay.server.engine_loop import EngineLoop
 from kvrelay.server.generation import ChoiceSpec, DetokenizerFactory, Generation
@@ -95,6 +98,8 @@ class ServerState:
     role: str = "both"  # "prefill" | "decode" | "both" (colocated)
     # Prefill role: gives a lease back when the client left before the decode engine.
     release_lease: Callable[[str, str], dict[str, Any]] | None = None
+    # Prefill role: leases by the proxy's release_key (kvrelay.relay.release_keys).
+    release_keys: ReleaseKeys | None = None
     # --tool-call-parser when --enable-auto-tool-choice: tool_choice auto is served.
     tool_parser: str | None = None
     drain: DrainState = field(default_factory=DrainState)  # set going by SIGTERM
@@ -133,6 +138,9 @@ class _Handlers:
         self.model = state.model
         tok = state.model.tokenizer
         self.logprobs = LogprobFormatter(lambda t: tok.decode([t], skip_special_tokens=False))
+        self._releases: set[asyncio.Future[Any]] = set()  # releases by key under way
+        # Decode role: a relay host name keyed by its address (kvrelay.relay.resolve).
+        self._resolver = RelayResolver() if state.role == "decode" else None
 
     # -- plain endpoints -------------------------------------------------------------
     async def health(self) -> Response:
@@ -175,9 +183,9 @@ class _Handlers:
         prompts = [self._encode_prompt(p, body.add_special_tokens) for p in raw]
         # echo with max_tokens 0: one token is generated and left out of the answer.
         max_tokens = 1 if body.echo_only else body.max_tokens
-        specs = self._specs(body, prompts, max_tokens, body.logprobs)
+        specs = await self._resolved(self._specs(body, prompts, max_tokens, body.logprobs))
         self._check_extras(specs)
-        gen = self._generation("cmpl", {}, arrival)
+        gen = self._generation("cmpl", {}, arrival, body.kv_transfer_params)
         await gen.start(specs, sum(len(p) for p in prompts))
         shape: CompletionShape = CompletionShape(gen.base_id, self.model.name,
                                                  body.logprobs is not None, self.logprobs)
@@ -204,9 +212,11 @@ class _Handlers:
             raise bad_request("tool_choice", "\"auto\" tool choice requires "
                               "--enable-auto-tool-choice and --tool-call-parser to be set")
         prompt = self._render_chat(body)
-        specs = self._specs(body, [prompt], body.requested_max_tokens(), body.num_logprobs())
+        specs = await self._resolved(
+            self._specs(body, [prompt], body.requested_max_tokens(), body.num_logprobs()))
         self._check_extras(specs)
-        gen = self._generation("chatcmpl", {"prompt": "messages"}, arrival)
+        gen = self._generation("chatcmpl", {"prompt": "messages"}, arrival,
+                               body.kv_transfer_params)
         await gen.start(specs, len(prompt))
         shape: ChatShape = ChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs)
         if plan is not None and plan.mode != "none":
@@ -252,15 +262,50 @@ class _Handlers:
         if self.state.release_lease is None:
             raise ApiError(404, "this engine holds no leases (it is not --role prefill)")
         body = load_json(await read_body(request))  # a 400 for bad or too deep JSON
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if isinstance(params, dict) and "release_key" in params:
+            return JSONResponse(await self._release_by_key(params["release_key"]))
         try:
-            params = body["kv_transfer_params"]
+            if not isinstance(params, dict):
+                raise TypeError(f"kv_transfer_params is {type(params).__name__}, not an object")
             engine_id, lease_id = str(params["engine_id"]), str(params["lease_id"])
         except (ValueError, KeyError, TypeError) as exc:
             raise bad_request("kv_transfer_params", f"expected {{'kv_transfer_params': "
-                              f"{{'engine_id', 'lease_id'}}}}: {exc}") from exc
+                              f"{{'engine_id', 'lease_id'}}}} or {{'kv_transfer_params': "
+                              f"{{'release_key'}}}}: {exc}") from exc
         # The lease table is behind the engine lock, held for a whole step: not here.
         answer = await asyncio.to_thread(self.state.release_lease, engine_id, lease_id)
         return JSONResponse(answer)
+
+    async def _release_by_key(self, key: Any) -> dict[str, Any]:
+        """The proxy's release of a prefill call whose answer it never read: the lease
+        made under ``key`` now, or (not made yet) as soon as it is made."""
+        keys, release = self.state.release_keys, self.state.release_lease
+        assert keys is not None and release is not None
+        try:
+            params = keys.release(check_key(key))
+        except ValueError as exc:
+            raise bad_request("kv_transfer_params", str(exc)) from exc
+        if params is None:
+            return {"status": "pending", "reason": None, "error": None}
+        return await asyncio.to_thread(release, str(params["engine_id"]),
+                                       str(params["lease_id"]))
+
+    def _on_lease(self, key: str) -> Callable[[dict[str, Any]], None]:
+        """The Generation's ``on_lease`` for a prefill call named ``key``."""
+        keys, release = self.state.release_keys, self.state.release_lease
+        assert keys is not None and release is not None
+
+        def on_lease(params: dict[str, Any]) -> None:
+            if not keys.made(key, params):
+                return
+            # Released by key before it was made: nobody will read this lease.
+            task = asyncio.ensure_future(asyncio.to_thread(
+                release, str(params["engine_id"]), str(params["lease_id"])))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+        return on_lease
 
     # -- helpers ---------------------------------------------------------------------
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
@@ -327,6 +372,11 @@ class _Handlers:
                                   f"started with --role prefill; this one is --role {role}")
             if body.stream:
                 raise bad_request("kv_transfer_params", "do_remote_decode takes stream=false")
+            if "release_key" in params:
+                try:
+                    check_key(params["release_key"])
+                except ValueError as exc:
+                    raise bad_request("kv_transfer_params", str(exc)) from exc
             return True, None
         if role != "decode":
             raise bad_request("kv_transfer_params", "a KV lease can only be pulled by an "
@@ -390,15 +440,35 @@ class _Handlers:
                 specs.append(ChoiceSpec(index, prompt, params, remote_decode, remote_kv))
         return specs
 
+    async def _resolved(self, specs: list[ChoiceSpec]) -> list[ChoiceSpec]:
+        """Specs whose lease names its relay by host name, named by address instead: one
+        relay, one key (one sender, one pool, one of P's slots) however it is spelled."""
+        kv = specs[0].remote_kv if specs else None  # one prompt, n=1 (_kv_mode)
+        if kv is None or self._resolver is None:
+            return specs
+        try:
+            relay = await self._resolver.resolve(kv.relay)
+        except ValueError as exc:
+            raise bad_request("kv_transfer_params", f"invalid kv_transfer_params: {exc}") \
+                from exc
+        if relay != kv.relay:
+            specs[0].remote_kv = dataclasses.replace(kv, relay=relay)
+        return specs
+
     def _generation(
-        self, prefix: str, param_names: dict[str, str], arrival: float
+        self, prefix: str, param_names: dict[str, str], arrival: float,
+        kv_params: dict[str, Any] | None = None,
     ) -> Generation:
         s = self.state
-        return Generation(
+        gen = Generation(
             s.loop, s.metrics, s.model.make_detokenizer, new_id(prefix),
             eos_token_ids=list(s.model.tokenizer.eos_token_ids), param_names=param_names,
             arrival=arrival,
         )
+        key = (kv_params or {}).get("release_key")
+        if s.release_keys is not None and isinstance(key, str):  # checked by _kv_mode
+            gen.on_lease = self._on_lease(key)
+        return gen
 
     async def _respond(
         self, request: Request, gen: Generation, shape: Shape, stream: bool,
@@ -414,8 +484,18 @@ class _Handlers:
         if collected is None:  # the client went away; nobody reads this
             await self._release_unclaimed(gen)
             return Response(status_code=499)
+        if (delay := _fault_answer_delay_s()) and self.state.release_keys is not None:
+            await asyncio.sleep(delay)
         return JSONResponse(shape.full(collected, usage(
             gen.prompt_tokens, shape.completion_tokens(gen.completion_tokens))))
+
+
+def _fault_answer_delay_s() -> float:
+    """Fault injection for real-process tests: ``KVRELAY_FAULT_ANSWER_DELAY_S=S`` makes a
+    prefill engine wait S seconds between making a lease and writing its answer, so a
+    test can make the proxy's client leave just then (the proxy never reads the lease
+    id: only its release_key gives the lease back). Unset, it costs nothing."""
+    return float(os.environ.get("KVRELAY_FAULT_ANSWER_DELAY_S", "0") or 0)
 
 
 def tool_messages(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,

@@ -70,6 +70,13 @@ def add_role_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--relay-secret", default=os.environ.get("KVRELAY_RELAY_SECRET"),
                    help="shared secret authenticating decode engines (HMAC of HELLO; env "
                    "KVRELAY_RELAY_SECRET)")
+    g.add_argument("--max-awaiting-kv-blocks", type=int, default=None, metavar="BLOCKS",
+                   help="decode: most KV blocks that requests waiting for pulled KV may hold "
+                   "at once (default: half the pool); beyond it they queue")
+    g.add_argument("--max-queued-kv-requests", type=int, default=None, metavar="N",
+                   help="decode: most pulled requests queued behind --max-num-seqs and "
+                   "--max-awaiting-kv-blocks (default: 4 x --max-num-seqs); one more gets "
+                   "HTTP 429 with Retry-After, its lease untouched")
     g.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"),
                    default="recompute", help="decode: when the KV cannot be pulled, prefill "
                    "locally (recompute) or fail the request with a clear error")
@@ -176,6 +183,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
         prefix_cache_salt=model.kv_geometry.compat_hash(model.name),
+        max_awaiting_kv_blocks=getattr(args, "max_awaiting_kv_blocks", None),
+        max_queued_kv_requests=getattr(args, "max_queued_kv_requests", None),
     )
     hooks: LoopHooks | None = None
     release = None
@@ -207,8 +216,16 @@ def build_state(args: argparse.Namespace) -> ServerState:
         metrics.register(RelayExport(hooks))  # with model_name, as every engine series
     loop = EngineLoop(engine, hooks=hooks, threads=torch.get_num_threads())
     parser = args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False) else None
+    keys = None
+    if role == "prefill":
+        import time
+
+        from kvrelay.relay.release_keys import ReleaseKeys
+
+        # An entry older than the acquire deadline is of a lease pulled or expired.
+        keys = ReleaseKeys(ttl=args.lease_timeout, clock=time.monotonic)
     return ServerState(loop, served, metrics, args.api_key, role=role, release_lease=release,
-                       tool_parser=parser)
+                       release_keys=keys, tool_parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -140,7 +140,8 @@ class DecodeHooks(LoopHooks):
 
     def metrics(self) -> list[Family]:
         with self.lock:
-            return decode_metrics(self.receiver)
+            return decode_metrics(self.receiver,
+                                  sum(c.sender_threads for c in self.clients))
 
 
 @dataclass(eq=False)

@@ -26,6 +26,7 @@ from typing import Any
 from kvrelay.core.engine import Engine, RequestOutput, RequestRejected
 from kvrelay.core.lifecycle import FinishReason
 from kvrelay.core.runner import Batch
+from kvrelay.core.scheduler import KvQueueFull
 from kvrelay.model import kernel_choice
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.sampling_params import SamplingParams
@@ -321,7 +322,7 @@ class EngineLoop:
                 self.hooks.add(self.engine, cmd)
                 self._sinks[cmd.request_id] = cmd.sink
                 self.stats.added += 1
-            except RequestRejected as exc:
+            except (RequestRejected, KvQueueFull) as exc:
                 self.stats.rejected += 1
                 error = exc
             except Exception as exc:  # a bug admitting one request must not stop the loop

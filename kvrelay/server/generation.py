@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from kvrelay.core.engine import RequestOutput, RequestRejected
 from kvrelay.core.lifecycle import FinishReason
 from kvrelay.core.runner import TokenLogprobs
+from kvrelay.core.scheduler import KvQueueFull
 from kvrelay.relay.receiver import INVALID_PARAMS
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.sampling_params import SamplingParams
@@ -105,6 +106,9 @@ class Generation:
     # Prefill role: every lease made for a choice, so that a handler whose client left
     # can give them back (nobody else knows them).
     _leases: list[dict[str, Any]] = field(default_factory=list)
+    # Prefill role: told of each lease as soon as it reaches the handler, before any
+    # answer is written (the proxy's release_key, see kvrelay.relay.release_keys).
+    on_lease: Callable[[dict[str, Any]], None] | None = None
     prompt_tokens: int = 0
 
     @property
@@ -126,6 +130,12 @@ class Generation:
         except EngineDead as exc:
             self.abort_unfinished()
             raise ApiError(503, str(exc), type="server_error", code="unavailable") from exc
+        except KvQueueFull as exc:
+            # Nothing was admitted and the lease is untouched: the proxy tries another
+            # decode engine, a client retries after Retry-After.
+            self.abort_unfinished()
+            raise ApiError(429, str(exc), type="server_error", code="kv_queue_full",
+                           headers={"Retry-After": str(exc.retry_after_s)}) from exc
         except AdmissionFailed as exc:
             self.abort_unfinished()
             raise ApiError(500, str(exc), type="server_error") from exc
@@ -206,6 +216,8 @@ class Generation:
             # Kept even for a choice already given up (its client left as P finished):
             # the lease is made all the same, and only this handler can give it back.
             self._leases.append(out.kv_transfer_params)
+            if self.on_lease is not None:
+                self.on_lease(out.kv_transfer_params)
         choice = self._choices.get(out.request_id)
         if choice is None or choice.finish_reason is not None:
             return None  # e.g. the abort that follows a stop-string match

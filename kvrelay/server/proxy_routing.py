@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -57,11 +58,12 @@ class UpstreamDown(Exception):
 
 
 class _Unseen(Exception):
-    """A decode engine refused a leg before it saw it: the next one may take it."""
+    """A decode engine refused a leg before it saw it: the next one may take it.
+    ``busy``: a 429 (its queue of pulled requests is full), not a sign of ill health."""
 
-    def __init__(self, error: dict[str, Any]) -> None:
+    def __init__(self, error: dict[str, Any], busy: bool = False) -> None:
         super().__init__(error)
-        self.error = error
+        self.error, self.busy = error, busy
 
 
 class Refused(Exception):
@@ -313,8 +315,9 @@ class Proxy:
         first = self._pick(self.decode, leg)
         return [first, *(up for up in self.decode.candidates() if up is not first)]
 
-    def _refused_unseen(self, up: Upstream, why: str) -> None:
-        up.healthy = False  # until its next health check says otherwise
+    def _refused_unseen(self, up: Upstream, why: str, busy: bool = False) -> None:
+        if not busy:
+            up.healthy = False  # until its next health check says otherwise
         log.info("decode engine %s refused a leg unseen (%s): trying the next", up.url, why)
 
     def _release_all(self, legs: list[Leg]) -> None:
@@ -353,28 +356,44 @@ class Proxy:
         self.metrics.requests.labels("prefill_unavailable").inc()
 
     async def _prefill(self, up: Upstream, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        # The key names the lease before it exists: a call that ends without an answer
+        # read here (the client left as P wrote it, P failed mid-answer) gives back by
+        # it whatever lease P made, at once (kvrelay.relay.release_keys).
+        key = secrets.token_urlsafe(16)
         p_body = dict(body, max_tokens=1, stream=False,
-                      kv_transfer_params={"do_remote_decode": True})
+                      kv_transfer_params={"do_remote_decode": True, "release_key": key})
+        if body.get("max_completion_tokens", body.get("max_tokens")) == 1:
+            # P's answer is the whole choice: asked as plain work, no lease, and its text
+            # ends as a colocated engine's would (a handed-off answer holds back a
+            # partial character for D, which never comes: the soak saw '' for it).
+            del p_body["kv_transfer_params"]
         p_body.pop("stream_options", None)
         p_body.pop("max_completion_tokens", None)
         if "min_tokens" in p_body:  # P samples token 1: min_tokens >= 1 masks its EOS there
             p_body["min_tokens"] = min(p_body["min_tokens"], 1)
-        async with self._outstanding(up):
-            try:
-                r = await self._http().post(f"{up.url}{path}", json=p_body,
-                                            headers=self._headers(), timeout=self.timeout)
-            except httpx.HTTPError as exc:
-                raise UpstreamDown(f"{type(exc).__name__}: {exc}") from exc
-        if r.status_code >= 500:
-            raise UpstreamDown(f"HTTP {r.status_code}: {r.text[:200]}")
-        if r.status_code != 200:
-            raise Refused(r)
+        read = "kv_transfer_params" not in p_body  # True: no lease to give back by key
         try:
-            first = r.json()
-            first["choices"][0]
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise UpstreamDown(f"not an OpenAI answer: {r.text[:200]}") from exc
-        return dict(first)
+            async with self._outstanding(up):
+                try:
+                    r = await self._http().post(f"{up.url}{path}", json=p_body,
+                                                headers=self._headers(), timeout=self.timeout)
+                except httpx.HTTPError as exc:
+                    raise UpstreamDown(f"{type(exc).__name__}: {exc}") from exc
+            if r.status_code >= 500:
+                raise UpstreamDown(f"HTTP {r.status_code}: {r.text[:200]}")
+            if r.status_code != 200:
+                read = True  # refused: no lease was made
+                raise Refused(r)
+            try:
+                first = r.json()
+                first["choices"][0]
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                raise UpstreamDown(f"not an OpenAI answer: {r.text[:200]}") from exc
+            read = True
+            return dict(first)
+        finally:
+            if not read:
+                self._background(self._post_release(up.url, {"release_key": key}))
 
     def _decode_body(self, leg: Leg, stream: bool) -> dict[str, Any]:
         body = dict(leg.body, stream=stream)
@@ -407,9 +426,10 @@ class Proxy:
                     self._release(leg)  # D may never have seen it; a second release is stale
                     raise Refused(_error(502, f"the decode engine {up.url} failed: "
                                          f"{type(exc).__name__}: {exc}")) from exc
-            if r.status_code != 503:
+            if r.status_code not in (429, 503):
                 break
-            self._refused_unseen(up, f"HTTP {r.status_code}")
+            # 503 draining, 429 its queue of pulled requests full: the lease untouched.
+            self._refused_unseen(up, f"HTTP {r.status_code}", busy=r.status_code == 429)
         if r is None:
             r = _error(503, NO_DECODE_ENGINE)
         if r.status_code != 200:
@@ -494,7 +514,7 @@ class Proxy:
             try:
                 return await self._stream_from(up, path, leg, frame, events)
             except _Unseen as exc:
-                self._refused_unseen(up, str(exc.error)[:200])
+                self._refused_unseen(up, str(exc.error)[:200], busy=exc.busy)
                 error = exc.error
         return error
 
@@ -511,8 +531,8 @@ class Proxy:
                                                timeout=self.timeout) as r:
                     if r.status_code != 200:
                         await r.aread()
-                        if r.status_code == 503:
-                            raise _Unseen(_json_body(r))
+                        if r.status_code in (429, 503):
+                            raise _Unseen(_json_body(r), busy=r.status_code == 429)
                         return dict(_json_body(r))
                     leg.params = None  # D has the lease: it pulls or gives it back
                     async for line in r.aiter_lines():

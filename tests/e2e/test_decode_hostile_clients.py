@@ -195,3 +195,30 @@ def test_clients_leaving_p_at_every_moment_leave_no_lease_to_expire(pair: Pair) 
         "not get the answer: a lease of a request P saw leave was left to expire")
     assert delta('kvrelay_leases_released_total{reason="aborted"}') > 0, \
         "no client left after its lease was made: the test tested nothing"
+
+
+def test_a_relay_named_by_host_name_is_the_relay_of_its_address(pair: Pair) -> None:
+    """Issue 21: relays are keyed by the resolved address. ``localhost:PORT`` and
+    ``127.0.0.1:PORT`` were two relays to D (two connections, senders, pools and two of
+    P's per-address slots); D now resolves the host at admission, off its event loop.
+    A host that does not resolve is the client's 400."""
+    pair.pull_loads()
+    fds0, threads0 = _fds_and_threads(pair.d)
+    for name in ("localhost", "LOCALHOST.", "127.0.0.1") * 3:
+        body = pair.body()
+        params = pair.lease(body)
+        params["relay"] = f"{name}:{params['relay'].rpartition(':')[2]}"
+        r = pair.decode(body, params)
+        assert r.status_code == 200, r.text
+    assert metric(metrics(pair.d.url), "kvrelay_relay_peers") == 1, "one relay, one sender"
+    fds, threads = _fds_and_threads(pair.d)
+    assert fds <= fds0 + 3, f"D went from {fds0} to {fds} fds"
+    assert threads <= threads0 + 3, f"D went from {threads0} to {threads} threads"
+    body = pair.body()
+    params = pair.lease(body)
+    r = pair.decode(body, {**params, "relay": "no-such-relay.invalid:5000"})
+    assert r.status_code == 400, r.text
+    err = _error(r)
+    assert err["param"] == "kv_transfer_params" and "does not resolve" in err["message"], err
+    pair.pull_loads()
+    pools_free(pair.d, prefill=(pair.p,), timeout=10.0)  # the refused lease: released

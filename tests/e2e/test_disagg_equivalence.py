@@ -94,3 +94,25 @@ def test_disagg_equals_colocated(cluster: dict[str, Proc], model_dir: Path,
     assert not mismatches, "\n".join(map(repr, mismatches))
     pools_free(d, prefill=(p,), timeout=10)
     assert metric(metrics(d.url), "kvrelay_kv_transfer_bytes_total") > bytes_before
+
+
+def test_one_token_answers_equal_colocated(cluster: dict[str, Proc], model_dir: Path) -> None:
+    """Bug (found by ``kvrelay bench soak``): with max_tokens 1 the proxy took P's
+    handed-off answer as the whole choice, but a handed-off answer holds back a partial
+    character (or a possible stop string) for D, which never came: the text was '' where
+    a colocated engine's ends with what it held. The proxy now asks P for such a leg as
+    plain work (no lease)."""
+    colo, proxy = client(cluster["colo"]), client(cluster["proxy_shm"])
+    mismatches = []
+    for prompt in PROMPTS:
+        for kind in ("completion", "chat"):
+            kw: dict[str, Any] = {"model": model_dir.name, "max_tokens": 1,
+                                  "temperature": 0.0}
+            kw["messages" if kind == "chat" else "prompt"] = (
+                [{"role": "user", "content": prompt}] if kind == "chat" else prompt)
+            for stream in (False, True):
+                want, got = ask(colo, kind, stream, kw), ask(proxy, kind, stream, kw)
+                if got != want:
+                    mismatches.append((kind, stream, prompt[:20], want, got))
+    assert not mismatches, "\n".join(map(repr, mismatches))
+    pools_free(cluster["d_shm"], prefill=(cluster["p"],), timeout=10)

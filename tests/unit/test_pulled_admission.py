@@ -12,13 +12,16 @@ from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
 from kvrelay.core.fake_runner import FakeRunner, expected_output
 from kvrelay.core.lifecycle import RequestState
+from kvrelay.core.scheduler import KvQueueFull
 from kvrelay.sampling_params import SamplingParams
 
 
 def make(max_num_seqs: int = 256, num_blocks: int = 64,
-         max_awaiting_kv_blocks: int | None = None) -> Engine:
+         max_awaiting_kv_blocks: int | None = None,
+         max_queued_kv_requests: int | None = None) -> Engine:
     cfg = SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
-                          max_model_len=64, max_awaiting_kv_blocks=max_awaiting_kv_blocks)
+                          max_model_len=64, max_awaiting_kv_blocks=max_awaiting_kv_blocks,
+                          max_queued_kv_requests=max_queued_kv_requests)
     return Engine(cfg, FakeRunner(block_size=4))
 
 
@@ -106,3 +109,32 @@ def test_the_budget_is_validated() -> None:
     with pytest.raises(ValueError, match="max_awaiting_kv_blocks must be a positive integer"):
         SchedulerConfig(num_blocks=8, max_awaiting_kv_blocks=0)
     assert SchedulerConfig(num_blocks=9).awaiting_kv_block_budget == 4
+
+
+def test_pulled_requests_beyond_the_queue_bound_are_refused_and_nothing_is_left() -> None:
+    """Behind max_num_seqs 1 at most max_queued_kv_requests (2) pulled requests queue; the
+    next is refused at once (KvQueueFull: HTTP 429) and leaves nothing in the engine; a
+    slot freed lets the next one in. Local requests are never counted."""
+    engine = make(max_num_seqs=1, max_queued_kv_requests=2)
+    pulled(engine, "r0")
+    engine.schedule()  # r0 admitted: it holds the slot, waiting for its KV
+    pulled(engine, "r1")
+    pulled(engine, "r2")
+    engine.add_request("local", [5] * 8, SamplingParams(max_tokens=2))  # not counted
+    with pytest.raises(KvQueueFull, match=r"2 requests whose KV is pulled are already "
+                       r"queued on this decode engine \(max_queued_kv_requests 2\)"):
+        pulled(engine, "r3")
+    assert "r3" not in engine.requests and engine.scheduler.queued_kv == 2
+    check_accounts(engine)
+    engine.abort_request("r1")  # a queued one leaves: room for one more
+    check_accounts(engine)
+    pulled(engine, "r3")
+    assert engine.scheduler.queued_kv == 2
+    check_accounts(engine)
+
+
+def test_the_queue_bound_defaults_to_four_times_max_num_seqs() -> None:
+    assert SchedulerConfig(num_blocks=8, max_num_seqs=3).kv_queue_bound == 12
+    assert SchedulerConfig(num_blocks=8, max_queued_kv_requests=5).kv_queue_bound == 5
+    with pytest.raises(ValueError, match="max_queued_kv_requests must be a positive integer"):
+        SchedulerConfig(num_blocks=8, max_queued_kv_requests=0)
