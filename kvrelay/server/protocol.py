@@ -275,10 +275,17 @@ class CompletionRequest(_SamplingRequest):
 
     def num_prompt_logprobs(self) -> int | None:
         """Prompt logprobs to compute: vLLM's prompt_logprobs, or echo with logprobs (the
-        prompt's tokens come back with theirs, as lm-evaluation-harness scores them)."""
+        prompt's tokens come back with theirs, as lm-evaluation-harness scores them). A
+        stream shows no prompt_logprobs field (vLLM takes only 0 there)."""
+        shown = None if self.stream else self.prompt_logprobs
         if self.echo and self.logprobs is not None:
-            return max(self.logprobs, self.prompt_logprobs or 0)
-        return self.prompt_logprobs
+            return max(self.logprobs, shown or 0)
+        return shown
+
+    @property
+    def shows_prompt_logprobs(self) -> bool:
+        """The answer carries vLLM's prompt_logprobs field (never a stream's)."""
+        return self.prompt_logprobs is not None and not self.stream
 
     @property
     def echo_only(self) -> bool:
@@ -309,8 +316,9 @@ class CompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo and self.stream:
-            raise bad_request("echo", "echo is not supported with stream=true")
+        if self.stream and self.prompt_logprobs:
+            raise bad_request("prompt_logprobs", "prompt_logprobs are not available with "
+                              "stream=true (vLLM's rule: only 0 is)")
         if self.max_tokens == 0 and not self.echo:
             raise bad_request("max_tokens", "max_tokens must be >= 1 (0 only with echo)")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:

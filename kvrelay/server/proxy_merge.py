@@ -34,7 +34,7 @@ class Leg:
     ended_at_prefill: bool = False  # P's first token ended the choice: no D
     usage: dict[str, int] | None = None
     roled: bool = False  # chat stream: the role chunk of this choice went out
-    shift: int = 0  # completion stream: text the client got from P before D's text
+    shift: int = 0  # completion stream: the text offset of D's first token (after P's)
     # The prompt for KV-aware routing (kvrelay.server.proxy_affinity): its chunks' hash
     # chain and its length in characters.
     chain: list[int] = field(default_factory=list)
@@ -132,6 +132,8 @@ def leg_choice(leg: Leg, decoded: dict[str, Any] | None) -> dict[str, Any]:
     else:
         out["text"] = text
     out["logprobs"] = merge_logprobs(p.get("logprobs"), d.get("logprobs"))
+    if "prompt_logprobs" in p:  # P scored the prompt (D was not asked to)
+        out["prompt_logprobs"] = p["prompt_logprobs"]
     return out
 
 
@@ -165,6 +167,12 @@ def seed_chunk(leg: Leg) -> dict[str, Any]:
     p = leg.first["choices"][0]
     text = text_of(p)
     leg.shift = len(text)
+    lp = p.get("logprobs")
+    if lp and lp.get("tokens"):
+        # D's offsets go on from the end of P's token texts, as an engine counts them
+        # (a token ending inside a character has a text before the stream does; an
+        # echoed BOS has a token text and no prompt text).
+        leg.shift = lp["text_offset"][-1] + len(lp["tokens"][-1])
     leg.resent_left = len(text) if leg.resends else 0
     finish = _finish_of(p) if leg.ended_at_prefill else None
     if "message" in p:

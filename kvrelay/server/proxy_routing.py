@@ -251,11 +251,10 @@ class Proxy:
         self._route_keys(legs, req, chat)
         t0 = asyncio.get_running_loop().time()
         streaming = False
-        # Prompt logprobs need every prompt position where the answer is made, and tool
-        # calls are read out of the whole output: such legs go to a decode engine whole,
-        # as colocated work (no prefill engine, no lease).
-        whole = req.num_prompt_logprobs() is not None or (
-            isinstance(req, ChatCompletionRequest) and req.parses_tools())
+        # Tool calls are read out of the whole output: such legs go to a decode engine
+        # whole, as colocated work (no prefill engine, no lease). Prompt logprobs and
+        # echo are P's: it computes every prompt position (see _prefill).
+        whole = isinstance(req, ChatCompletionRequest) and req.parses_tools()
         to_prefill = [] if whole else legs
         try:
             if await self._unless_gone(request, _all(
@@ -353,8 +352,16 @@ class Proxy:
         self.metrics.requests.labels("prefill_unavailable").inc()
 
     async def _prefill(self, up: Upstream, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        p_body = dict(body, max_tokens=1, stream=False,
-                      kv_transfer_params={"do_remote_decode": True})
+        """P's answer: token 1 and the lease. With echo or prompt_logprobs it also holds
+        the prompt (its text and logprobs, which P computes: it ran every position);
+        echo with max_tokens 0 is P's alone, no lease."""
+        if body.get("echo") and body.get("max_tokens") == 0:
+            p_body = dict(body, stream=False)
+        else:
+            p_body = dict(body, max_tokens=1, stream=False,
+                          kv_transfer_params={"do_remote_decode": True})
+        if body.get("stream"):
+            p_body.pop("prompt_logprobs", None)  # a stream does not show them
         p_body.pop("stream_options", None)
         p_body.pop("max_completion_tokens", None)
         if "min_tokens" in p_body:  # P samples token 1: min_tokens >= 1 masks its EOS there
@@ -378,6 +385,9 @@ class Proxy:
 
     def _decode_body(self, leg: Leg, stream: bool) -> dict[str, Any]:
         body = dict(leg.body, stream=stream)
+        if leg.first is not None:  # P's answer holds the prompt's echo and logprobs
+            body.pop("echo", None)
+            body.pop("prompt_logprobs", None)
         if stream:
             body["stream_options"] = {"include_usage": True}  # the proxy sums usage
         if leg.params is not None:
