@@ -211,6 +211,8 @@ class _Handlers:
             auto = parser(self.state.tool_parser) if self.state.tool_parser else None
             shape = ToolChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs,
                                   plan, auto)
+        if body.shows_prompt_logprobs:
+            shape.prompt_ids = prompt
         return await self._respond(request, gen, shape, body.stream,
                                    body.include_usage_in_stream(), len(specs))
 

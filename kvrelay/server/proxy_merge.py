@@ -44,6 +44,8 @@ class Leg:
     # text the client already got from P (``resent_left`` characters) is cut from D's.
     resends: bool = False
     resent_left: int = 0
+    # Chat: vLLM's top-level prompt_logprobs of the engine that scored the prompt.
+    prompt_logprobs: Any = None
 
     def prefilled(self, first: dict[str, Any], prefill_url: str) -> None:
         """P's answer: the first token, and the lease unless that token ended it."""
@@ -113,6 +115,7 @@ def _finish_of(choice: dict[str, Any]) -> Any:
 def leg_choice(leg: Leg, decoded: dict[str, Any] | None) -> dict[str, Any]:
     """A leg's choice from P's answer and D's (``decoded``; None when P's answer is the
     whole of it). A colocated leg has no P answer: D's choice as it is."""
+    leg.prompt_logprobs = (leg.first or decoded or {}).get("prompt_logprobs")
     if leg.first is None:
         assert decoded is not None
         leg.usage = decoded.get("usage")
@@ -156,6 +159,8 @@ def merge_logprobs(first: Any, rest: Any) -> Any:
 def full_body(frame: Frame, legs: list[Leg], choices: list[dict[str, Any]]) -> dict[str, Any]:
     body = frame.envelope(frame.object_full, sorted(choices, key=lambda c: c["index"]))
     body["usage"] = total_usage(legs)
+    if frame.chat and legs and legs[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = legs[0].prompt_logprobs  # one prompt: choice 0's
     return body
 
 

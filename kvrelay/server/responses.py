@@ -193,6 +193,18 @@ class EchoShape(CompletionShape):
 class ChatShape(Shape):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
+    # vLLM's prompt_logprobs (top level: a chat request has one prompt): its token ids.
+    prompt_ids: list[int] | None = None
+
+    def full(self, choices: list[Collected], use: dict[str, int]) -> dict[str, Any]:
+        body = super().full(choices, use)
+        if self.prompt_ids is not None:
+            lps = choices[0].prompt_logprobs
+            if lps is None or len(lps) != len(self.prompt_ids) - 1:
+                raise ApiError(500, "the engine computed no prompt logprobs",
+                               type="server_error")
+            body["prompt_logprobs"] = self.fmt.prompt_logprobs(self.prompt_ids, lps)
+        return body
 
     def full_choice(self, index: int, c: Collected) -> dict[str, Any]:
         has_lp = self.with_logprobs and len(c.logprobs) == len(c.token_ids)

@@ -190,3 +190,35 @@ def test_refused_where_it_cannot_be_served(cluster: dict[str, Proc], model_dir: 
         "model": model_dir.name, "prompt": PROMPT, "prompt_logprobs": 1, "max_tokens": 1,
         "kv_transfer_params": {"do_remote_prefill": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_chat_prompt_logprobs_as_transformers_colocated_and_split(
+        cluster: dict[str, Proc], model_dir: Path) -> None:
+    """vLLM's chat prompt_logprobs (top level): the templated prompt scored, by P on 1P1D."""
+    import torch
+    import transformers
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir),
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    body = {"model": model_dir.name, "messages": messages, "max_tokens": 4, "temperature": 0,
+            "prompt_logprobs": 1, "logprobs": True}
+    before = _disaggregated(cluster["proxy"])
+    answers = {}
+    for where in ("colo", "proxy"):
+        r = httpx.post(cluster[where].url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        answers[where] = r.json()
+        plp = answers[where]["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        for i in range(1, len(ids)):
+            assert plp[i][str(ids[i])]["logprob"] == pytest.approx(float(lp[i - 1, ids[i]]),
+                                                                   abs=1e-4)
+    assert_close(_same(answers["proxy"]), _same(answers["colo"]))
+    assert _disaggregated(cluster["proxy"]) - before == 1
+    pools_free(cluster["d"], prefill=(cluster["p"],), timeout=10)
