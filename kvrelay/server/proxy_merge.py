@@ -46,6 +46,23 @@ class Leg:
     resent_left: int = 0
     # Chat: vLLM's top-level prompt_logprobs of the engine that scored the prompt.
     prompt_logprobs: Any = None
+    # The answer is read for tool calls (the tool_choice mode: auto, required, named).
+    # P samples token 1 under the same grammar (for auto: unconstrained, tool_choice
+    # "none" there: the same prompt, no parser needed); D, fed token 1 into its grammar,
+    # decodes the rest and answers the whole choice, token 1 included, parsed as a
+    # colocated engine parses it. P's answer (its text) is not used.
+    tools: str | None = None
+
+    def served_whole(self) -> None:
+        """P's answer set aside (its lease already given back): D serves the leg whole."""
+        self.first = self.prefill_url = self.params = None
+        self.ended_at_prefill = self.resends = False
+
+    def p_body(self) -> dict[str, Any]:
+        """The leg's request as P is asked it (before the prefill-only fields)."""
+        if self.tools == "auto":  # P's engine needs no parser (nor its flag) for token 1
+            return dict(self.body, tool_choice="none")
+        return self.body
 
     def prefilled(self, first: dict[str, Any], prefill_url: str) -> None:
         """P's answer: the first token, and the lease unless that token ended it."""
@@ -127,7 +144,7 @@ def leg_choice(leg: Leg, decoded: dict[str, Any] | None) -> dict[str, Any]:
     d = decoded["choices"][0]
     leg.usage = decoded.get("usage")
     out = dict(d, index=leg.index)
-    if leg.resends:  # D's choice starts with the first token itself
+    if leg.resends or leg.tools is not None:  # D's choice starts with token 1 itself
         return out
     text = text_of(p) + text_of(d)
     if "message" in d:
