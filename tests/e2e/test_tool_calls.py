@@ -192,7 +192,11 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
     ({"tool_choice": "required", "n": 2}, True),
     # D has no logprobs for token 1 (P computed its logits): served whole by D.
     ({"tool_choice": NAMED, "logprobs": True, "top_logprobs": 2}, False),
-], ids=["required", "required-greedy-single", "named", "auto", "required-n2", "logprobs"])
+    ({"tool_choice": NAMED, "max_tokens": 1}, False),
+    # Token 1 is EOS: P's answer ends the leg, D serves it again whole.
+    ({"tool_choice": "auto", "logit_bias": {"2": 100}}, False),
+], ids=["required", "required-greedy-single", "named", "auto", "required-n2", "logprobs",
+        "one-token", "eos-first"])
 def test_tool_answers_split_across_p_and_d_as_colocated(
         procs: dict[str, Proc], stream: bool, kw: dict[str, Any], split: bool) -> None:
     """P samples token 1 under the tools' grammar, D the rest from the pulled KV with its
@@ -215,7 +219,7 @@ def test_tool_answers_split_across_p_and_d_as_colocated(
     legs = kw.get("n", 1)
     assert after["disaggregated"] - before["disaggregated"] == (legs if split else 0)
     assert after["colocated"] - before["colocated"] == (0 if split else legs)
-    if not stream and kw["tool_choice"] != "auto":
+    if not stream and kw["tool_choice"] != "auto" and "max_tokens" not in kw:
         assert all(c["message"]["tool_calls"] for c in colo["choices"])
 
 
