@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -92,16 +92,19 @@ class CompletionShape(Shape):
 
     def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
         lp = None
+        start = self._next.get(d.index, 0)
         if self.with_logprobs and d.logprobs is not None:
-            lp = self.fmt.completion(d.token_ids, d.logprobs, self._next.get(d.index, 0))
-            self._advance(d.index, lp)
+            lp = self.fmt.completion(d.token_ids, d.logprobs, start)
+        if self.with_logprobs:  # offsets are logprobs' only
+            self._advance(d.index, start, d.token_ids)
         return self.envelope(self.object_chunk, [
             {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
         ])
 
-    def _advance(self, index: int, lp: dict[str, Any]) -> None:
-        if lp["tokens"]:
-            self._next[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+    def _advance(self, index: int, start: int, token_ids: Sequence[int]) -> None:
+        """Also by tokens sent without logprobs (a decode engine's token 1, when the
+        proxy in front did not send it)."""
+        self._next[index] = start + sum(len(self.fmt.token_text(t)) for t in token_ids)
 
     def _has_lp(self, c: Collected) -> bool:
         return self.with_logprobs and len(c.logprobs) == len(c.token_ids)
@@ -172,7 +175,7 @@ class EchoShape(CompletionShape):
                 shift = sum(len(self.fmt.token_text(t)) for t in ids)
                 output = self.fmt.completion(d.token_ids, d.logprobs or [], shift)
                 lp = self.fmt.echoed(ids, d.prompt_logprobs, output)
-                self._advance(d.index, lp)
+                self._advance(d.index, shift, d.token_ids)
             return self.envelope(self.object_chunk, [
                 {"index": d.index, "text": text + d.text, "logprobs": lp,
                  "finish_reason": d.finish_reason}])
