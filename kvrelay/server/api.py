@@ -189,12 +189,12 @@ class _Handlers:
         await gen.start(specs, sum(len(p) for p in prompts))
         shape: CompletionShape = CompletionShape(gen.base_id, self.model.name,
                                                  body.logprobs is not None, self.logprobs)
-        if body.echo or body.prompt_logprobs is not None:
+        if body.echo or body.shows_prompt_logprobs:
             tok = self.model.tokenizer
             texts = [p if isinstance(p, str) else tok.decode(ids, skip_special_tokens=False)
                      for p, ids in zip(raw, prompts, strict=True)]
             echo = Echo(list(zip(prompts, texts, strict=True)), body.n, body.echo,
-                        body.echo_only, body.prompt_logprobs is not None)
+                        body.echo_only, body.shows_prompt_logprobs)
             shape = EchoShape(gen.base_id, self.model.name, body.logprobs is not None,
                               self.logprobs, echo)
         return await self._respond(request, gen, shape, body.stream,
@@ -223,6 +223,8 @@ class _Handlers:
             auto = parser(self.state.tool_parser) if self.state.tool_parser else None
             shape = ToolChatShape(gen.base_id, self.model.name, body.logprobs, self.logprobs,
                                   plan, auto)
+        if body.shows_prompt_logprobs:
+            shape.prompt_ids = prompt
         return await self._respond(request, gen, shape, body.stream,
                                    body.include_usage_in_stream(), len(specs))
 
@@ -361,11 +363,6 @@ class _Handlers:
             return False, None  # e.g. vLLM's {"do_remote_decode": false, ...}: plain work
         if body.n != 1 or num_prompts != 1:
             raise bad_request("kv_transfer_params", "kv_transfer_params takes one prompt, n=1")
-        if body.num_prompt_logprobs() is not None:
-            # Every prompt position must be computed where the answer is made: the
-            # proxy sends such requests to one engine, colocated.
-            raise bad_request("prompt_logprobs", "prompt logprobs (prompt_logprobs, echo "
-                              "with logprobs) cannot be split across engines")
         if params.get("do_remote_decode"):
             if role != "prefill":
                 raise bad_request("kv_transfer_params", "do_remote_decode needs an engine "
@@ -381,6 +378,12 @@ class _Handlers:
         if role != "decode":
             raise bad_request("kv_transfer_params", "a KV lease can only be pulled by an "
                               f"engine started with --role decode; this one is --role {role}")
+        if body.num_prompt_logprobs() is not None:
+            # The prompt's positions were computed on the prefill engine, which scores
+            # them: the proxy asks it, not the decode engine.
+            raise bad_request("prompt_logprobs", "a decode engine pulling a KV lease cannot "
+                              "score the prompt (prompt_logprobs, echo with logprobs): its "
+                              "prefill engine does")
         _check_lease_fields(params)
         try:
             return False, RemoteKv.from_client(params,

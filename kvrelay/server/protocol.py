@@ -264,6 +264,15 @@ class _SamplingRequest(_Strict):
         return tuple(pairs)
 
 
+def check_prompt_logprobs(n: int | None, stream: bool) -> None:
+    if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise bad_request("prompt_logprobs", "prompt_logprobs must be between 0 and "
+                          f"{MAX_TOP_LOGPROBS}, got {n}")
+    if stream and n:
+        raise bad_request("prompt_logprobs", "prompt_logprobs are not available with "
+                          "stream=true (vLLM's rule: only 0 is)")
+
+
 PromptInput = str | list[int] | list[str] | list[list[int]]
 
 
@@ -277,10 +286,17 @@ class CompletionRequest(_SamplingRequest):
 
     def num_prompt_logprobs(self) -> int | None:
         """Prompt logprobs to compute: vLLM's prompt_logprobs, or echo with logprobs (the
-        prompt's tokens come back with theirs, as lm-evaluation-harness scores them)."""
+        prompt's tokens come back with theirs, as lm-evaluation-harness scores them). A
+        stream shows no prompt_logprobs field (vLLM takes only 0 there)."""
+        shown = None if self.stream else self.prompt_logprobs
         if self.echo and self.logprobs is not None:
-            return max(self.logprobs, self.prompt_logprobs or 0)
-        return self.prompt_logprobs
+            return max(self.logprobs, shown or 0)
+        return shown
+
+    @property
+    def shows_prompt_logprobs(self) -> bool:
+        """The answer carries vLLM's prompt_logprobs field (never a stream's)."""
+        return self.prompt_logprobs is not None and not self.stream
 
     @property
     def echo_only(self) -> bool:
@@ -311,13 +327,9 @@ class CompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo and self.stream:
-            raise bad_request("echo", "echo is not supported with stream=true")
+        check_prompt_logprobs(self.prompt_logprobs, self.stream)
         if self.max_tokens == 0 and not self.echo:
             raise bad_request("max_tokens", "max_tokens must be >= 1 (0 only with echo)")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise bad_request("prompt_logprobs", "prompt_logprobs must be between 0 and "
-                              f"{MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}")
         if self.suffix:
             raise bad_request("suffix", "suffix (fill-in-the-middle) is not supported")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -366,6 +378,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_special_tokens: bool = False  # vLLM's: the template already holds them
+    prompt_logprobs: int | None = None  # vLLM's: the answer's top-level prompt_logprobs
     # Set by check(): the validated tools and the grammar that forces a call.
     _tools: ToolPlan | None = PrivateAttr(default=None)
     _forced: StructuredOutput | None = PrivateAttr(default=None)
@@ -373,8 +386,6 @@ class ChatCompletionRequest(_SamplingRequest):
     REFUSED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
         **_SamplingRequest.REFUSED,
         "echo": (lambda v: not v, "echo (of the last message) is not supported"),
-        "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is supported on "
-                            "/v1/completions only"),
         "continue_final_message": (lambda v: not v, "continue_final_message is not supported"),
         "add_generation_prompt": (lambda v: v is None or v is True,
                                   "add_generation_prompt=false is not supported"),
@@ -405,6 +416,7 @@ class ChatCompletionRequest(_SamplingRequest):
                               "schemas shape the output)")
         if not self.messages:
             raise bad_request("messages", "messages must contain at least one message")
+        check_prompt_logprobs(self.prompt_logprobs, self.stream)
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs", "top_logprobs requires logprobs=true")
@@ -429,6 +441,13 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def num_prompt_logprobs(self) -> int | None:
+        return None if self.stream else self.prompt_logprobs
+
+    @property
+    def shows_prompt_logprobs(self) -> bool:
+        return self.num_prompt_logprobs() is not None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else (

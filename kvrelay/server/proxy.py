@@ -14,7 +14,8 @@ Per request (DESIGN section 1):
 3. stream each first token to the client at once (first-token seeding: the time to
    first token is the prefill's, not prefill + transfer + decode);
 4. send the decode engine the leg plus the lease, marked ``first_token_sent`` (so it
-   does not send token 1 again); it pulls the KV and streams tokens 2..n;
+   does not send token 1 again); it pulls the KV and streams tokens 2..n (a tool leg's
+   answer is D's whole, token 1 included: ``Leg.tools``);
 5. merge the legs into one answer: one id, each choice under its index, one role per
    chat choice, logprobs covering every token, usage counting each prompt once.
 

@@ -34,7 +34,7 @@ class Leg:
     ended_at_prefill: bool = False  # P's first token ended the choice: no D
     usage: dict[str, int] | None = None
     roled: bool = False  # chat stream: the role chunk of this choice went out
-    shift: int = 0  # completion stream: text the client got from P before D's text
+    shift: int = 0  # completion stream: the text offset of D's first token (after P's)
     # The prompt for KV-aware routing (kvrelay.server.proxy_affinity): its chunks' hash
     # chain and its length in characters.
     chain: list[int] = field(default_factory=list)
@@ -44,6 +44,25 @@ class Leg:
     # text the client already got from P (``resent_left`` characters) is cut from D's.
     resends: bool = False
     resent_left: int = 0
+    # Chat: vLLM's top-level prompt_logprobs of the engine that scored the prompt.
+    prompt_logprobs: Any = None
+    # The answer is read for tool calls (the tool_choice mode: auto, required, named).
+    # P samples token 1 under the same grammar (for auto: unconstrained, tool_choice
+    # "none" there: the same prompt, no parser needed); D, fed token 1 into its grammar,
+    # decodes the rest and answers the whole choice, token 1 included, parsed as a
+    # colocated engine parses it. P's answer (its text) is not used.
+    tools: str | None = None
+
+    def served_whole(self) -> None:
+        """P's answer set aside (its lease already given back): D serves the leg whole."""
+        self.first = self.prefill_url = self.params = None
+        self.ended_at_prefill = self.resends = False
+
+    def p_body(self) -> dict[str, Any]:
+        """The leg's request as P is asked it (before the prefill-only fields)."""
+        if self.tools == "auto":  # P's engine needs no parser (nor its flag) for token 1
+            return dict(self.body, tool_choice="none")
+        return self.body
 
     def prefilled(self, first: dict[str, Any], prefill_url: str) -> None:
         """P's answer: the first token, and the lease unless that token ended it."""
@@ -113,6 +132,7 @@ def _finish_of(choice: dict[str, Any]) -> Any:
 def leg_choice(leg: Leg, decoded: dict[str, Any] | None) -> dict[str, Any]:
     """A leg's choice from P's answer and D's (``decoded``; None when P's answer is the
     whole of it). A colocated leg has no P answer: D's choice as it is."""
+    leg.prompt_logprobs = (leg.first or decoded or {}).get("prompt_logprobs")
     if leg.first is None:
         assert decoded is not None
         leg.usage = decoded.get("usage")
@@ -124,7 +144,7 @@ def leg_choice(leg: Leg, decoded: dict[str, Any] | None) -> dict[str, Any]:
     d = decoded["choices"][0]
     leg.usage = decoded.get("usage")
     out = dict(d, index=leg.index)
-    if leg.resends:  # D's choice starts with the first token itself
+    if leg.resends or leg.tools is not None:  # D's choice starts with token 1 itself
         return out
     text = text_of(p) + text_of(d)
     if "message" in d:
@@ -132,6 +152,8 @@ def leg_choice(leg: Leg, decoded: dict[str, Any] | None) -> dict[str, Any]:
     else:
         out["text"] = text
     out["logprobs"] = merge_logprobs(p.get("logprobs"), d.get("logprobs"))
+    if "prompt_logprobs" in p:  # P scored the prompt (D was not asked to)
+        out["prompt_logprobs"] = p["prompt_logprobs"]
     return out
 
 
@@ -154,6 +176,8 @@ def merge_logprobs(first: Any, rest: Any) -> Any:
 def full_body(frame: Frame, legs: list[Leg], choices: list[dict[str, Any]]) -> dict[str, Any]:
     body = frame.envelope(frame.object_full, sorted(choices, key=lambda c: c["index"]))
     body["usage"] = total_usage(legs)
+    if frame.chat and legs and legs[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = legs[0].prompt_logprobs  # one prompt: choice 0's
     return body
 
 
@@ -165,6 +189,12 @@ def seed_chunk(leg: Leg) -> dict[str, Any]:
     p = leg.first["choices"][0]
     text = text_of(p)
     leg.shift = len(text)
+    lp = p.get("logprobs")
+    if lp and lp.get("tokens"):
+        # D's offsets go on from the end of P's token texts, as an engine counts them
+        # (a token ending inside a character has a text before the stream does; an
+        # echoed BOS has a token text and no prompt text).
+        leg.shift = lp["text_offset"][-1] + len(lp["tokens"][-1])
     leg.resent_left = len(text) if leg.resends else 0
     finish = _finish_of(p) if leg.ended_at_prefill else None
     if "message" in p:

@@ -253,12 +253,13 @@ class Proxy:
         self._route_keys(legs, req, chat)
         t0 = asyncio.get_running_loop().time()
         streaming = False
-        # Prompt logprobs need every prompt position where the answer is made, and tool
-        # calls are read out of the whole output: such legs go to a decode engine whole,
-        # as colocated work (no prefill engine, no lease).
-        whole = req.num_prompt_logprobs() is not None or (
-            isinstance(req, ChatCompletionRequest) and req.parses_tools())
+        # Prompt logprobs and echo are P's: it computes every prompt position (see
+        # _prefill). Tool calls are read out of the whole output: D serves such a leg
+        # whole, token 1 (P's) included (see Leg.tools).
+        whole = self._tool_legs(req, legs)
         to_prefill = [] if whole else legs
+        if whole:
+            self.metrics.requests.labels("colocated").inc(len(legs))
         try:
             if await self._unless_gone(request, _all(
                     self._prefill_leg(path, leg) for leg in to_prefill)) is None:
@@ -279,6 +280,18 @@ class Proxy:
         frame.model = frame.model or req.model
         self.metrics.ttft.observe(asyncio.get_running_loop().time() - t0)
         return JSONResponse(merge.full_body(frame, legs, choices))
+
+    @staticmethod
+    def _tool_legs(req: Any, legs: list[Leg]) -> bool:
+        """Mark the legs of a request whose answer is read for tool calls; True when they
+        go whole to a decode engine: with logprobs (D has none for token 1: P computed
+        its logits) or one token (P's alone, its answer not parsed as D's would be)."""
+        if not isinstance(req, ChatCompletionRequest) or not req.parses_tools():
+            return False
+        assert req.tool_plan is not None
+        for leg in legs:
+            leg.tools = req.tool_plan.mode
+        return req.logprobs or req.requested_max_tokens() == 1
 
     def _route_keys(self, legs: list[Leg], req: Any, chat: bool) -> None:
         if not self.routing.kv_aware:
@@ -341,7 +354,7 @@ class Proxy:
     async def _prefill_leg(self, path: str, leg: Leg) -> None:
         for attempt, up in enumerate(self._prefill_order(leg)):
             try:
-                first = await self._prefill(up, path, leg.body)
+                first = await self._prefill(up, path, leg.p_body())
             except UpstreamDown as exc:
                 self.metrics.prefill_failures.inc()
                 up.healthy = False
@@ -349,24 +362,38 @@ class Proxy:
                 continue
             up.healthy = True
             leg.prefilled(first, up.url)
-            self.metrics.requests.labels("disaggregated").inc()
             if leg.ended_at_prefill:
                 self._release(leg)  # e.g. max_tokens 1: the lease is not needed
+                if leg.tools is not None:
+                    # Token 1 ended it (EOS): D serves the leg whole, so that its answer
+                    # is read for calls as a colocated one is.
+                    leg.served_whole()
+                    self.metrics.requests.labels("colocated").inc()
+                    return
+            self.metrics.requests.labels("disaggregated").inc()
             return
         self.metrics.requests.labels("prefill_unavailable").inc()
 
     async def _prefill(self, up: Upstream, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        # The key names the lease before it exists: a call that ends without an answer
-        # read here (the client left as P wrote it, P failed mid-answer) gives back by
-        # it whatever lease P made, at once (kvrelay.relay.release_keys).
-        key = secrets.token_urlsafe(16)
-        p_body = dict(body, max_tokens=1, stream=False,
-                      kv_transfer_params={"do_remote_decode": True, "release_key": key})
-        if body.get("max_completion_tokens", body.get("max_tokens")) == 1:
-            # P's answer is the whole choice: asked as plain work, no lease, and its text
-            # ends as a colocated engine's would (a handed-off answer holds back a
-            # partial character for D, which never comes: the soak saw '' for it).
-            del p_body["kv_transfer_params"]
+        """P's answer: token 1 and the lease. With echo or prompt_logprobs it also holds
+        the prompt (its text and logprobs, which P computes: it ran every position);
+        echo with max_tokens 0 is P's alone, no lease."""
+        if body.get("echo") and body.get("max_tokens") == 0:
+            p_body = dict(body, stream=False)
+        else:
+            # The key names the lease before it exists: a call that ends without an answer
+            # read here (the client left as P wrote it, P failed mid-answer) gives back by
+            # it whatever lease P made, at once (kvrelay.relay.release_keys).
+            key = secrets.token_urlsafe(16)
+            p_body = dict(body, max_tokens=1, stream=False,
+                          kv_transfer_params={"do_remote_decode": True, "release_key": key})
+            if body.get("max_completion_tokens", body.get("max_tokens")) == 1:
+                # P's answer is the whole choice: asked as plain work, no lease, and its
+                # text ends as a colocated engine's would (a handed-off answer holds back a
+                # partial character for D, which never comes: the soak saw '' for it).
+                del p_body["kv_transfer_params"]
+        if body.get("stream"):
+            p_body.pop("prompt_logprobs", None)  # a stream does not show them
         p_body.pop("stream_options", None)
         p_body.pop("max_completion_tokens", None)
         if "min_tokens" in p_body:  # P samples token 1: min_tokens >= 1 masks its EOS there
@@ -397,13 +424,18 @@ class Proxy:
 
     def _decode_body(self, leg: Leg, stream: bool) -> dict[str, Any]:
         body = dict(leg.body, stream=stream)
+        if leg.first is not None:  # P's answer holds the prompt's echo and logprobs
+            body.pop("echo", None)
+            body.pop("prompt_logprobs", None)
         if stream:
             body["stream_options"] = {"include_usage": True}  # the proxy sums usage
         if leg.params is not None:
             # The client has token 1 from P already: D must not send it again (a vLLM
-            # decode engine does: its answer is cut instead, see Leg.resends).
-            body["kv_transfer_params"] = (dict(leg.params) if leg.resends
-                                          else dict(leg.params, first_token_sent=True))
+            # decode engine does: its answer is cut instead, see Leg.resends). A tool
+            # leg's answer is D's whole: D sends token 1 itself.
+            sent = not (leg.resends or leg.tools is not None)
+            body["kv_transfer_params"] = dict(leg.params, first_token_sent=True) if sent \
+                else dict(leg.params)
         return body
 
     # -- whole answers ---------------------------------------------------------------
@@ -487,7 +519,7 @@ class Proxy:
         """Put the leg's chunk choices on ``events`` ("p": P's token, "d": D's), then
         "end", or one "error" event."""
         try:
-            if leg.first is not None:
+            if leg.first is not None and leg.tools is None:  # a tool leg's chunks are D's
                 frame.saw(leg.first)
                 events.put_nowait((leg, "p", merge.seed_chunk(leg)))
                 if leg.ended_at_prefill:
@@ -523,7 +555,7 @@ class Proxy:
         events: asyncio.Queue[tuple[Leg, str, Any]],
     ) -> dict[str, Any] | None:
         body = self._decode_body(leg, stream=True)
-        kind = "d" if leg.first is not None else "c"
+        kind = "d" if leg.first is not None and leg.tools is None else "c"
         async with self._outstanding(up):
             try:
                 async with self._http().stream("POST", f"{up.url}{path}", json=body,

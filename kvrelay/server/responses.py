@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -78,6 +78,13 @@ class Shape:
 class CompletionShape(Shape):
     object_full = object_chunk = "text_completion"
 
+    def __init__(self, rid: str, model: str, with_logprobs: bool, fmt: LogprobFormatter) -> None:
+        super().__init__(rid, model, with_logprobs, fmt)
+        # Streams: per choice, the text offset of its next token, advanced by the token
+        # texts reported (as vLLM does, and as a whole answer counts them), not by the
+        # text sent: a token that ends inside a character has a text, the stream not yet.
+        self._next: dict[int, int] = {}
+
     def full_choice(self, index: int, c: Collected) -> dict[str, Any]:
         lp = self.fmt.completion(c.token_ids, c.logprobs, 0) if self._has_lp(c) else None
         return {"index": index, "text": "".join(c.text), "logprobs": lp,
@@ -85,11 +92,19 @@ class CompletionShape(Shape):
 
     def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
         lp = None
+        start = self._next.get(d.index, 0)
         if self.with_logprobs and d.logprobs is not None:
-            lp = self.fmt.completion(d.token_ids, d.logprobs, offset)
+            lp = self.fmt.completion(d.token_ids, d.logprobs, start)
+        if self.with_logprobs:  # offsets are logprobs' only
+            self._advance(d.index, start, d.token_ids)
         return self.envelope(self.object_chunk, [
             {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
         ])
+
+    def _advance(self, index: int, start: int, token_ids: Sequence[int]) -> None:
+        """Also by tokens sent without logprobs (a decode engine's token 1, when the
+        proxy in front did not send it)."""
+        self._next[index] = start + sum(len(self.fmt.token_text(t)) for t in token_ids)
 
     def _has_lp(self, c: Collected) -> bool:
         return self.with_logprobs and len(c.logprobs) == len(c.token_ids)
@@ -114,6 +129,7 @@ class EchoShape(CompletionShape):
                  echo: Echo) -> None:
         super().__init__(rid, model, with_logprobs, fmt)
         self.e = echo
+        self._echoed: set[int] = set()  # streams: the choices whose prompt went out
 
     def completion_tokens(self, generated: int) -> int:
         return 0 if self.e.only else generated
@@ -141,6 +157,36 @@ class EchoShape(CompletionShape):
             out["prompt_logprobs"] = self._prompt_lps(ids, prompt_lps)
         return out
 
+    def chunk(self, d: Delta, offset: int) -> dict[str, Any]:
+        """As vLLM streams echo: a choice's first chunk holds the prompt's text (and with
+        logprobs its tokens', the first one's null) before its first token's; with
+        max_tokens 0 the prompt alone. Text offsets go on from the prompt's tokens."""
+        first = d.index not in self._echoed
+        self._echoed.add(d.index)
+        if first and self.e.echo:
+            ids, text = self.e.prompts[d.index // self.e.n]
+            if self.e.only:
+                d = Delta(d.index, "", [], [], "length", prompt_logprobs=d.prompt_logprobs)
+            lp = None
+            if self.with_logprobs:
+                if d.prompt_logprobs is None or len(d.prompt_logprobs) != len(ids) - 1:
+                    raise ApiError(500, "the engine computed no prompt logprobs",
+                                   type="server_error")
+                shift = sum(len(self.fmt.token_text(t)) for t in ids)
+                output = self.fmt.completion(d.token_ids, d.logprobs or [], shift)
+                lp = self.fmt.echoed(ids, d.prompt_logprobs, output)
+                self._advance(d.index, shift, d.token_ids)
+            return self.envelope(self.object_chunk, [
+                {"index": d.index, "text": text + d.text, "logprobs": lp,
+                 "finish_reason": d.finish_reason}])
+        if self.e.only:  # nothing follows the prompt's chunk
+            return self.envelope(self.object_chunk, [])
+        return super().chunk(d, offset)
+
+    def chunks(self, d: Delta, offset: int) -> list[dict[str, Any]]:
+        chunk = self.chunk(d, offset)
+        return [chunk] if chunk["choices"] else []
+
     def _prompt_lps(self, ids: list[int], lps: list[Any] | None) -> list[Any]:
         if lps is None or len(lps) != len(ids) - 1:
             raise ApiError(500, "the engine computed no prompt logprobs", type="server_error")
@@ -150,6 +196,18 @@ class EchoShape(CompletionShape):
 class ChatShape(Shape):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
+    # vLLM's prompt_logprobs (top level: a chat request has one prompt): its token ids.
+    prompt_ids: list[int] | None = None
+
+    def full(self, choices: list[Collected], use: dict[str, int]) -> dict[str, Any]:
+        body = super().full(choices, use)
+        if self.prompt_ids is not None:
+            lps = choices[0].prompt_logprobs
+            if lps is None or len(lps) != len(self.prompt_ids) - 1:
+                raise ApiError(500, "the engine computed no prompt logprobs",
+                               type="server_error")
+            body["prompt_logprobs"] = self.fmt.prompt_logprobs(self.prompt_ids, lps)
+        return body
 
     def full_choice(self, index: int, c: Collected) -> dict[str, Any]:
         has_lp = self.with_logprobs and len(c.logprobs) == len(c.token_ids)

@@ -57,9 +57,11 @@ def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=2048)))
     room = ("--num-blocks", "1024")
-    with colocated_and_pd(model, tmp_path_factory.mktemp("tools-logs"), *room) as (c, out):
-        out["auto"] = c.colocated("auto", *room, "--enable-auto-tool-choice",
-                                  "--tool-call-parser", "hermes").wait_healthy()
+    auto = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    with colocated_and_pd(model, tmp_path_factory.mktemp("tools-logs"), *room,
+                          *auto) as (c, out):
+        out["auto"] = out["colo"]
+        out["plain"] = c.colocated("plain", *room).wait_healthy()  # no auto tool choice
         yield out
 
 
@@ -134,8 +136,95 @@ def test_same_call_colocated_and_1p1d(procs: dict[str, Proc]) -> None:
     assert out[0] == out[1] and out[0]
 
 
+def _scrub(x: Any) -> Any:
+    """An answer or chunk less what two answers never share: ids, created."""
+    if isinstance(x, dict):
+        return {k: _scrub(v) for k, v in x.items() if k not in ("id", "created")}
+    if isinstance(x, list):
+        return [_scrub(v) for v in x]
+    return x
+
+
+def _raw(proc: Proc, body: dict[str, Any]) -> Any:
+    """The answer's JSON, or a stream's chunks."""
+    import httpx
+
+    if not body.get("stream"):
+        r = httpx.post(proc.url + "/v1/chat/completions", json=body, timeout=90)
+        assert r.status_code == 200, r.text
+        return _scrub(r.json())
+    chunks = []
+    with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=90) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(_scrub(json.loads(line[6:])))
+    return chunks
+
+
+def _by_choice(chunks: list[Any]) -> dict[Any, list[Any]]:
+    out: dict[Any, list[Any]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"] or [None]:
+            out.setdefault(None if choice is None else choice["index"], []).append(
+                dict(chunk, choices=[choice] if choice else []))
+    return out
+
+
+def _paths(proxy: Proc) -> dict[str, float]:
+    from tests.e2e.cluster import metric
+    from tests.metrics_util import metrics
+
+    m = metrics(proxy.url)
+    return {p: metric(m, f'kvrelay_proxy_requests_total{{path="{p}"}}')
+            for p in ("disaggregated", "colocated")}
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kw, split", [
+    ({"tool_choice": "required"}, True),
+    ({"tool_choice": "required", "parallel_tool_calls": False, "temperature": 0}, True),
+    ({"tool_choice": NAMED}, True),
+    ({"tool_choice": "auto", "max_tokens": 12}, True),
+    ({"tool_choice": "required", "n": 2}, True),
+    # D has no logprobs for token 1 (P computed its logits): served whole by D.
+    ({"tool_choice": NAMED, "logprobs": True, "top_logprobs": 2}, False),
+    ({"tool_choice": NAMED, "max_tokens": 1}, False),
+    # Token 1 is EOS: P's answer ends the leg, D serves it again whole.
+    ({"tool_choice": "auto", "logit_bias": {"2": 100}}, False),
+], ids=["required", "required-greedy-single", "named", "auto", "required-n2", "logprobs",
+        "one-token", "eos-first"])
+def test_tool_answers_split_across_p_and_d_as_colocated(
+        procs: dict[str, Proc], stream: bool, kw: dict[str, Any], split: bool) -> None:
+    """P samples token 1 under the tools' grammar, D the rest from the pulled KV with its
+    grammar fed token 1; the answer (calls, content, finish, usage; streamed: every
+    chunk) is the colocated engine's."""
+    model = client(procs["colo"]).models.list().data[0].id
+    body: dict[str, Any] = {"model": model, "messages": ASK, "tools": TOOLS,
+                            "temperature": 1.0, "seed": 3, "max_tokens": 80,
+                            "stream": stream, **kw}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    before = _paths(procs["proxy"])
+    colo = _raw(procs["colo"], body)
+    split_answer = _raw(procs["proxy"], body)
+    if stream:  # choices interleave as their engines go: each choice's chunks in order
+        assert _by_choice(split_answer) == _by_choice(colo)
+    else:
+        assert split_answer == colo
+    after = _paths(procs["proxy"])
+    legs = kw.get("n", 1)
+    assert after["disaggregated"] - before["disaggregated"] == (legs if split else 0)
+    assert after["colocated"] - before["colocated"] == (0 if split else legs)
+    if not stream and kw["tool_choice"] != "auto" and "max_tokens" not in kw:
+        assert all(c["message"]["tool_calls"] for c in colo["choices"])
+
+
 def test_auto_needs_the_flag(procs: dict[str, Proc]) -> None:
-    c = client(procs["colo"])
+    c = client(procs["plain"])
     model = c.models.list().data[0].id
     with pytest.raises(openai.BadRequestError) as info:
         c.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=4)
