@@ -154,8 +154,15 @@ class DecodeSide:
         self.client = RelayClient(compat=compat, transport=settings.kv_transport,
                                   client_id=engine_id, layout=layout.name,
                                   secret=settings.secret, io_timeout=io_timeout)
-        transport = TcpTransport(connect=self.client.open_data, io_timeout=io_timeout)
-        transport.blocks = HostBlocks(regions)
+        transport: TcpTransport | Any
+        if settings.kv_transport == "nixl":
+            from kvrelay.relay.transports.nixl import NixlTransport
+
+            transport = NixlTransport(regions)  # one-sided READs; the fence decides
+        else:
+            transport = TcpTransport(connect=self.client.open_data, io_timeout=io_timeout)
+            transport.blocks = HostBlocks(regions)
+        self.transport = transport
         self.loads = VllmKvLoads(ready)
         # Policy recompute: a failure is reported as failed_recving, and vLLM's own
         # kv_load_failure_policy decides between recompute and an error.
@@ -264,3 +271,4 @@ class DecodeSide:
     def close(self) -> None:
         self._stop.set()
         self.client.close()
+        self.transport.close()

@@ -120,9 +120,22 @@ class PrefillSide:
         self.table = LeaseTable(self.blocks, engine_id=engine_id,
                                 acquire_timeout=settings.lease_timeout,
                                 hard_cap=settings.lease_max)
+        # tcp is always served (from the blocks in place); nixl when asked: one agent,
+        # vLLM's cache registered once, its metadata in the HELLO reply.
+        transports: dict[str, dict[str, Any]] = {"tcp": {}}
+        self.nixl: Any = None
+        if settings.kv_transport == "nixl":
+            from kvrelay.relay.transports.nixl import NixlTransport
+
+            self.nixl = NixlTransport()
+            transports["nixl"] = self.nixl.register(regions)
+            if settings.secret is None:
+                log.warning("kvrelay: kv_transport nixl without relay_secret: any peer "
+                            "that reaches the relay port gets the NIXL metadata, with "
+                            "which it can read this engine's KV cache")
         cfg = RelayServerConfig(
             compat=compat, host=settings.relay_host, port=settings.relay_port,
-            secret=settings.secret, transports={"tcp": {}}, layout=layout.name,
+            secret=settings.secret, transports=transports, layout=layout.name,
             send_timeout=settings.lease_timeout,
             idle_timeout=max(120.0, 2 * settings.lease_timeout))
         self.server = RelayServer(self.table, self.lock, cfg, kv_blocks=HostBlocks(regions),
@@ -157,6 +170,8 @@ class PrefillSide:
     def close(self) -> None:
         self.hold_server.close()
         self.server.close()
+        if self.nixl is not None:
+            self.nixl.close()
 
 
 class HoldServer:
