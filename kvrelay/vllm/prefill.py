@@ -142,6 +142,7 @@ class PrefillSide:
                                   clock=time.monotonic)
         self.server.start()
         self.compat = compat
+        self._ended: dict[str, int] = {}  # lease ends by reason since the last stats
         self.hold_server = HoldServer(self)
         log.info("kvrelay: relay for decode engines on %s (layout %s, compat %s)",
                  self.server.address, layout.name, compat)
@@ -156,6 +157,8 @@ class PrefillSide:
         # by more than that.
         params = KvTransferParams(lease.lease_id, self.server.address, self.table.engine_id,
                                   list(lease.block_ids), num_tokens, first_token, self.compat)
+        log.info("kvrelay: lease %s for request %s (%d blocks)", lease.lease_id, request_id,
+                 len(block_ids))
         return params.to_dict()
 
     def take_released(self) -> set[str]:
@@ -163,9 +166,17 @@ class PrefillSide:
             released = self.blocks.take_released()
             reasons = [self.table.release_reason(lid) for _, lid in released]
         for (rid, lid), why in zip(released, reasons, strict=True):
+            name = why.value if why else "?"
+            self._ended[name] = self._ended.get(name, 0) + 1
             log.info("kvrelay: lease %s of request %s ended (%s): its blocks return to vLLM",
-                     lid, rid, why.value if why else "?")
+                     lid, rid, name)
         return {rid for rid, _ in released}
+
+    def collect_stats(self, data: dict[str, Any]) -> None:
+        """Lease ends by reason since the last call, into ``data`` (KvRelayStats)."""
+        ended, self._ended = self._ended, {}
+        for why, n in ended.items():
+            data["leases_ended"][why] = data["leases_ended"].get(why, 0) + n
 
     def close(self) -> None:
         self.hold_server.close()
