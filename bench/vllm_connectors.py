@@ -64,7 +64,7 @@ def stream(url: str, text: str, params: dict[str, Any] | None) -> tuple[float, l
     if params is not None:
         body["kv_transfer_params"] = params
     t0, stamps, out = time.perf_counter(), [], []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=900) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--words", type=int, default=360, help="prompt length (~1.2 tokens a word)")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     ap.add_argument("--no-nixl", action="store_true", help="skip the NixlConnector leg")
+    ap.add_argument("--nixl-only", action="store_true",
+                    help="only the NixlConnector leg (its P, asked without params, is the "
+                    "colocated reference)")
     args = ap.parse_args(argv)
     if missing():
         print(f"bench-vllm: {missing()}", file=sys.stderr)
@@ -199,10 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     kp = VllmEngine("kvrelay-P", "kv_producer", tmp / "kvrelay-p.log", extra, env=bind0)
     kd = VllmEngine("kvrelay-D", "kv_consumer", tmp / "kvrelay-d.log", extra, env=bind1)
     engines = [colo, kp, kd]
+    scen_text = prompt(999, 200)
+    want, scen_want = [], ""
     try:
+        if args.nixl_only:
+            engines = []
+            raise _Skip
         start(engines)
         want = [stream(colo.url, t, None)[2] for t in texts]  # the reference texts
-        scen_text = prompt(999, 200)
         results["colocated"] = measure(texts, want, colocated_ask(colo))
         scen_want = stream(colo.url, scen_text, None)[2]
         stop([colo])
@@ -212,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             kd, "kvrelay", skip)
         results["kvrelay_reused"] = reused_block_scenario(
             kp, kd, KVRELAY_FIRST, scen_text, scen_want, EXPIRED["kvrelay"])
+    except _Skip:
+        pass
     finally:
         stop(engines)
 
@@ -227,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                              "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
         try:
             start([np_, nd])
+            if args.nixl_only:  # P with no kv_transfer_params decodes colocated
+                want = [stream(np_.url, t, None)[2] for t in texts]
+                scen_want = stream(np_.url, scen_text, None)[2]
             skip = len(nd.log.read_text(errors="replace"))
             results["nixl"] = measure(texts, want, pd_ask(np_, nd, NIXL_FIRST))
             time.sleep(11)  # vLLM logs its KV transfer metrics every 10 s
@@ -242,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+class _Skip(Exception):
+    pass
 
 
 def _port() -> int:
@@ -263,7 +279,7 @@ def report(r: dict[str, Any]) -> None:
         print(f"{name:22}{m['ttft_ms']:>10.1f}{leg:>15}{m['tpot_ms']:>10.1f}{xfer:>13}"
               f"{m['wrong_texts']:>9}/{m['n']}")
     for key in ("kvrelay", "nixl"):
-        if key in r:
+        if key in r and "colocated" in r:
             ratio = r[key]["ttft_ms"] / r["colocated"]["ttft_ms"]
             print(f"TTFT {key} / colocated: {ratio:.2f}")
     k_ms, n_ms = r.get("kvrelay", {}).get("transfer_ms"), r.get("nixl", {}).get("transfer_ms")
