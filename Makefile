@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-vllm vllm-venv demo lint sim bench bench-peers native clean
+.PHONY: test test-vllm test-vllm-slow bench-vllm vllm-venv demo lint sim bench bench-peers native clean
 
 # The native CPU kernels (kvrelay/model/csrc), compiled against the torch in the venv
 # (no build isolation: it would fetch an unpinned torch). `make NATIVE_KERNELS=0 test`
@@ -51,6 +51,16 @@ vllm-venv: $(STAMP)
 
 test-vllm: vllm-venv
 	KVRELAY_VLLM_VENV=$(VLLM_VENV) KVRELAY_REQUIRE_VLLM=1 $(PY) -m pytest -q -m vllm tests/vllm
+
+# The slow vLLM variants, not in `make test`: nixl inside the connector and an abort storm
+# on a pair of their own (~6 min).
+test-vllm-slow: vllm-venv
+	KVRELAY_VLLM_VENV=$(VLLM_VENV) KVRELAY_REQUIRE_VLLM=1 KVRELAY_VLLM_SLOW=1 \
+		$(PY) -m pytest -q tests/vllm/test_vllm_slow.py
+
+# vLLM 1P1D with KvRelayConnector vs NixlConnector vs colocated vLLM (docs/vllm.md).
+bench-vllm: vllm-venv
+	PYTHONPATH=. KVRELAY_VLLM_VENV=$(VLLM_VENV) $(PY) bench/vllm_connectors.py
 
 demo: $(STAMP) $(NATIVE)
 	$(VENV)/bin/kvrelay demo

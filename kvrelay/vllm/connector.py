@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvrelay.model.interface import KvGeometry
 from kvrelay.relay.remote import RemoteKv
@@ -79,6 +80,51 @@ class KvRelayMetadata(KVConnectorMetadata):
     aborts: list[str] = field(default_factory=list)
     give_back: list[dict[str, Any]] = field(default_factory=list)  # leases never loaded
     idle: bool = False  # nothing scheduled: vLLM steps only to collect our reports
+
+
+@dataclass
+class KvRelayStats(KVConnectorStats):
+    """What the connector did in the last interval; vLLM's stat logger prints it as
+    "KV Transfer metrics: ..." every log interval (--disable-log-stats: never). ``data``
+    crosses processes as plain lists and dicts."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        empty: dict[str, Any] = {"load_ms": [], "fallbacks": {}, "fence_refused": 0,
+                                 "leases_ended": {}}
+        self.data = empty
+
+    def aggregate(self, other: KVConnectorStats) -> KvRelayStats:
+        if not other.is_empty():
+            d: dict[str, Any] = self.data
+            o: dict[str, Any] = other.data
+            d["load_ms"] = [*d["load_ms"], *o["load_ms"]]
+            d["fence_refused"] += o["fence_refused"]
+            for key in ("fallbacks", "leases_ended"):
+                for why, n in o[key].items():
+                    d[key][why] = d[key].get(why, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d: dict[str, Any] = self.data
+        ms: list[float] = sorted(d["load_ms"])
+        out: dict[str, int | float] = {
+            "Num successful pulls": len(ms),
+            "Avg load time (ms)": round(sum(ms) / len(ms), 3) if ms else 0,
+            "P90 load time (ms)": round(ms[int(0.9 * (len(ms) - 1))], 3) if ms else 0,
+            "Num fallbacks": sum(d["fallbacks"].values()),
+            "Num fence refusals": d["fence_refused"],
+        }
+        out.update({f"Fallbacks {why}": n for why, n in sorted(d["fallbacks"].items())})
+        out.update({f"Leases {why}": n for why, n in sorted(d["leases_ended"].items())})
+        return out
+
+    def is_empty(self) -> bool:
+        d: dict[str, Any] = self.data
+        return not (d["load_ms"] or d["fallbacks"] or d["fence_refused"] or d["leases_ended"])
 
 
 @dataclass
@@ -162,6 +208,19 @@ class KvRelayConnector(KVConnectorBase_V1):
         if self.decode is not None:
             out.finished_recving, out.failed_recving = self.decode.take_finished()
         return out
+
+    def get_kv_connector_stats(self) -> KvRelayStats | None:
+        """Worker: pulls, fallbacks, fence refusals and lease ends since the last call
+        (the scheduler side has none)."""
+        stats = KvRelayStats()
+        for side in (self.prefill, self.decode):
+            if side is not None:
+                side.collect_stats(stats.data)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvRelayStats:
+        return KvRelayStats(data=data or {})
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         res = self.get_transfer_results(finished_req_ids)

@@ -71,6 +71,9 @@ class VllmKvLoads:
         self._pending: dict[str, tuple[list[int], int]] = {}
         self._waiting: list[tuple[str, list[int], int]] = []
         self._live: set[str] = set()  # admitted, not reported yet
+        self._sizes: dict[str, tuple[int, int]] = {}  # (blocks pulled, blocks), for the log
+        self._started: dict[str, float] = {}  # pull started (ACQUIRE answered), for the log
+        self.load_ms: list[float] = []  # pulls committed since the last stats
         self._quarantined: dict[str, bool | None] = {}  # rid -> deferred report (failed?)
         self.finished: set[str] = set()
         self.failed: set[str] = set()
@@ -84,6 +87,7 @@ class VllmKvLoads:
         blocks, cached = self._pending.pop(request_id)
         self._live.add(request_id)
         self._waiting.append((request_id, blocks, cached))
+        self._sizes[request_id] = (len(blocks) - cached, len(blocks))
         return False  # vLLM's decode samples the first token itself
 
     def reject(self, request_id: str, error: str) -> None:
@@ -103,9 +107,18 @@ class VllmKvLoads:
         return out
 
     def load_started(self, request_id: str) -> None:
-        log.info("kvrelay: pulling the KV of request %s", request_id)
+        pulled, total = self._sizes.pop(request_id, (0, 0))
+        self._started[request_id] = time.monotonic()
+        log.info("kvrelay: pulling the KV of request %s (%d of %d blocks; %d in this "
+                 "engine's prefix cache)", request_id, pulled, total, total - pulled)
 
     def load_done(self, request_id: str, *, shareable: bool) -> None:
+        t0 = self._started.pop(request_id, None)
+        if t0 is not None:
+            ms = 1000 * (time.monotonic() - t0)
+            self.load_ms.append(ms)
+            log.info("kvrelay: KV of request %s loaded in %.1f ms (copy and commit)",
+                     request_id, ms)
         self.report(request_id, failed=False)
 
     def load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
@@ -133,6 +146,8 @@ class VllmKvLoads:
 
     def _emit(self, request_id: str, failed: bool) -> None:
         self._live.remove(request_id)  # a second report of a load raises here
+        self._sizes.pop(request_id, None)
+        self._started.pop(request_id, None)
         self.finished.add(request_id)
         if failed:
             self.failed.add(request_id)
@@ -154,8 +169,15 @@ class DecodeSide:
         self.client = RelayClient(compat=compat, transport=settings.kv_transport,
                                   client_id=engine_id, layout=layout.name,
                                   secret=settings.secret, io_timeout=io_timeout)
-        transport = TcpTransport(connect=self.client.open_data, io_timeout=io_timeout)
-        transport.blocks = HostBlocks(regions)
+        transport: TcpTransport | Any
+        if settings.kv_transport == "nixl":
+            from kvrelay.relay.transports.nixl import NixlTransport
+
+            transport = NixlTransport(regions)  # one-sided READs; the fence decides
+        else:
+            transport = TcpTransport(connect=self.client.open_data, io_timeout=io_timeout)
+            transport.blocks = HostBlocks(regions)
+        self.transport = transport
         self.loads = VllmKvLoads(ready)
         # Policy recompute: a failure is reported as failed_recving, and vLLM's own
         # kv_load_failure_policy decides between recompute and an error.
@@ -170,6 +192,8 @@ class DecodeSide:
             tuple[Sequence[LoadSpec], Sequence[str], Sequence[dict[str, Any]]]] = (
             queue.SimpleQueue())
         self.engine_id = engine_id
+        self._seen_fallbacks: dict[str, int] = {}  # receiver counts at the last stats
+        self._seen_fence = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drive, daemon=True, name="kvrelay-recv")
         self._thread.start()
@@ -230,6 +254,20 @@ class DecodeSide:
         with self.lock:
             return self.loads.take()
 
+    def collect_stats(self, data: dict[str, Any]) -> None:
+        """Add what happened since the last call to ``data`` (connector.KvRelayStats)."""
+        with self.lock:
+            data["load_ms"].extend(self.loads.load_ms)
+            self.loads.load_ms = []
+            st = self.receiver.stats
+            for why, n in st.fallbacks.items():
+                new = n - self._seen_fallbacks.get(why, 0)
+                if new:
+                    data["fallbacks"][why] = data["fallbacks"].get(why, 0) + new
+            self._seen_fallbacks = dict(st.fallbacks)
+            data["fence_refused"] += st.fence_failures - self._seen_fence
+            self._seen_fence = st.fence_failures
+
     def _drive(self) -> None:
         unpin()
         replies = self.client.replies
@@ -264,3 +302,4 @@ class DecodeSide:
     def close(self) -> None:
         self._stop.set()
         self.client.close()
+        self.transport.close()

@@ -120,15 +120,29 @@ class PrefillSide:
         self.table = LeaseTable(self.blocks, engine_id=engine_id,
                                 acquire_timeout=settings.lease_timeout,
                                 hard_cap=settings.lease_max)
+        # tcp is always served (from the blocks in place); nixl when asked: one agent,
+        # vLLM's cache registered once, its metadata in the HELLO reply.
+        transports: dict[str, dict[str, Any]] = {"tcp": {}}
+        self.nixl: Any = None
+        if settings.kv_transport == "nixl":
+            from kvrelay.relay.transports.nixl import NixlTransport
+
+            self.nixl = NixlTransport()
+            transports["nixl"] = self.nixl.register(regions)
+            if settings.secret is None:
+                log.warning("kvrelay: kv_transport nixl without relay_secret: any peer "
+                            "that reaches the relay port gets the NIXL metadata, with "
+                            "which it can read this engine's KV cache")
         cfg = RelayServerConfig(
             compat=compat, host=settings.relay_host, port=settings.relay_port,
-            secret=settings.secret, transports={"tcp": {}}, layout=layout.name,
+            secret=settings.secret, transports=transports, layout=layout.name,
             send_timeout=settings.lease_timeout,
             idle_timeout=max(120.0, 2 * settings.lease_timeout))
         self.server = RelayServer(self.table, self.lock, cfg, kv_blocks=HostBlocks(regions),
                                   clock=time.monotonic)
         self.server.start()
         self.compat = compat
+        self._ended: dict[str, int] = {}  # lease ends by reason since the last stats
         self.hold_server = HoldServer(self)
         log.info("kvrelay: relay for decode engines on %s (layout %s, compat %s)",
                  self.server.address, layout.name, compat)
@@ -143,6 +157,8 @@ class PrefillSide:
         # by more than that.
         params = KvTransferParams(lease.lease_id, self.server.address, self.table.engine_id,
                                   list(lease.block_ids), num_tokens, first_token, self.compat)
+        log.info("kvrelay: lease %s for request %s (%d blocks)", lease.lease_id, request_id,
+                 len(block_ids))
         return params.to_dict()
 
     def take_released(self) -> set[str]:
@@ -150,13 +166,23 @@ class PrefillSide:
             released = self.blocks.take_released()
             reasons = [self.table.release_reason(lid) for _, lid in released]
         for (rid, lid), why in zip(released, reasons, strict=True):
+            name = why.value if why else "?"
+            self._ended[name] = self._ended.get(name, 0) + 1
             log.info("kvrelay: lease %s of request %s ended (%s): its blocks return to vLLM",
-                     lid, rid, why.value if why else "?")
+                     lid, rid, name)
         return {rid for rid, _ in released}
+
+    def collect_stats(self, data: dict[str, Any]) -> None:
+        """Lease ends by reason since the last call, into ``data`` (KvRelayStats)."""
+        ended, self._ended = self._ended, {}
+        for why, n in ended.items():
+            data["leases_ended"][why] = data["leases_ended"].get(why, 0) + n
 
     def close(self) -> None:
         self.hold_server.close()
         self.server.close()
+        if self.nixl is not None:
+            self.nixl.close()
 
 
 class HoldServer:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-TRANSPORTS = ("tcp",)
+TRANSPORTS = ("tcp", "nixl")
 
 
 @dataclass(frozen=True)

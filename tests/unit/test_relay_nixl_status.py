@@ -96,14 +96,16 @@ def fake_transport(kv: torch.Tensor) -> tuple[nixl.NixlTransport, FakeNativeAgen
     agent.name, agent.lock, agent.agent = "d-agent", threading.Lock(), native
     agent.mems, agent._regs = {"DRAM": "DRAM", "VRAM": "VRAM"}, []
     t = nixl.NixlTransport()
-    t.agent, t.kv_cache, t.local = agent, kv, nixl.region_of(kv)
+    t.agent, t.kv_cache, t.local = agent, kv, nixl.regions_of(kv)
     return t, native
 
 
 def descriptor(kv: torch.Tensor) -> dict[str, Any]:
-    _, nbytes, _, _, block_bytes = nixl.region_of(kv)
-    return {"agent": "p-agent", "metadata": b"md", "addr": 1 << 20, "nbytes": nbytes,
-            "dev": 0, "mem": "DRAM", "block_bytes": block_bytes}
+    r = nixl.regions_of(kv)
+    return {"agent": "p-agent", "metadata": b"md", "addr": 1 << 20,
+            "nbytes": r.num_blocks * r.piece_bytes, "regions": [1 << 20],
+            "num_blocks": r.num_blocks, "piece_bytes": r.piece_bytes, "dev": 0, "mem": "DRAM",
+            "block_bytes": r.block_bytes}
 
 
 @pytest.mark.parametrize("failure", ["error status", "exception", "post refused",

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvrelay.relay.receiver import Phase
+from kvrelay.relay.transports import nixl
 from kvrelay.relay.transports.layout import BlockLayout, layer_regions
 from kvrelay.vllm.decode import DecodeSide, LoadSpec, VllmKvLoads
 from kvrelay.vllm.prefill import PrefillSide, VllmLeaseBlocks, prompt_digest
@@ -40,16 +41,21 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None
 def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Any, ...]]]:
     made: list[Any] = []
 
-    def make(lease_timeout: float = 5.0, lease_max: float = 60.0,
-             delay: float = 0.0) -> tuple[Any, ...]:
+    def make(lease_timeout: float = 5.0, lease_max: float = 60.0, delay: float = 0.0,
+             transport: str = "tcp", d_lease_timeout: float | None = None
+             ) -> tuple[Any, ...]:
         if delay:
             monkeypatch.setenv("KVRELAY_FAULT_TRANSFER_DELAY_S", str(delay))
-        settings = ConnectorSettings(lease_timeout=lease_timeout, lease_max=lease_max)
+        settings = ConnectorSettings(lease_timeout=lease_timeout, lease_max=lease_max,
+                                     kv_transport=transport)
+        d_settings = ConnectorSettings(
+            lease_timeout=d_lease_timeout or lease_timeout,
+            lease_max=max(lease_max, d_lease_timeout or 0), kv_transport=transport)
         p_cache, d_cache = vllm_like_cache(True), vllm_like_cache(False)
         p_regions, layout = layer_regions(p_cache)
         d_regions, _ = layer_regions(d_cache)
         p = PrefillSide(settings, p_regions, layout, "c0", "P1")
-        d = DecodeSide(settings, d_regions, layout, "c0", "D1")
+        d = DecodeSide(d_settings, d_regions, layout, "c0", "D1")
         made.extend([p, d])
         return p, d, p_cache, d_cache
 
@@ -63,6 +69,10 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Any, .
 
 def lease(p: PrefillSide, rid: str = "p-req") -> dict[str, Any]:
     return p.hold(rid, [5, 2, 3], len(PROMPT), 42, prompt_digest(PROMPT))
+
+
+def empty_stats() -> dict[str, Any]:
+    return {"load_ms": [], "fallbacks": {}, "fence_refused": 0, "leases_ended": {}}
 
 
 def finished(d: DecodeSide, got: dict[str, bool]) -> Callable[[], bool]:
@@ -84,8 +94,13 @@ def test_layout_names_round_trip() -> None:
         BlockLayout.parse("regions:3")
 
 
-def test_a_pull_lands_every_layer_and_releases_once(pair: Any) -> None:
-    p, d, p_cache, d_cache = pair()
+needs_nixl = pytest.mark.skipif(not nixl.available(), reason=nixl.INSTALL_HINT)
+TRANSPORTS = ["tcp", pytest.param("nixl", marks=needs_nixl)]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_pull_lands_every_layer_and_releases_once(pair: Any, transport: str) -> None:
+    p, d, p_cache, d_cache = pair(transport=transport)
     params = lease(p)
     d.start([LoadSpec("d-req", params, PROMPT, [9, 10, 1], 0)], [])
     got: dict[str, bool] = {}
@@ -98,6 +113,11 @@ def test_a_pull_lands_every_layer_and_releases_once(pair: Any) -> None:
     assert released == {"p-req"}
     time.sleep(0.2)
     assert p.take_released() == set() and d.take_finished() == (set(), set())
+    stats = empty_stats()
+    p.collect_stats(stats)
+    d.collect_stats(stats)
+    assert len(stats.pop("load_ms")) == 1
+    assert stats == {"fallbacks": {}, "fence_refused": 0, "leases_ended": {"done": 1}}
 
 
 def test_a_replay_never_commits(pair: Any) -> None:
@@ -130,6 +150,32 @@ def test_expiry_while_the_pull_is_delayed_falls_back(pair: Any) -> None:
     got: dict[str, bool] = {}
     wait_for(finished(d, got), "the fallback")
     assert got == {"d-req": True}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_blocks_reused_under_a_delayed_copy_never_commit(pair: Any, transport: str) -> None:
+    """P's lease expires while D's copy is held back (D heartbeats later than P's
+    timeout: a stalled D), and P's blocks get other requests' KV. Over tcp P refuses the
+    READ; over nixl the READ is one-sided and copies the new bytes (a torn copy): the
+    commit is refused (the fence), and either way vLLM is told to recompute."""
+    p, d, p_cache, d_cache = pair(lease_timeout=0.5, delay=1.5, transport=transport,
+                                  d_lease_timeout=30.0)
+    d.start([LoadSpec("d-req", lease(p), PROMPT, [9, 10, 1], 0)], [])
+    released: set[str] = set()
+    wait_for(lambda: bool(released.update(p.take_released()) or released), "expiry")
+    for t in p_cache.values():  # vLLM hands the freed blocks to other requests
+        t[[5, 2, 3]] = 7.0
+    got: dict[str, bool] = {}
+    wait_for(finished(d, got), "the fallback")
+    assert got == {"d-req": True}  # finished_recving + failed_recving: recompute
+    stats = empty_stats()
+    d.collect_stats(stats)  # what vLLM's stat logger prints as KV Transfer metrics
+    if transport == "nixl":
+        assert all(torch.all(t[[9, 10, 1]] == 7.0) for t in d_cache.values()), "not torn"
+        assert stats["fence_refused"] == 1 and stats["fallbacks"] == {"fence_failed": 1}
+    else:
+        assert stats["fence_refused"] == 0 and stats["fallbacks"] == {"transfer_failed": 1}
+        assert not any(torch.any(t[[9, 10, 1]] != 0) for t in d_cache.values())
 
 
 def test_abort_while_the_pull_waits_reports_once_after_it_stopped(pair: Any) -> None:

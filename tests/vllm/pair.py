@@ -10,7 +10,9 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,10 @@ class VllmEngine:
     extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config
     env: dict[str, str] = field(default_factory=dict)
     kv_bytes: int = 150_000_000  # about 25 blocks of 128 tokens: reuse comes quickly
+    args: list[str] = field(default_factory=list)  # more vLLM flags
+    # The whole --kv-transfer-config instead of KvRelayConnector's ({}: no connector,
+    # a colocated engine); for the benchmark against NixlConnector.
+    kv_config: dict[str, Any] | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -55,11 +61,14 @@ class VllmEngine:
         cfg = {"kv_connector": "KvRelayConnector", "kv_connector_module_path": "kvrelay.vllm",
                "kv_role": self.role, "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": self.extra}
+        if self.kv_config is not None:
+            cfg = self.kv_config
         cmd = [str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL),
                "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(self.port),
                "--max-model-len", "1024", "--enforce-eager", "--dtype", "float32",
-               "--kv-cache-memory-bytes", str(self.kv_bytes),
-               "--kv-transfer-config", json.dumps(cfg)]
+               "--kv-cache-memory-bytes", str(self.kv_bytes), *self.args]
+        if cfg:
+            cmd += ["--kv-transfer-config", json.dumps(cfg)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_KVCACHE")}
         env.update(PYTHONPATH=str(REPO), VLLM_LOGGING_LEVEL="INFO", **self.env)
         with open(self.log, "ab") as out:
@@ -117,3 +126,159 @@ class VllmEngine:
                 raise TimeoutError(f"{self.name}: KV blocks still in use after {timeout} s")
             time.sleep(0.1)
         return time.monotonic() - t0
+
+
+# -- the P/D pair behind kvrelay's proxy, and what the scenarios ask of it -------------
+
+LEASE_TIMEOUT = 8.0  # P's: a lease not acquired, or not heartbeated, within this is freed
+# D's: it heartbeats every quarter of it (150 s), far later than P's lease timeout: a D
+# stalled past P's timeout (SIGSTOP, while P's blocks are reused: tens of seconds on a
+# busy machine) resumes with its copy still on, so the scenario shows what stops it (P
+# refusing the READ, or the fence at commit), not a heartbeat P answers "released".
+D_LEASE_TIMEOUT = 600.0
+PROMPT = "Write one sentence about the sea:"
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+PULLING = r"kvrelay: pulling the KV of request"
+FELL_BACK = r"kvrelay: KV load of \S+ failed"
+# What refuses a copy over blocks P freed and reused: P itself at READ (tcp, two-sided),
+# the fence at commit (nixl: the READ is one-sided, it copies whatever is there).
+FENCED = {"tcp": r"KV load of \S+ failed: tcp transfer failed: read refused",
+          "nixl": r"KV load of \S+ failed: the copied KV failed validation"}
+
+
+class Pair:
+    """P (``p_role``) and D (kv_consumer, every pull held back 1 s) behind kvrelay's
+    proxy; fp32, ~25 KV blocks of 128 tokens each (reuse comes quickly)."""
+
+    def __init__(self, tmp: Path, transport: str = "tcp", p_role: str = "kv_both",
+                 args: tuple[str, ...] = ()) -> None:
+        self.transport = transport
+        p_extra = {"lease_timeout": LEASE_TIMEOUT, "lease_max": 60, "kv_transport": transport}
+        d_extra = {"lease_timeout": D_LEASE_TIMEOUT, "lease_max": D_LEASE_TIMEOUT,
+                   "kv_transport": transport}
+        # vLLM binds each engine's worker to the cores it picks, both to core 0 here
+        # unless told: one core each, as two engines on one host should be.
+        self.p = VllmEngine("prefill", p_role, tmp / "p.log", p_extra,
+                            env={"VLLM_CPU_OMP_THREADS_BIND": "0"}, args=list(args))
+        self.d = VllmEngine("decode", "kv_consumer", tmp / "d.log", d_extra,
+                            env={"KVRELAY_FAULT_TRANSFER_DELAY_S": "1.0",
+                                 "VLLM_CPU_OMP_THREADS_BIND": str(1 % (os.cpu_count() or 1))},
+                            args=list(args))
+        self.proxy_port = free_port()
+        self.proxy: subprocess.Popen[bytes] | None = None
+        self.proxy_log = tmp / "proxy.log"
+
+    def start(self) -> float:
+        t0 = time.monotonic()
+        self.p.start()
+        self.d.start()
+        self.p.wait_healthy()
+        self.d.wait_healthy()
+        started = time.monotonic() - t0
+        for engine in (self.p, self.d):  # a cold engine's first request takes seconds
+            httpx.post(f"{engine.url}/v1/completions", timeout=300, json={
+                "model": "smol", "prompt": "warm up", "max_tokens": 2}).raise_for_status()
+        with open(self.proxy_log, "ab") as out:
+            self.proxy = subprocess.Popen(
+                [sys.executable, "-m", "kvrelay", "proxy", "--prefill", self.p.url,
+                 "--decode", self.d.url, "--host", "127.0.0.1", "--port",
+                 str(self.proxy_port)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{self.proxy_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or self.proxy.poll() is not None:
+                raise RuntimeError("the proxy did not start:\n" + self.proxy_log.read_text())
+            time.sleep(0.1)
+        return started
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def close(self) -> None:
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.kill()
+            self.proxy.wait(10)
+        self.p.kill()
+        self.d.kill()
+
+
+def start_pair(tmp: Path, transport: str = "tcp", p_role: str = "kv_both",
+               args: tuple[str, ...] = ()) -> Iterator[Pair]:
+    """For a module-scoped fixture: one pair for the module, every process stopped."""
+    pr = Pair(tmp, transport, p_role, args)
+    try:
+        started = pr.start()
+        print(f"\nvLLM P and D ({transport}) healthy after {started:.0f} s (side by side)")
+        yield pr
+    finally:
+        pr.close()
+
+
+def openai_client(url: str) -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def completion(url: str, stream: bool, prompt: str = PROMPT) -> str:
+    c = openai_client(url)
+    kw: dict[str, Any] = dict(model="smol", prompt=prompt, max_tokens=24, temperature=0)
+    if stream:
+        return "".join(ch.choices[0].text for ch in
+                       c.completions.create(stream=True, **kw) if ch.choices)
+    return str(c.completions.create(**kw).choices[0].text)
+
+
+def chat(url: str, stream: bool) -> str:
+    c = openai_client(url)
+    kw: dict[str, Any] = dict(model="smol", messages=MESSAGES, max_tokens=24, temperature=0)
+    if stream:
+        return "".join(ch.choices[0].delta.content or "" for ch in
+                       c.chat.completions.create(stream=True, **kw) if ch.choices)
+    return str(c.chat.completions.create(**kw).choices[0].message.content)
+
+
+def lease_from(engine: VllmEngine, prompt: str = PROMPT) -> dict[str, Any]:
+    r = httpx.post(f"{engine.url}/v1/completions", timeout=120, json={
+        "model": "smol", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    r.raise_for_status()
+    params = r.json()["kv_transfer_params"]
+    assert params["lease_id"] and params["resends_first_token"] is True
+    return dict(params)
+
+
+def decode_on(engine: VllmEngine, params: dict[str, Any], prompt: str = PROMPT,
+              timeout: float = 120) -> str:
+    r = httpx.post(f"{engine.url}/v1/completions", timeout=timeout, json={
+        "model": "smol", "prompt": prompt, "max_tokens": 24, "temperature": 0,
+        "kv_transfer_params": params})
+    r.raise_for_status()
+    return str(r.json()["choices"][0]["text"])
+
+
+def colocated(pr: Pair, prompt: str = PROMPT) -> str:
+    """The reference: P itself, asked without kv_transfer_params."""
+    return completion(pr.p.url, False, prompt)
+
+
+def failing(out: dict[str, Exception], pair: Pair, params: dict[str, Any],
+            timeout: float) -> None:
+    try:
+        decode_on(pair.d, params, timeout=timeout)
+    except Exception as e:  # what the test expects, recorded for it
+        out["error"] = e
+
+
+def fill_p(pr: Pair, n: int = 5) -> None:
+    """Colocated requests on P long enough to pass every block of its small cache
+    through other requests (vLLM's free queue hands the oldest free block out first)."""
+    for i in range(n):
+        prompt = f"{i} " + "the tide rolls in and out again " * 120
+        httpx.post(f"{pr.p.url}/v1/completions", timeout=120, json={
+            "model": "smol", "prompt": prompt, "max_tokens": 1}).raise_for_status()

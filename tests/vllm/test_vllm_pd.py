@@ -1,30 +1,43 @@
 """vLLM prefill and decode engines with KvRelayConnector over tcp, behind `kvrelay proxy`,
-driven by the official openai client (docs/vllm.md). One module-scoped pair:
+driven by the official openai client (docs/vllm.md). One module-scoped pair (pair.py):
 
-- P: kv_producer, lease_timeout 8 s; D: kv_consumer with every pull held back 1 s
-  (KVRELAY_FAULT_TRANSFER_DELAY_S, inside the connector), so a test can act while a
-  lease is PULLING. Both: fp32, ~25 KV blocks of 128 tokens (reuse comes quickly),
-  kv_load_failure_policy recompute.
+- P: kv_both (it also decodes from its own leases: the kv_both test), lease_timeout 8 s;
+  D: kv_consumer with every pull held back 1 s (KVRELAY_FAULT_TRANSFER_DELAY_S, inside
+  the connector), so a test can act while a lease is PULLING, heartbeating every 30 s.
+  Both: fp32, ~25 KV blocks of 128 tokens (reuse comes quickly), kv_load_failure_policy
+  recompute.
 - The reference is colocated vLLM: P itself, asked without kv_transfer_params.
+
+test_vllm_slow.py runs the scenarios that take a transport over nixl, and the abort storm.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from kvrelay.server.demo import free_port
-from tests.vllm.pair import REPO, VllmEngine, missing
+from tests.vllm.pair import (
+    FELL_BACK,
+    FENCED,
+    LEASE_TIMEOUT,
+    PULLING,
+    Pair,
+    chat,
+    colocated,
+    completion,
+    decode_on,
+    failing,
+    fill_p,
+    lease_from,
+    missing,
+    start_pair,
+)
 
 # `make test` sets KVRELAY_REQUIRE_VLLM=1 after making the venv: there a missing venv is a
 # failure, not a skip, so CI cannot pass without having run vLLM.
@@ -33,142 +46,10 @@ if missing() and os.environ.get("KVRELAY_REQUIRE_VLLM") == "1":
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present")]
 
-LEASE_TIMEOUT = 8.0
-PROMPT = "Write one sentence about the sea:"
-MESSAGES = [{"role": "user", "content": "Name three colours."}]
-PULLING = r"kvrelay: pulling the KV of request"
-FELL_BACK = r"kvrelay: KV load of \S+ failed"
-
-
-class Pair:
-    def __init__(self, tmp: Path) -> None:
-        extra = {"lease_timeout": LEASE_TIMEOUT, "lease_max": 60}
-        # vLLM binds each engine's worker to the cores it picks, both to core 0 here
-        # unless told: one core each, as two engines on one host should be.
-        self.p = VllmEngine("prefill", "kv_producer", tmp / "p.log", extra,
-                            env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
-        self.d = VllmEngine("decode", "kv_consumer", tmp / "d.log", extra,
-                            env={"KVRELAY_FAULT_TRANSFER_DELAY_S": "1.0",
-                                 "VLLM_CPU_OMP_THREADS_BIND": str(1 % (os.cpu_count() or 1))})
-        self.proxy_port = free_port()
-        self.proxy: subprocess.Popen[bytes] | None = None
-        self.proxy_log = tmp / "proxy.log"
-
-    def start(self) -> float:
-        t0 = time.monotonic()
-        self.p.start()
-        self.d.start()
-        self.p.wait_healthy()
-        self.d.wait_healthy()
-        started = time.monotonic() - t0
-        for engine in (self.p, self.d):  # a cold engine's first request takes seconds
-            httpx.post(f"{engine.url}/v1/completions", timeout=300, json={
-                "model": "smol", "prompt": "warm up", "max_tokens": 2}).raise_for_status()
-        with open(self.proxy_log, "ab") as out:
-            self.proxy = subprocess.Popen(
-                [sys.executable, "-m", "kvrelay", "proxy", "--prefill", self.p.url,
-                 "--decode", self.d.url, "--host", "127.0.0.1", "--port",
-                 str(self.proxy_port)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.proxy_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or self.proxy.poll() is not None:
-                raise RuntimeError("the proxy did not start:\n" + self.proxy_log.read_text())
-            time.sleep(0.1)
-        return started
-
-    @property
-    def proxy_url(self) -> str:
-        return f"http://127.0.0.1:{self.proxy_port}"
-
-    def close(self) -> None:
-        if self.proxy is not None and self.proxy.poll() is None:
-            self.proxy.kill()
-            self.proxy.wait(10)
-        self.p.kill()
-        self.d.kill()
-
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    pr = Pair(tmp_path_factory.mktemp("vllm"))
-    try:
-        started = pr.start()
-        print(f"\nvLLM P and D healthy after {started:.0f} s (started side by side)")
-        yield pr
-    finally:
-        pr.close()
-
-
-def openai_client(url: str) -> Any:
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
-
-
-def completion(url: str, stream: bool) -> str:
-    c = openai_client(url)
-    kw: dict[str, Any] = dict(model="smol", prompt=PROMPT, max_tokens=24, temperature=0)
-    if stream:
-        return "".join(ch.choices[0].text for ch in
-                       c.completions.create(stream=True, **kw) if ch.choices)
-    return str(c.completions.create(**kw).choices[0].text)
-
-
-def chat(url: str, stream: bool) -> str:
-    c = openai_client(url)
-    kw: dict[str, Any] = dict(model="smol", messages=MESSAGES, max_tokens=24, temperature=0)
-    if stream:
-        return "".join(ch.choices[0].delta.content or "" for ch in
-                       c.chat.completions.create(stream=True, **kw) if ch.choices)
-    return str(c.chat.completions.create(**kw).choices[0].message.content)
-
-
-def lease_from_p(pr: Pair, prompt: str = PROMPT) -> dict[str, Any]:
-    r = httpx.post(f"{pr.p.url}/v1/completions", timeout=120, json={
-        "model": "smol", "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": {"do_remote_decode": True}})
-    r.raise_for_status()
-    params = r.json()["kv_transfer_params"]
-    assert params["lease_id"] and params["resends_first_token"] is True
-    return dict(params)
-
-
-def decode_on_d(pr: Pair, params: dict[str, Any], prompt: str = PROMPT,
-                timeout: float = 120) -> str:
-    r = httpx.post(f"{pr.d.url}/v1/completions", timeout=timeout, json={
-        "model": "smol", "prompt": prompt, "max_tokens": 24, "temperature": 0,
-        "kv_transfer_params": params})
-    r.raise_for_status()
-    return str(r.json()["choices"][0]["text"])
-
-
-def colocated(pr: Pair, prompt: str = PROMPT) -> str:
-    return completion(pr.p.url, False) if prompt == PROMPT else str(httpx.post(
-        f"{pr.p.url}/v1/completions", timeout=120, json={
-            "model": "smol", "prompt": prompt, "max_tokens": 24, "temperature": 0,
-        }).json()["choices"][0]["text"])
-
-
-def failing(out: dict[str, Exception], pair: Pair, params: dict[str, Any],
-            timeout: float) -> None:
-    try:
-        decode_on_d(pair, params, timeout=timeout)
-    except Exception as e:  # what the test expects, recorded for it
-        out["error"] = e
-
-
-def fill_p(pr: Pair, n: int = 5) -> None:
-    """Colocated requests on P long enough to pass every block of its small cache
-    through other requests (vLLM's free queue hands the oldest free block out first)."""
-    for i in range(n):
-        prompt = f"{i} " + "the tide rolls in and out again " * 120
-        httpx.post(f"{pr.p.url}/v1/completions", timeout=120, json={
-            "model": "smol", "prompt": prompt, "max_tokens": 1}).raise_for_status()
+    yield from start_pair(tmp_path_factory.mktemp("vllm"), "tcp", "kv_both")
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
@@ -182,26 +63,56 @@ def test_texts_equal_colocated_vllm(pair: Pair, kind: str, stream: bool) -> None
     assert pair.d.count(FELL_BACK) == fallbacks  # and was not recomputed
 
 
+def test_a_partial_pull_moves_only_the_blocks_d_lacks(pair: Pair) -> None:
+    """Issue 13 inside vLLM: the second prompt shares its first blocks with the first
+    one, which D's prefix cache holds after the first pull: only the rest is pulled (P
+    releases the others at ACQUIRE), and the text is colocated vLLM's."""
+    head = f"{secrets.token_hex(3)} " + "the harbour lights are low tonight " * 45
+    for tail, cached in (("and the boats", "0"), ("but the gulls", r"[1-9]\d*")):
+        prompt = f"{head}{tail}"
+        want = colocated(pair, prompt)
+        fallbacks = pair.d.count(FELL_BACK)
+        pulled = PULLING + rf" \S+ \([1-9]\d* of \d+ blocks; {cached} in "
+        before = pair.d.count(pulled)
+        assert completion(pair.proxy_url, False, prompt) == want
+        assert pair.d.count(pulled) == before + 1, pair.d.tail()
+        assert pair.d.count(FELL_BACK) == fallbacks
+
+
+def test_kv_both_decodes_from_its_own_lease(pair: Pair) -> None:
+    """A kv_both engine prefills with do_remote_decode, then decodes the same prompt
+    from that lease over its own relay: the text is the colocated one."""
+    want = colocated(pair)
+    params = lease_from(pair.p)
+    pulls, fallbacks = pair.p.count(PULLING), pair.p.count(FELL_BACK)
+    done = pair.p.count(r"ended \(done\)")
+    assert decode_on(pair.p, params) == want
+    assert pair.p.count(PULLING) == pulls + 1 and pair.p.count(FELL_BACK) == fallbacks
+    pair.p.wait_log(r"ended \(done\)", done + 1, timeout=10)
+
+
 def test_replayed_params_never_commit(pair: Pair) -> None:
     want = colocated(pair)
-    params = lease_from_p(pair)
-    assert decode_on_d(pair, params) == want
+    params = lease_from(pair.p)
+    assert decode_on(pair.d, params) == want
     consumed = pair.d.count(r"lease already consumed")
-    assert decode_on_d(pair, params) == want  # recomputed on D
+    assert decode_on(pair.d, params) == want  # recomputed on D
     pair.d.wait_log(r"lease already consumed", consumed + 1)
 
 
 def test_blocks_reused_under_a_delayed_pull_are_fenced(pair: Pair) -> None:
     """D acquires, then stalls (SIGSTOP) before its copy; P's lease expires without
-    heartbeats, its blocks go to other requests; D resumes and never decodes on them:
-    whichever comes first (its heartbeat timer giving up on P, the READ refused, the
-    commit refused) ends the copy without a done verdict, and D recomputes the text."""
+    heartbeats and its blocks go to other requests; D resumes with its copy still on
+    (its own timers are longer than the stall). Over tcp P refuses the READ; over nixl
+    the one-sided READ copies the reused blocks (a torn copy) and the fence refuses the
+    commit. Either way D recomputes the colocated text."""
     want = colocated(pair)
-    params = lease_from_p(pair)
+    params = lease_from(pair.p)
     pulls, fallbacks = pair.d.count(PULLING), pair.d.count(FELL_BACK)
+    fenced = pair.d.count(FENCED[pair.transport])
     expired = pair.p.count(r"ended \(expired\)")
     out: dict[str, str] = {}
-    t = threading.Thread(target=lambda: out.update(text=decode_on_d(pair, params)))
+    t = threading.Thread(target=lambda: out.update(text=decode_on(pair.d, params)))
     t.start()
     pair.d.wait_log(PULLING, pulls + 1)
     pair.d.signal_all(signal.SIGSTOP)
@@ -213,21 +124,22 @@ def test_blocks_reused_under_a_delayed_pull_are_fenced(pair: Pair) -> None:
     t.join(120)
     assert out.get("text") == want
     assert pair.d.count(FELL_BACK) == fallbacks + 1
+    assert pair.d.count(FENCED[pair.transport]) == fenced + 1, pair.d.tail()
 
 
 def test_lease_expired_before_acquire_recomputes(pair: Pair) -> None:
     want = colocated(pair)
-    params = lease_from_p(pair)
+    params = lease_from(pair.p)
     expired = pair.p.count(r"ended \(expired\)")
     pair.p.wait_log(r"ended \(expired\)", expired + 1, timeout=4 * LEASE_TIMEOUT)
     fill_p(pair)
     fallbacks = pair.d.count(FELL_BACK)
-    assert decode_on_d(pair, params) == want
+    assert decode_on(pair.d, params) == want
     assert pair.d.count(FELL_BACK) == fallbacks + 1
 
 
 def test_abort_while_d_waits_for_kv(pair: Pair) -> None:
-    params = lease_from_p(pair)
+    params = lease_from(pair.p)
     pulls, aborted = pair.d.count(PULLING), pair.p.count(r"ended \(aborted\)")
 
     out: dict[str, Exception] = {}
@@ -245,7 +157,7 @@ def test_abort_while_d_waits_for_kv(pair: Pair) -> None:
 
 def test_decode_killed_mid_pull_p_frees_at_lease_timeout(pair: Pair) -> None:
     """Last: it kills D."""
-    params = lease_from_p(pair)
+    params = lease_from(pair.p)
     pulls, expired = pair.d.count(PULLING), pair.p.count(r"ended \(expired\)")
     out: dict[str, Exception] = {}
     t = threading.Thread(target=failing, args=(out, pair, params, 120))

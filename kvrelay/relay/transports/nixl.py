@@ -3,7 +3,9 @@
 NIXL (NVIDIA's inference transfer library, over UCX) moves bytes between registered
 memory regions with one-sided READs; UCX picks the wire (shm/cma on one host, tcp or
 RDMA across hosts; ``UCX_TLS`` narrows it). Both sides register their whole KV cache
-once, as one region (DRAM, or VRAM when the cache is on a GPU).
+once (DRAM, or VRAM when the cache is on a GPU): kvrelay's block-major cache as one
+region, vLLM's layer-major cache (``regions:<n>x<bytes>``, layout.py) as its layers'
+views, merged where they touch (one storage: one registration).
 
 P side: ``register(kv_cache)`` creates the agent, registers the cache and returns the
 descriptor D receives in the HELLO reply: the agent's metadata (its UCX address and
@@ -14,7 +16,8 @@ name), groups the lease's (remote, local) block pairs into runs of consecutive i
 both sides and posts **one** READ with one descriptor per run; ``poll`` asks NIXL.
 Descriptor count is what costs in NIXL (vLLM's per-layer, per-block descriptors were
 its main overhead): a block-major cache makes a block one contiguous piece across all
-layers, and a run of blocks one piece.
+layers, and a run of blocks one piece; a layer-major cache makes a run one piece per
+layer (one descriptor per layer and run, never one per layer and block).
 
 Like shm, the read is one-sided: P cannot refuse it, and the registered region is
 readable by any agent that has P's metadata, which only an authenticated HELLO gives.
@@ -93,17 +96,57 @@ def available() -> bool:
     return True
 
 
-def region_of(kv_cache: Any) -> tuple[int, int, int, str, int]:
-    """(address, bytes, device id, NIXL memory type, block bytes) of a block-major
-    contiguous torch KV cache."""
+@dataclass(frozen=True)
+class Regions:
+    """Where KV block ``b`` lives (transports/layout.py): one piece of ``piece_bytes`` at
+    ``addr + b * piece_bytes`` in each region. A block-major cache is one region whose
+    piece is the whole block; vLLM's layer-major cache is one region per layer."""
+
+    addrs: tuple[int, ...]
+    num_blocks: int
+    piece_bytes: int
+    dev: int
+    mem: str  # NIXL memory type: DRAM or VRAM
+
+    @property
+    def block_bytes(self) -> int:
+        return self.piece_bytes * len(self.addrs)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """(address, bytes) to register: regions that touch are merged (vLLM's layers
+        are views of one storage: one registration, not one per layer)."""
+        size = self.num_blocks * self.piece_bytes
+        out: list[tuple[int, int]] = []
+        for a in sorted(self.addrs):
+            if out and out[-1][0] + out[-1][1] == a:
+                out[-1] = (out[-1][0], out[-1][1] + size)
+            elif not (out and out[-1][0] <= a < out[-1][0] + out[-1][1]):
+                out.append((a, size))
+        return out
+
+
+def regions_of(kv_cache: Any) -> Regions:
+    """The regions of a block-major contiguous torch KV cache, or of a layout's region
+    views (a sequence of (num_blocks, piece_bytes) uint8 numpy arrays in host memory,
+    as layout.layer_regions cuts vLLM's cache)."""
     import torch
 
-    if not (isinstance(kv_cache, torch.Tensor) and kv_cache.is_contiguous()):
-        raise TypeError("the nixl transport needs a contiguous block-major KV cache tensor")
-    nbytes = kv_cache.numel() * kv_cache.element_size()
-    dev = kv_cache.get_device()
-    return (kv_cache.data_ptr(), nbytes, max(dev, 0), "VRAM" if dev >= 0 else "DRAM",
-            nbytes // kv_cache.shape[0])
+    if isinstance(kv_cache, torch.Tensor):
+        if not kv_cache.is_contiguous():
+            raise TypeError("the nixl transport needs a contiguous block-major KV cache")
+        nbytes = kv_cache.numel() * kv_cache.element_size()
+        dev = kv_cache.get_device()
+        return Regions((kv_cache.data_ptr(),), int(kv_cache.shape[0]),
+                       nbytes // kv_cache.shape[0], max(dev, 0),
+                       "VRAM" if dev >= 0 else "DRAM")
+    views = list(kv_cache)
+    if not views or any(not isinstance(v, np.ndarray) or v.ndim != 2 or v.dtype != np.uint8
+                        or not v.flags.c_contiguous or v.shape != views[0].shape
+                        for v in views):
+        raise TypeError("the nixl transport needs a KV cache tensor or equal contiguous "
+                        "(num_blocks, piece_bytes) uint8 region views")
+    return Regions(tuple(int(v.ctypes.data) for v in views), int(views[0].shape[0]),
+                   int(views[0].shape[1]), 0, "DRAM")
 
 
 class NixlAgent:
@@ -137,8 +180,8 @@ class NixlAgent:
                     raise NixlError(f"NIXL {what}: {type(e).__name__}: {e}") from None
                 raise
 
-    def register(self, addr: int, nbytes: int, dev: int, mem: str) -> None:
-        descs = self.b.nixlRegDList(self.mems[mem], [(addr, nbytes, dev, "")])
+    def register(self, spans: Sequence[tuple[int, int]], dev: int, mem: str) -> None:
+        descs = self.b.nixlRegDList(self.mems[mem], [(a, n, dev, "") for a, n in spans])
         with self._call("register"):
             self.agent.registerMem(descs, [])
             self._regs.append(descs)
@@ -235,29 +278,33 @@ class NixlTransport:
         self.agent_name = agent_name or f"kvrelay-{os.getpid()}-{secrets.token_hex(6)}"
         self.agent: NixlAgent | None = None
         self.kv_cache = kv_cache
-        self.local: tuple[int, int, int, str, int] | None = None
+        self.local: Regions | None = None
         self._remotes: dict[str, str] = {}  # relay address -> loaded agent name
         self.delay = injected_delay()
         if kv_cache is not None:
             self._register(kv_cache)
 
-    def _register(self, kv_cache: Any) -> tuple[int, int, int, str, int]:
-        region = region_of(kv_cache)
+    def _register(self, kv_cache: Any) -> Regions:
+        regions = regions_of(kv_cache)
         if self.agent is None:
             self.agent = NixlAgent(self.agent_name)
-        self.agent.register(*region[:4])
-        self.kv_cache, self.local = kv_cache, region
-        return region
+        self.agent.register(regions.spans(), regions.dev, regions.mem)
+        self.kv_cache, self.local = kv_cache, regions
+        return regions
 
     # -- P side ------------------------------------------------------------------
     def register(self, kv_cache: Any) -> dict[str, Any]:
-        """Register P's cache once; the descriptor travels in the HELLO reply."""
-        addr, nbytes, dev, mem, block_bytes = (
-            self.local if self.local is not None and kv_cache is self.kv_cache
-            else self._register(kv_cache))
+        """Register P's cache once (a tensor, or region views: ``regions_of``); the
+        descriptor travels in the HELLO reply. ``addr`` and ``nbytes``: the first
+        region (for a block-major cache, the whole cache)."""
+        r = (self.local if self.local is not None and kv_cache is self.kv_cache
+             else self._register(kv_cache))
         assert self.agent is not None
-        return {"agent": self.agent.name, "metadata": self.agent.metadata(), "addr": addr,
-                "nbytes": nbytes, "dev": dev, "mem": mem, "block_bytes": block_bytes}
+        return {"agent": self.agent.name, "metadata": self.agent.metadata(),
+                "addr": r.addrs[0], "nbytes": r.num_blocks * r.piece_bytes,
+                "regions": list(r.addrs), "num_blocks": r.num_blocks,
+                "piece_bytes": r.piece_bytes, "dev": r.dev, "mem": r.mem,
+                "block_bytes": r.block_bytes}
 
     # -- D side ------------------------------------------------------------------
     def read(self, peer: PeerInfo, lease_id: str, holder: str, remote_blocks: Sequence[int],
@@ -332,31 +379,38 @@ class NixlTransport:
         if self.local is None or self.agent is None:
             raise RuntimeError("the nixl transport has no local KV cache")
         d = peer.descriptor
-        for key in ("agent", "metadata", "addr", "nbytes", "dev", "mem", "block_bytes"):
+        for key in ("agent", "metadata", "regions", "num_blocks", "piece_bytes", "dev",
+                    "mem", "block_bytes"):
             if key not in d:
                 raise ValueError(f"the prefill engine's nixl descriptor lacks {key!r}")
-        laddr, lbytes, ldev, _, bb = self.local
-        if int(d["block_bytes"]) != bb:
+        loc = self.local
+        if int(d["block_bytes"]) != loc.block_bytes:
             raise ValueError(f"block of {d['block_bytes']} bytes on the prefill engine, "
-                             f"{bb} here")
+                             f"{loc.block_bytes} here")
+        raddrs = [int(a) for a in d["regions"]]
+        if (len(raddrs), int(d["piece_bytes"])) != (len(loc.addrs), loc.piece_bytes):
+            raise ValueError(f"the prefill engine cuts a block into {len(raddrs)} pieces "
+                             f"of {d['piece_bytes']} bytes, this engine {len(loc.addrs)} "
+                             f"of {loc.piece_bytes}")
         if len(remote_blocks) != len(local_blocks):
             raise ValueError("remote and local block counts differ")
-        rblocks, lblocks = int(d["nbytes"]) // bb, lbytes // bb
-        if any(not 0 <= b < rblocks for b in remote_blocks) or any(
-                not 0 <= b < lblocks for b in local_blocks):
+        if any(not 0 <= b < int(d["num_blocks"]) for b in remote_blocks) or any(
+                not 0 <= b < loc.num_blocks for b in local_blocks):
             raise ValueError("block id outside the KV cache")
         agent = self._remote_agent(peer.relay, str(d["agent"]), bytes(d["metadata"]))
-        plan = runs(list(remote_blocks), list(local_blocks))
-        n = len(plan)
+        # One descriptor per run of consecutive ids on both sides, per region.
+        plan = np.asarray(runs(list(remote_blocks), list(local_blocks)), dtype=np.uint64)
+        n, piece = len(plan) * len(raddrs), np.uint64(loc.piece_bytes)
         local = np.empty((n, 3), dtype=np.uint64)
         remote = np.empty((n, 3), dtype=np.uint64)
-        if n:
-            arr = np.asarray(plan, dtype=np.uint64)
-            local[:, 0] = laddr + arr[:, 1] * bb
-            remote[:, 0] = int(d["addr"]) + arr[:, 0] * bb
-            local[:, 1] = remote[:, 1] = arr[:, 2] * bb
-            local[:, 2], remote[:, 2] = ldev, int(d["dev"])
-        return agent, str(d["mem"]), local, remote, len(local_blocks) * bb
+        for i, (ra, la) in enumerate(zip(raddrs, loc.addrs, strict=True)):
+            rows = slice(i * len(plan), (i + 1) * len(plan))
+            if len(plan):
+                local[rows, 0] = np.uint64(la) + plan[:, 1] * piece
+                remote[rows, 0] = np.uint64(ra) + plan[:, 0] * piece
+                local[rows, 1] = remote[rows, 1] = plan[:, 2] * piece
+        local[:, 2], remote[:, 2] = loc.dev, int(d["dev"])
+        return agent, str(d["mem"]), local, remote, len(local_blocks) * loc.block_bytes
 
     def _remote_agent(self, relay: str, name: str, metadata: bytes) -> str:
         assert self.agent is not None
@@ -379,7 +433,7 @@ class NixlTransport:
             return
         h.started = time.perf_counter()
         try:
-            h.xfer, err = self.agent.read(h.remote_agent, h.local, h.remote, self.local[3],
+            h.xfer, err = self.agent.read(h.remote_agent, h.local, h.remote, self.local.mem,
                                           h.remote_mem)
         except (ConnectionError, RuntimeError, ValueError) as e:  # nothing was posted
             h.status = TransferStatus(TransferState.FAILED, error=f"nixl transfer failed: {e}")

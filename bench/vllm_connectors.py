@@ -1,0 +1,300 @@
+"""vLLM 1P1D with KvRelayConnector against vLLM 1P1D with NixlConnector and colocated vLLM,
+one run (docs/vllm.md, "Benchmark"): TTFT, TPOT, the decode leg and the transfer time
+per request, greedy texts checked against colocated vLLM's; then the reused-block
+scenario through both connectors side by side.
+
+    PYTHONPATH=. KVRELAY_VLLM_VENV=/tmp/kvrelay-vllm/v-vllm .venv/bin/python \\
+        bench/vllm_connectors.py [--requests 8] [--json out.json]     # make bench-vllm
+
+Every request goes P then D the way vLLM's toy proxy drives both connectors (P: the
+prompt with max_tokens 1 and ``do_remote_decode``; D: the prompt with P's
+``kv_transfer_params``, streamed; D's text is the answer), so both legs are measured
+by the same client. TTFT: from sending P the request to D's first token. Decode leg:
+from sending D the request to its first token (its pull, plus one forward pass). TPOT:
+D's token gaps after the first. Transfer: what each connector reports in D's log
+(KvRelayConnector: ACQUIRE answered to commit confirmed, per request; NixlConnector:
+vLLM's "KV Transfer metrics" average xfer time, READ posted to done).
+
+The reused-block scenario: D stalled (SIGSTOP) after P answered and before D got the
+request, past P's lease (KvRelayConnector lease_timeout 8 s; NixlConnector
+kv_lease_duration 8 s); P's blocks get other requests' KV meanwhile; D resumes and
+decodes. Prompts differ per request (no prefix-cache hit on P). Engines: SmolLM2-135M
+fp32, 1 GiB-capped KV cache of 150 MB, P on core 0, D on core 1; the colocated engine
+alone on core 0, measured while the pair is idle. Only one pair runs at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import secrets
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.vllm.pair import MODEL, PYTHON, VllmEngine, missing
+
+MAX_TOKENS = 32
+LEASE_S = 8
+NIXL_FIRST = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+KVRELAY_FIRST = {"do_remote_decode": True}
+# What P logs when a lease ran out unpulled, per connector.
+EXPIRED = {"kvrelay": r"kvrelay: lease \S+ of request \S+ ended \(expired\)",
+           "nixl": r"Releasing expired KV blocks for request"}
+
+
+def prompt(i: int, words: int) -> str:
+    return f"{secrets.token_hex(4)} request {i}: " + "the tide rolls over the stones " * (
+        words // 6) + "and then"
+
+
+def stream(url: str, text: str, params: dict[str, Any] | None) -> tuple[float, list[float], str]:
+    """(time the request was sent, arrival time of each token, the text)."""
+    body: dict[str, Any] = {"model": "smol", "prompt": text, "max_tokens": MAX_TOKENS,
+                            "temperature": 0, "stream": True}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    t0, stamps, out = time.perf_counter(), [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                stamps.append(time.perf_counter())
+                out.append(chunk["choices"][0]["text"])
+    return t0, stamps, "".join(out)
+
+
+def first_leg(p: VllmEngine, text: str, first: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{p.url}/v1/completions", timeout=300, json={
+        "model": "smol", "prompt": text, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": first})
+    r.raise_for_status()
+    params = r.json().get("kv_transfer_params")
+    if not params:
+        raise RuntimeError(f"{p.name} returned no kv_transfer_params: {r.text[:300]}")
+    return dict(params)
+
+
+def measure(texts: list[str], want: list[str] | None, ask: Any) -> dict[str, Any]:
+    ttft, leg, tpot, wrong = [], [], [], 0
+    for i, text in enumerate(texts):
+        t_start, t_leg, stamps, out = ask(text)
+        ttft.append(1000 * (stamps[0] - t_start))
+        leg.append(1000 * (stamps[0] - t_leg))
+        if len(stamps) > 1:
+            tpot.append(1000 * (stamps[-1] - stamps[0]) / (len(stamps) - 1))
+        if want is not None and out != want[i]:
+            wrong += 1
+    return {"ttft_ms": statistics.median(ttft), "decode_leg_ms": statistics.median(leg),
+            "tpot_ms": statistics.median(tpot), "wrong_texts": wrong, "n": len(texts)}
+
+
+def colocated_ask(colo: VllmEngine) -> Any:
+    def ask(text: str) -> tuple[float, float, list[float], str]:
+        t0, stamps, out = stream(colo.url, text, None)
+        return t0, t0, stamps, out
+    return ask
+
+
+def pd_ask(p: VllmEngine, d: VllmEngine, first: dict[str, Any]) -> Any:
+    def ask(text: str) -> tuple[float, float, list[float], str]:
+        t0 = time.perf_counter()
+        params = first_leg(p, text, first)
+        t1, stamps, out = stream(d.url, text, params)
+        return t0, t1, stamps, out
+    return ask
+
+
+def transfer_ms(d: VllmEngine, connector: str, skip: int) -> tuple[float | None, int]:
+    """(mean transfer ms, transfers) from D's log past its first ``skip`` characters."""
+    log = d.log.read_text(errors="replace")[skip:]
+    if connector == "kvrelay":
+        ms = [float(m) for m in re.findall(r"loaded in ([\d.]+) ms", log)]
+        return (statistics.mean(ms) if ms else None), len(ms)
+    total, n = 0.0, 0
+    for m in re.finditer(r"KV Transfer metrics: Num successful transfers=(\d+), "
+                         r"Avg xfer time \(ms\)=([\d.]+)", log):
+        k = int(m.group(1))
+        total, n = total + k * float(m.group(2)), n + k
+    return (total / n if n else None), n
+
+
+def fill(p: VllmEngine) -> None:
+    """Long requests on P, through every block of its small cache."""
+    for i in range(5):
+        httpx.post(f"{p.url}/v1/completions", timeout=300, json={
+            "model": "smol", "prompt": f"{i} " + "the gulls cry over the harbour " * 120,
+            "max_tokens": 1}).raise_for_status()
+
+
+def reused_block_scenario(p: VllmEngine, d: VllmEngine, first: dict[str, Any],
+                          text: str, want: str, expired: str) -> dict[str, Any]:
+    params = first_leg(p, text, first)
+    seen = p.count(expired)
+    d.signal_all(signal.SIGSTOP)
+    out: dict[str, Any] = {}
+
+    def decode() -> None:
+        try:
+            out["text"] = stream(d.url, text, params)[2]
+        except Exception as e:  # reported as the outcome
+            out["error"] = repr(e)
+
+    t = threading.Thread(target=decode)
+    try:
+        t.start()  # the request waits in D's socket backlog while D is stopped
+        p.wait_log(expired, seen + 1, timeout=6 * LEASE_S)
+        fill(p)
+    finally:
+        d.signal_all(signal.SIGCONT)
+    t.join(300)
+    return {"params_keys": sorted(params), "want": want, **out}
+
+
+def start(engines: list[VllmEngine]) -> None:
+    for e in engines:
+        e.start()
+    for e in engines:
+        e.wait_healthy()
+    for e in engines:  # a cold engine's first request takes seconds
+        httpx.post(f"{e.url}/v1/completions", timeout=300, json={
+            "model": "smol", "prompt": "warm up", "max_tokens": 2}).raise_for_status()
+
+
+def stop(engines: list[VllmEngine]) -> None:
+    for e in engines:
+        e.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--words", type=int, default=360, help="prompt length (~1.2 tokens a word)")
+    ap.add_argument("--json", type=Path, help="write the figures here too")
+    ap.add_argument("--no-nixl", action="store_true", help="skip the NixlConnector leg")
+    ap.add_argument("--nixl-only", action="store_true",
+                    help="only the NixlConnector leg (its P, asked without params, is the "
+                    "colocated reference)")
+    args = ap.parse_args(argv)
+    if missing():
+        print(f"bench-vllm: {missing()}", file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="kvrelay-bench-vllm-"))
+    print(f"vLLM venv {PYTHON.parent.parent}, model {MODEL}, logs in {tmp}")
+    texts = [prompt(i, args.words) for i in range(args.requests)]
+    results: dict[str, Any] = {}
+    bind0, bind1 = {"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+
+    colo = VllmEngine("colocated", "none", tmp / "colo.log", kv_config={}, env=bind0)
+    extra = {"lease_timeout": LEASE_S, "lease_max": 60}
+    kp = VllmEngine("kvrelay-P", "kv_producer", tmp / "kvrelay-p.log", extra, env=bind0)
+    kd = VllmEngine("kvrelay-D", "kv_consumer", tmp / "kvrelay-d.log", extra, env=bind1)
+    engines = [colo, kp, kd]
+    scen_text = prompt(999, 200)
+    want, scen_want = [], ""
+    try:
+        if args.nixl_only:
+            engines = []
+            raise _Skip
+        start(engines)
+        want = [stream(colo.url, t, None)[2] for t in texts]  # the reference texts
+        results["colocated"] = measure(texts, want, colocated_ask(colo))
+        scen_want = stream(colo.url, scen_text, None)[2]
+        stop([colo])
+        skip = len(kd.log.read_text(errors="replace"))
+        results["kvrelay"] = measure(texts, want, pd_ask(kp, kd, KVRELAY_FIRST))
+        results["kvrelay"]["transfer_ms"], results["kvrelay"]["transfers"] = transfer_ms(
+            kd, "kvrelay", skip)
+        results["kvrelay_reused"] = reused_block_scenario(
+            kp, kd, KVRELAY_FIRST, scen_text, scen_want, EXPIRED["kvrelay"])
+    except _Skip:
+        pass
+    finally:
+        stop(engines)
+
+    if not args.no_nixl:
+        nixl_cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                    "kv_buffer_device": "cpu",
+                    "kv_connector_extra_config": {"kv_lease_duration": LEASE_S}}
+        np_ = VllmEngine("nixl-P", "kv_both", tmp / "nixl-p.log", kv_config=nixl_cfg,
+                         env={**bind0, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port()),
+                              "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
+        nd = VllmEngine("nixl-D", "kv_both", tmp / "nixl-d.log", kv_config=nixl_cfg,
+                        env={**bind1, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port()),
+                             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
+        try:
+            start([np_, nd])
+            if args.nixl_only:  # P with no kv_transfer_params decodes colocated
+                want = [stream(np_.url, t, None)[2] for t in texts]
+                scen_want = stream(np_.url, scen_text, None)[2]
+            skip = len(nd.log.read_text(errors="replace"))
+            results["nixl"] = measure(texts, want, pd_ask(np_, nd, NIXL_FIRST))
+            time.sleep(11)  # vLLM logs its KV transfer metrics every 10 s
+            results["nixl"]["transfer_ms"], results["nixl"]["transfers"] = transfer_ms(
+                nd, "nixl", skip)
+            results["nixl_reused"] = reused_block_scenario(
+                np_, nd, NIXL_FIRST, scen_text, scen_want, EXPIRED["nixl"])
+        except Exception as e:  # the leg that cannot run says why, the rest is printed
+            results["nixl_error"] = f"{type(e).__name__}: {e}\n{nd.tail(3000)}"
+        finally:
+            stop([np_, nd])
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+class _Skip(Exception):
+    pass
+
+
+def _port() -> int:
+    from kvrelay.server.demo import free_port
+
+    return free_port()
+
+
+def report(r: dict[str, Any]) -> None:
+    print(f"\n{'':22}{'TTFT ms':>10}{'decode leg ms':>15}{'TPOT ms':>10}{'transfer ms':>13}"
+          f"{'wrong texts':>13}")
+    for name, key in (("colocated vLLM", "colocated"), ("1P1D KvRelayConnector", "kvrelay"),
+                      ("1P1D NixlConnector", "nixl")):
+        if key not in r:
+            continue
+        m = r[key]
+        xfer = f"{m['transfer_ms']:.1f}" if m.get("transfer_ms") is not None else "-"
+        leg = f"{m['decode_leg_ms']:.1f}" if key != "colocated" else "-"
+        print(f"{name:22}{m['ttft_ms']:>10.1f}{leg:>15}{m['tpot_ms']:>10.1f}{xfer:>13}"
+              f"{m['wrong_texts']:>9}/{m['n']}")
+    for key in ("kvrelay", "nixl"):
+        if key in r and "colocated" in r:
+            ratio = r[key]["ttft_ms"] / r["colocated"]["ttft_ms"]
+            print(f"TTFT {key} / colocated: {ratio:.2f}")
+    k_ms, n_ms = r.get("kvrelay", {}).get("transfer_ms"), r.get("nixl", {}).get("transfer_ms")
+    if k_ms and n_ms:
+        print(f"transfer kvrelay / nixl: {k_ms / n_ms:.2f}")
+    print("\nreused-block scenario (D stalled past P's lease, P's blocks reused):")
+    for key in ("kvrelay_reused", "nixl_reused"):
+        if key in r:
+            s = r[key]
+            verdict = ("error: " + s["error"]) if "error" in s else (
+                "right text" if s.get("text") == s.get("want") else "WRONG text (HTTP 200)")
+            print(f"  {key.split('_')[0]:8} {verdict}: {s.get('text', '')[:60]!r}")
+    if "nixl_error" in r:
+        print(f"\nNixlConnector leg failed: {r['nixl_error'][:2000]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
