@@ -191,6 +191,8 @@ class Subscriber:
         self._apply(seq, frames[2])
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        if self._stop.is_set():  # replaced (the engine moved): the record is the new one's
+            return
         self.record.apply(decode_batch(payload).events)
         self.last_seq = seq
         self.feed.metrics.batches.labels(self.url).inc()
