@@ -93,3 +93,34 @@ def test_a_full_record_drops_the_oldest_counts_them_and_the_next_take_starts_cle
     assert log.take() == [Cleared(), Removed((b"b",)), Removed((b"c",))]
     log.removed(b"d")
     assert log.take() == [Removed((b"d",))]
+
+
+def test_replaying_the_events_gives_exactly_the_pools_published_blocks() -> None:
+    """What a consumer builds from the events equals the prefix cache, after every step,
+    under eviction, shared prefixes and aborts."""
+    import random
+
+    rng = random.Random(7)
+    engine = make(num_blocks=12)
+    engine.record_kv_events(1000)
+    known: set[bytes] = set()
+    prefixes = [[rng.randrange(100) for _ in range(8)] for _ in range(3)]
+    for i in range(60):
+        if rng.random() < 0.6:
+            tail = [rng.randrange(100) for _ in range(rng.randrange(1, 9))]
+            engine.add_request(f"r{i}", rng.choice(prefixes) + tail,
+                               SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True))
+        if engine.requests and rng.random() < 0.1:
+            engine.abort_request(rng.choice(list(engine.requests)))
+        if engine.has_work():
+            engine.step()
+        for e in engine.take_kv_events():
+            if isinstance(e, Cleared):
+                known.clear()
+            elif isinstance(e, Stored):
+                assert not known & set(e.block_hashes)  # announced once while cached
+                known |= set(e.block_hashes)
+            else:
+                known -= set(e.block_hashes)
+        assert known == set(engine.pool._by_hash)
+    assert engine.pool.num_evictions > 0
