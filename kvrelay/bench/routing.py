@@ -1,7 +1,9 @@
-"""``kvrelay bench routing``: KV-aware routing against least-outstanding routing, on
-2P2D behind the proxy, in one run.
+"""``kvrelay bench routing``: KV-aware routing (by guesses, and by the engines' KV
+events) against least-outstanding routing, on 2P2D behind the proxy, in one run.
 
-For each routing (least-outstanding first, the reference, then kv-aware) a fresh
+For each routing (least-outstanding first, the reference, then kv-aware: the proxy's
+guesses from the prompts it sent, then kv-events: the engines publish their KV events,
+``--kv-events-config``, and the proxy routes by them, ``--kv-events``) a fresh
 cluster starts: two prefill and two decode engines (embedded model by default,
 bfloat16, one thread each) and the proxy with ``--routing`` set. Each engine gets one
 short warm-up request straight (not through the proxy). Then ``--num-requests``
@@ -11,13 +13,17 @@ interleaved (request i uses prefix i mod the count), each with its own tail of
 ``--tail-len`` words. Printed per routing: the prefix-cache hit rate of the prefill
 and of the decode engines (tokens found cached / tokens looked up, from the engines'
 own ``/metrics``), the proxy's routing reasons, TTFT p50, p90 and mean as the client sees it;
-last, the TTFT mean and p50 ratios kv-aware / least-outstanding.
+last, the TTFT mean and p50 ratios of each routing over least-outstanding, and of
+kv-events over kv-aware (events against guesses). Before the kv-events load, each engine
+gets short requests straight until the proxy has applied one of its event batches (its
+subscriber is past ZMQ's slow joiner).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import re
 import tempfile
@@ -29,13 +35,16 @@ from typing import Any
 
 from kvrelay.bench.serve import WORDS, RequestResult, discover_model, percentiles, send_one
 
-ROUTINGS = ("least-outstanding", "kv-aware")  # the reference first
+ROUTINGS = ("least-outstanding", "kv-aware", "kv-events")  # the reference first
+EVENTS_CONFIG = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:0",
+                            "replay_endpoint": "tcp://*:0"})
 HIT_NAMES = ("kvrelay_prefix_cache_hits_total", "kvrelay_prefix_cache_queries_total")
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "routing", help="KV-aware vs least-outstanding routing on 2P2D (shared prefixes)",
+        "routing", help="KV-aware routing (guesses, KV events) vs least-outstanding on 2P2D "
+        "(shared prefixes)",
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
@@ -51,6 +60,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routings", nargs="+", choices=ROUTINGS, default=list(ROUTINGS),
+                   help="which to run (least-outstanding, the reference, is always run)")
     p.add_argument("--start-timeout", type=float, default=300.0, metavar="SECONDS")
     p.set_defaults(func=run)
 
@@ -102,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--num-prefixes, --num-requests and --concurrency must be >= 1")
     prompts = make_prompts(args.num_requests, args.num_prefixes, args.prefix_len,
                            args.tail_len, args.seed)
-    outcomes = [one_routing(args, routing, prompts) for routing in ROUTINGS]
+    chosen = [r for r in ROUTINGS if r == ROUTINGS[0] or r in args.routings]
+    outcomes = [one_routing(args, routing, prompts) for routing in chosen]
     print(report(args, outcomes))
     failed = sum(not r.ok for o in outcomes for r in o.results)
     return 1 if failed else 0
@@ -115,13 +127,17 @@ def one_routing(args: argparse.Namespace, routing: str, prompts: list[str]) -> O
         "--dtype", args.dtype, "--threads", str(args.threads)]
     if args.num_blocks:
         base += ["--num-blocks", str(args.num_blocks)]
+    events = routing == "kv-events"
+    if events:
+        base += ["--kv-events-config", EVENTS_CONFIG]
     logs = Path(tempfile.mkdtemp(prefix=f"kvrelay-bench-routing-{routing}-"))
     engines = {role: [ServerProcess([*base, "--role", role],
                                     log_path=str(logs / f"{role}-{i}.log"))
                       for i in range(2)] for role in ("prefill", "decode")}
     proxy = ServerProcess(
         ["--prefill", *(e.base_url for e in engines["prefill"]),
-         "--decode", *(e.base_url for e in engines["decode"]), "--routing", routing],
+         "--decode", *(e.base_url for e in engines["decode"]),
+         *(["--routing", "kv-aware", "--kv-events"] if events else ["--routing", routing])],
         command="proxy", log_path=str(logs / "proxy.log"))
     cluster = Deployment([*engines["prefill"], *engines["decode"], proxy])
     try:
@@ -129,6 +145,9 @@ def one_routing(args: argparse.Namespace, routing: str, prompts: list[str]) -> O
         all_engines = [*engines["prefill"], *engines["decode"]]
         model = asyncio.run(warm_up([e.base_url for e in all_engines]))
         proxy_sees_all_healthy(proxy.base_url, len(all_engines), args.start_timeout)
+        if events:
+            asyncio.run(events_flowing(proxy.base_url, [e.base_url for e in all_engines],
+                                       model, args.start_timeout))
         before = {e.base_url: scrape(e.base_url) for e in all_engines}
         results = asyncio.run(load(proxy.base_url, model, prompts, args))
         hits = {}
@@ -162,6 +181,28 @@ def proxy_sees_all_healthy(url: str, engines: int, timeout: float) -> None:
             raise TimeoutError(f"the proxy saw {healthy:.0f} of {engines} engines healthy "
                                f"after {timeout:.0f} s")
         time.sleep(0.2)
+
+
+async def events_flowing(proxy_url: str, urls: list[str], model: str,
+                         timeout: float) -> None:
+    """Distinct short prompts (a few blocks each) straight to each engine until the
+    proxy has applied a batch of its events: its subscriber is connected."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=120.0) as client:
+        for k, url in enumerate(urls):
+            for i in range(10_000):
+                m = scrape(proxy_url)
+                if m.get(f'kvrelay_proxy_kv_event_batches_total{{url="{url}"}}', 0.0) > 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the proxy applied no KV event of {url} within "
+                                       f"{timeout:.0f} s")
+                words = " ".join(WORDS[(7 * i + j + 97 * k) % len(WORDS)] for j in range(48))
+                r = await client.post(url + "/v1/completions", json={
+                    "model": model, "prompt": f"Subscribe {k}-{i}: {words}", "max_tokens": 1})
+                r.raise_for_status()
 
 
 async def warm_up(urls: list[str]) -> str:
@@ -219,9 +260,9 @@ def report(args: argparse.Namespace, outcomes: list[Outcome]) -> str:
         errors = sorted({r.error for r in o.results if not r.ok})[:3]
         if errors:
             lines.append(f"  errors: {'; '.join(errors)}")
-    if p50.get("least-outstanding"):
-        lines.append(f"TTFT mean ratio kv-aware/least-outstanding: "
-                     f"{mean['kv-aware'] / mean['least-outstanding']:.3f}")
-        lines.append(f"TTFT p50 ratio kv-aware/least-outstanding: "
-                     f"{p50['kv-aware'] / p50['least-outstanding']:.3f}")
+    pairs = [(r, "least-outstanding") for r in ROUTINGS[1:]] + [("kv-events", "kv-aware")]
+    for over, ref in pairs:
+        if p50.get(ref) and over in p50:
+            lines.append(f"TTFT mean ratio {over}/{ref}: {mean[over] / mean[ref]:.3f}")
+            lines.append(f"TTFT p50 ratio {over}/{ref}: {p50[over] / p50[ref]:.3f}")
     return "\n".join(lines)

@@ -36,6 +36,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvrelay.core.kv_events import KvEventLog
 
 Owner = str
 BlockHash = bytes
@@ -94,6 +98,9 @@ class BlockPool:
         self._hash_of: dict[int, BlockHash] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
+        # Set when the server publishes KV events: evictions are recorded here (the
+        # scheduler records what it publishes, with the tokens the pool never sees).
+        self.events: KvEventLog | None = None
 
     # -- queries ---------------------------------------------------------------
     @property
@@ -316,7 +323,10 @@ class BlockPool:
     # -- helpers ---------------------------------------------------------------
     def _evict_one(self) -> None:
         b, _ = self._lru.popitem(last=False)
-        del self._by_hash[self._hash_of.pop(b)]
+        h = self._hash_of.pop(b)
+        del self._by_hash[h]
+        if self.events is not None:
+            self.events.removed(h)
         self._generation[b] += 1  # a fenced read of the old content now fails
         self._free.append(b)
         self.num_evictions += 1

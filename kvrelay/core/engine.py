@@ -27,6 +27,7 @@ from typing import Any
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool, quarantine_owner
+from kvrelay.core.kv_events import KvEvent, KvEventLog
 from kvrelay.core.lifecycle import TERMINAL_DECIDED, Event, FinishReason, RequestState
 from kvrelay.core.request import Request
 from kvrelay.core.runner import Batch, Runner, SampledToken, StepToken, TokenLogprobs
@@ -284,6 +285,17 @@ class Engine:
     def take_outputs(self) -> list[RequestOutput]:
         out, self._outputs = self._outputs, []
         return out
+
+    # -- KV events (kvrelay.core.kv_events) ----------------------------------------
+    def record_kv_events(self, capacity: int) -> KvEventLog:
+        """From now on the prefix cache's stores and evictions are recorded, at most
+        ``capacity`` between two ``take_kv_events``."""
+        self.pool.events = KvEventLog(capacity)
+        return self.pool.events
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The KV events since the last take (none when not recording)."""
+        return self.pool.events.take() if self.pool.events is not None else []
 
     # -- internals ---------------------------------------------------------------
     def _lands_now(self, batch: Batch) -> bool:

@@ -274,9 +274,23 @@ class Scheduler:
         if full <= req.num_published or full > len(req.block_ids):
             return
         extend_hashes(req.block_hashes, req.token_ids, bs, full, self._root)
+        events, run = self.pool.events, req.num_published
         for i in range(req.num_published, full):
-            self.pool.publish(req.block_ids[i], req.block_hashes[i], req.owner)
+            took = self.pool.publish(req.block_ids[i], req.block_hashes[i], req.owner)
+            if events is not None and not took:  # another block holds it: announced then
+                self._record_stored(req, run, i)
+                run = i + 1
+        if events is not None:
+            self._record_stored(req, run, full)
         req.num_published = full
+
+    def _record_stored(self, req: Request, start: int, end: int) -> None:
+        """KV events: blocks ``start .. end - 1`` of ``req`` are now in the cache."""
+        assert self.pool.events is not None
+        bs = self.config.block_size
+        parent = req.block_hashes[start - 1] if start else None
+        self.pool.events.stored(req.block_hashes[start:end], parent,
+                                req.token_ids[start * bs:end * bs], bs)
 
     def _admit_remote(self, req: Request) -> bool:
         """Decode side: share the prompt's cached prefix, allocate the rest of its blocks

@@ -103,6 +103,8 @@ class ServerState:
     # --tool-call-parser when --enable-auto-tool-choice: tool_choice auto is served.
     tool_parser: str | None = None
     drain: DrainState = field(default_factory=DrainState)  # set going by SIGTERM
+    # --kv-events-config: where this engine publishes its KV events (GET /v1/kv/events).
+    kv_events: dict[str, Any] | None = None
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -127,6 +129,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
     app.add_api_route("/v1/responses", ResponsesRoute(handlers).create, methods=["POST"])
     app.add_api_route("/v1/kv/release", handlers.release_lease, methods=["POST"])
+    app.add_api_route("/v1/kv/events", handlers.kv_events, methods=["GET"])
     app.add_api_route("/tokenize", handlers.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", handlers.detokenize, methods=["POST"])
     return app
@@ -159,6 +162,14 @@ class _Handlers:
         # Relay samples are read under the engine lock: off the event loop.
         body = await asyncio.to_thread(self.state.metrics.render)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def kv_events(self, request: Request) -> Response:
+        """Where this engine publishes its KV events (kvrelay proxy --kv-events reads it)."""
+        self._check_auth(request)
+        if self.state.kv_events is None:
+            raise ApiError(404, "this engine publishes no KV events (start it with "
+                           "--kv-events-config)", code="kv_events_off", type="not_found_error")
+        return JSONResponse(self.state.kv_events)
 
     async def models(self, request: Request) -> Response:
         self._check_auth(request)

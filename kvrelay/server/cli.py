@@ -45,6 +45,11 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    default=True, help="share the KV of full blocks between requests with the "
                    "same token prefix (every role; on the decode role, not for requests whose "
                    "KV is pulled)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish the prefix cache's block stored/removed events as vLLM does "
+                   "(its KVEventsConfig fields: enable_kv_cache_events, publisher \"zmq\", "
+                   "endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic), e.g. "
+                   "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}'")
 
 
 def add_role_args(p: argparse.ArgumentParser) -> None:
@@ -162,6 +167,11 @@ def build_state(args: argparse.Namespace) -> ServerState:
     if args.threads:
         torch.set_num_threads(args.threads)
     role = getattr(args, "role", "both")
+    events_config = None
+    if getattr(args, "kv_events_config", None):
+        from kvrelay.server.kv_events import parse_config
+
+        events_config = parse_config(args.kv_events_config)  # ValueError: a usage error
     shm = None
     on_cpu = str(args.device).startswith("cpu")
     if role == "prefill" and args.kv_transport in ("auto", "shm") and on_cpu:
@@ -214,7 +224,14 @@ def build_state(args: argparse.Namespace) -> ServerState:
     metrics = ServerMetrics(engine, names[0])
     if isinstance(hooks, PrefillHooks | DecodeHooks):
         metrics.register(RelayExport(hooks))  # with model_name, as every engine series
-    loop = EngineLoop(engine, hooks=hooks, threads=torch.get_num_threads())
+    publisher = None
+    if events_config is not None and events_config.enabled:
+        from kvrelay.server.kv_events import ZmqEventPublisher
+
+        # At most one step's events wait in the core: the loop takes them every step.
+        engine.record_kv_events(max(4 * model.num_blocks, 1024))
+        publisher = ZmqEventPublisher(events_config)
+    loop = EngineLoop(engine, hooks=hooks, threads=torch.get_num_threads(), kv_events=publisher)
     parser = args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False) else None
     keys = None
     if role == "prefill":
@@ -225,7 +242,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         # An entry older than the acquire deadline is of a lease pulled or expired.
         keys = ReleaseKeys(ttl=args.lease_timeout, clock=time.monotonic)
     return ServerState(loop, served, metrics, args.api_key, role=role, release_lease=release,
-                       release_keys=keys, tool_parser=parser)
+                       release_keys=keys, tool_parser=parser,
+                       kv_events=publisher.advertised() if publisher is not None else None)
 
 
 def run(args: argparse.Namespace) -> int:

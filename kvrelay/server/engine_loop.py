@@ -21,9 +21,10 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvrelay.core.engine import Engine, RequestOutput, RequestRejected
+from kvrelay.core.kv_events import KvEvent
 from kvrelay.core.lifecycle import FinishReason
 from kvrelay.core.runner import Batch
 from kvrelay.core.scheduler import KvQueueFull
@@ -130,6 +131,15 @@ class LoopHooks:
         return ""
 
 
+class KvEventSink(Protocol):
+    """Where each step's KV events go (kvrelay.server.kv_events.ZmqEventPublisher)."""
+
+    def offer(self, events: list[KvEvent]) -> None:
+        """Never blocks, never raises (called by the loop thread under the lock)."""
+
+    def close(self) -> None: ...
+
+
 class EngineLoop:
     """Runs ``engine`` in a dedicated thread; ``add``/``abort`` are safe from asyncio."""
 
@@ -140,10 +150,14 @@ class EngineLoop:
         idle_poll_s: float = 0.5,
         hooks: LoopHooks | None = None,
         threads: int | None = None,
+        kv_events: KvEventSink | None = None,
     ) -> None:
         """``threads``: OpenMP threads of the model's parallel regions on the loop thread
-        (the count is per thread: ``kernel_choice.set_thread_count``); None leaves it."""
+        (the count is per thread: ``kernel_choice.set_thread_count``); None leaves it.
+        ``kv_events``: gets the engine's KV events after every step (the engine must be
+        recording them: ``Engine.record_kv_events``); closed when the loop stops."""
         self.engine = engine
+        self.kv_events = kv_events
         self._threads = threads
         self.hooks = hooks or LoopHooks()
         self.stats = LoopStats()
@@ -223,6 +237,8 @@ class EngineLoop:
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.error("engine loop did not stop within %.1f s", timeout)
+        elif self.kv_events is not None:
+            self.kv_events.close()
 
     # -- the loop thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -230,6 +246,8 @@ class EngineLoop:
             if self._threads:
                 kernel_choice.set_thread_count(self._threads)
             hooks = self.hooks
+            with hooks.lock:
+                self._offer_kv_events()  # a new engine's first event: its cache is empty
             while True:
                 engine = self.engine
                 if hooks.busy() and not engine.has_work():
@@ -243,6 +261,7 @@ class EngineLoop:
                 with hooks.lock:
                     hooks.before_step()
                     if not engine.has_work():
+                        self._offer_kv_events()
                         self._deliver(engine.take_outputs())
                         continue
                     steps_before = engine.stats.steps
@@ -255,6 +274,7 @@ class EngineLoop:
                 with hooks.lock:
                     outputs = engine.end_step(batch, sampled, error=error)
                     device_tail = engine.pending_completion() if batch is None else None
+                    self._offer_kv_events()
                 self._deliver(outputs)
                 self.stats.steps += 1
                 if device_tail is not None:
@@ -273,6 +293,11 @@ class EngineLoop:
             self.stats.dead_reason = f"engine failure: {type(exc).__name__}: {exc}"
             self._stopping = True
             self._fail_all(self.stats.dead_reason)
+
+    def _offer_kv_events(self) -> None:
+        # Under the lock, where every change of the pool (and so of its record) happens.
+        if self.kv_events is not None:
+            self.kv_events.offer(self.engine.take_kv_events())
 
     def _execute(self, batch: Batch | None) -> tuple[Any, BaseException | None]:
         if batch is None:

@@ -69,6 +69,8 @@ def create_proxy_app(proxy: Proxy) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await health
             await proxy.client.aclose()
+            if proxy.kv_events is not None:
+                proxy.kv_events.close()
 
     app = FastAPI(title="kvrelay proxy", lifespan=lifespan)
     install_error_handlers(app)
@@ -179,6 +181,10 @@ def register(subparsers: Any) -> None:
                    help="kv-aware: characters of prompt text per recorded chunk")
     p.add_argument("--routing-cache-size", type=int, default=d.cache_size, metavar="CHUNKS",
                    help="kv-aware: chunks remembered per engine (LRU)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="kv-aware: know each engine's cache from its KV events (engines "
+                   "started with --kv-events-config; the endpoint read from their GET "
+                   "/v1/kv/events) instead of guessing it from the prompts sent")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
@@ -192,7 +198,7 @@ def routing_config(args: Any) -> RoutingConfig:
             policy=args.routing, chunk_chars=args.routing_chunk_chars,
             cache_threshold=args.routing_cache_threshold,
             balance_abs_threshold=args.routing_balance_abs_threshold,
-            cache_size=args.routing_cache_size)
+            cache_size=args.routing_cache_size, kv_events=args.kv_events)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
 

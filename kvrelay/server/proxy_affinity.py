@@ -62,6 +62,9 @@ class RoutingConfig:
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 4
     cache_size: int = 16384
+    # The records are fed by the engines' KV events (kvrelay.server.proxy_events), not
+    # by the prompts sent; chains are then of token blocks, not of text chunks.
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -77,6 +80,9 @@ class RoutingConfig:
                              f"got {self.balance_abs_threshold}")
         if self.cache_size < 1:
             raise ValueError(f"--routing-cache-size must be >= 1, got {self.cache_size}")
+        if self.kv_events and not self.kv_aware:
+            raise ValueError("--kv-events routes by cached prefixes: it needs --routing "
+                             f"kv-aware, not {self.policy}")
 
     @property
     def kv_aware(self) -> bool:

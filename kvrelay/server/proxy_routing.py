@@ -42,6 +42,7 @@ from kvrelay.server.proxy_affinity import (
     completion_text,
 )
 from kvrelay.server.proxy_discovery import Discovery
+from kvrelay.server.proxy_events import EventMetrics, EventRecord, KvEventsFeed, tokenize_on
 from kvrelay.server.proxy_merge import Frame, Leg
 from kvrelay.server.responses import EventStream, until_disconnect
 
@@ -92,8 +93,7 @@ class Upstreams:
         if not urls and not discovered:
             raise ValueError(f"at least one --{role} URL is required")
         self.role, self.config = role, config
-        self.all = [Upstream(u.rstrip("/"), role, PrefixRecord(config.cache_size))
-                    for u in urls]
+        self.all = [Upstream(u.rstrip("/"), role, _record(config)) for u in urls]
 
     def update(self, urls: list[str]) -> tuple[list[str], list[str]]:
         """The engines are now ``urls`` (DNS discovery): (added, removed). A new one
@@ -103,7 +103,7 @@ class Upstreams:
         have = {u.url for u in self.all}
         added, removed = sorted(want - have), sorted(have - want)
         self.all = [u for u in self.all if u.url in want] + [
-            Upstream(u, self.role, PrefixRecord(self.config.cache_size), healthy=False)
+            Upstream(u, self.role, _record(self.config), healthy=False)
             for u in added]
         return added, removed
 
@@ -126,6 +126,12 @@ class Upstreams:
         if self.config.kv_aware:
             up.prefixes.insert(leg.chain)
         return up, reason
+
+
+def _record(config: RoutingConfig) -> PrefixRecord:
+    """An engine's record: fed by its KV events (--kv-events), or by what was sent."""
+    return EventRecord(config.cache_size) if config.kv_events else PrefixRecord(
+        config.cache_size)
 
 
 class ProxyMetrics:
@@ -187,6 +193,9 @@ class Proxy:
         self.health_interval = health_interval
         self.timeout = timeout
         self.metrics = ProxyMetrics()
+        events = EventMetrics(self.metrics.registry)  # exported with or without --kv-events
+        self.kv_events = (KvEventsFeed(events, self.routing.chunk_chars)
+                          if self.routing.kv_events else None)
         self.client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Future[None]] = set()
 
@@ -222,6 +231,9 @@ class Proxy:
                              "healthy" if healthy else "unhealthy", why)
                 up.healthy = healthy
                 self.metrics.healthy.labels(up.role, up.url).set(1 if healthy else 0)
+            if self.kv_events is not None:
+                await self.kv_events.refresh(self.prefill.all + self.decode.all, self._http(),
+                                             self._headers())
             await asyncio.sleep(self.health_interval)
 
     @contextlib.asynccontextmanager
@@ -251,6 +263,8 @@ class Proxy:
         frame = Frame(chat, include_usage=req.include_usage_in_stream())
         legs = _split(data, req, chat)
         self._route_keys(legs, req, chat)
+        if self.kv_events is not None:
+            await self.kv_events.route_keys(legs, chat, self._tokenize)
         t0 = asyncio.get_running_loop().time()
         streaming = False
         # Prompt logprobs and echo are P's: it computes every prompt position (see
@@ -294,7 +308,7 @@ class Proxy:
         return req.logprobs or req.requested_max_tokens() == 1
 
     def _route_keys(self, legs: list[Leg], req: Any, chat: bool) -> None:
-        if not self.routing.kv_aware:
+        if not self.routing.kv_aware or self.kv_events is not None:
             return
         chunk = self.routing.chunk_chars
         text = chat_text(req.template_messages()) if chat else ""
@@ -304,6 +318,10 @@ class Proxy:
                 text = completion_text(leg.body["prompt"])
                 chain = chain_hashes(text, chunk)
             leg.chain, leg.text_len = chain, len(text)
+
+    async def _tokenize(self, body: dict[str, Any]) -> list[int] | None:
+        urls = [u.url for u in self.decode.candidates() + self.prefill.candidates()]
+        return await tokenize_on(self._http(), urls, self._headers(), body)
 
     def _pick(self, ups: Upstreams, leg: Leg) -> Upstream:
         up, reason = ups.route(leg)

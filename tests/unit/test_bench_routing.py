@@ -41,3 +41,17 @@ def test_report_shows_hit_rates_reasons_and_the_ttft_ratio() -> None:
     assert lines[3].split()[4:7] == ["100.0", "260.0", "166.7"]  # TTFT p50, p90, mean ms
     assert lines[-2] == "TTFT mean ratio kv-aware/least-outstanding: 0.357"
     assert lines[-1] == "TTFT p50 ratio kv-aware/least-outstanding: 0.250"
+
+
+def test_report_compares_events_with_guesses_when_both_ran() -> None:
+    args = argparse.Namespace(num_requests=2, num_prefixes=4, prefix_len=768, tail_len=16,
+                              concurrency=4, output_len=8, dtype="bfloat16", threads=1,
+                              num_blocks=160)
+    hits = {"prefill": (1.0, 2.0), "decode": (1.0, 2.0)}
+    outcomes = [Outcome(r, _results(t), hits, {}) for r, t in (
+        ("least-outstanding", [400, 400]), ("kv-aware", [200, 200]),
+        ("kv-events", [100, 100]))]
+    lines = report(args, outcomes).splitlines()
+    assert lines[4].split()[0] == "kv-events"
+    assert "TTFT p50 ratio kv-events/least-outstanding: 0.250" in lines
+    assert lines[-1] == "TTFT p50 ratio kv-events/kv-aware: 0.500"
