@@ -112,11 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _apply_process_settings(args)  # before anything imports torch (OpenMP reads it once)
     words = [args.command, getattr(args, "bench_command", None)]
     prog = " ".join(["kvrelay", *(w for w in words if w)])
-    from kvrelay.model.config import UnsupportedModel
+    from kvrelay.model.config import RefusedChoice, UnsupportedModel
 
     try:
         return int(args.func(args) or 0)
-    except (UsageError, FileNotFoundError, UnsupportedModel) as exc:
+    except (UsageError, FileNotFoundError, UnsupportedModel, RefusedChoice) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ModuleNotFoundError as exc:

@@ -7,8 +7,9 @@ windows of ``--prompt-len`` tokens from the text, ``--output-len`` greedy tokens
 agreement: identical outputs, and the mean share of each output before the first
 token that differs. Perplexity: the first ``--ppl-tokens`` tokens of the text, fed in
 chunks of 16 so every GEMM takes the decode-sized path that serves the stored weights.
-TPOT: p50 of ``Engine.step`` at batch 1 (bench decode's measure), best of
-``--rounds`` alternating rounds.
+TPOT: p50 of ``Engine.step`` at each ``--batch`` size (bench decode's measure; the
+row shows the first, a line per dtype the others), best of ``--rounds`` alternating
+rounds.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ppl-tokens", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32, help="decode steps per TPOT measurement")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, nargs="+", default=[1],
+                   help="decode batch sizes of the TPOT measurement")
     p.set_defaults(func=run)
 
 
@@ -90,11 +93,12 @@ def _pair(args: argparse.Namespace, dtype: str, text_ids: list[int]) -> dict[str
     from kvrelay.sampling_params import SamplingParams
 
     need = max(args.ppl_tokens, args.prompt_len + args.output_len) + args.steps + 64
+    seqs = max(args.num_prompts, max(args.batch)) + 2
     llms: dict[str, Any] = {}
     labels: dict[str, str] = {}
     for quant in ("none", "gguf"):
         llms[quant] = LLM(args.model, dtype=dtype, quantization=quant,
-                          num_blocks=(args.num_prompts + 2) * (-(-need // 16)))
+                          num_blocks=seqs * (-(-need // 16)))
         labels[quant] = kernel_choice.info()["gemm"]
     step = max(1, (len(text_ids) - args.prompt_len) // args.num_prompts)
     prompts = [text_ids[i * step : i * step + args.prompt_len] for i in range(args.num_prompts)]
@@ -104,12 +108,14 @@ def _pair(args: argparse.Namespace, dtype: str, text_ids: list[int]) -> dict[str
     ppl = {q: perplexity(llm, text_ids[: args.ppl_tokens]) for q, llm in llms.items()}
     outs = {q: [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             for q, llm in llms.items()}
-    tpot = {q: float("inf") for q in llms}
+    tpot = {(q, b): float("inf") for q in llms for b in args.batch}
     for r in range(args.rounds):
-        for q, llm in llms.items():
-            p50 = step_p50(llm, [text_ids[r * 7 : r * 7 + args.prompt_len]], args.steps,
-                           f"tpot-{r}-{q}")
-            tpot[q] = min(tpot[q], p50)
+        for b in args.batch:
+            for q, llm in llms.items():
+                batch = [text_ids[(r * 16 + i) * 7 : (r * 16 + i) * 7 + args.prompt_len]
+                         for i in range(b)]
+                p50 = step_p50(llm, batch, args.steps, f"tpot-{r}-{b}-{q}")
+                tpot[q, b] = min(tpot[q, b], p50)
     same, share = agreement(outs["gguf"], outs["none"])
     return {"labels": labels, "same": same, "share": share, "ppl": ppl, "tpot": tpot}
 
@@ -130,13 +136,19 @@ def _run(args: argparse.Namespace) -> int:
     print(f"model {os.path.basename(args.model)}; text {text_path} ({len(text_ids)} tokens); "
           f"{args.threads} threads; {args.num_prompts} prompts x {args.prompt_len} tokens, "
           f"{args.output_len} greedy out; perplexity over {args.ppl_tokens} tokens; "
-          f"TPOT: batch 1, p50 of {args.steps} steps, best of {args.rounds} rounds")
+          f"TPOT: batch {'/'.join(map(str, args.batch))}, p50 of {args.steps} steps, "
+          f"best of {args.rounds} rounds")
     print(f"{'dtype':<9}{'GEMM (gguf)':<22}{'identical':>10}{'agree':>7}{'ppl none':>10}"
           f"{'ppl gguf':>10}{'TPOT none':>11}{'TPOT gguf':>11}{'none/gguf':>11}")
     for dtype in args.dtype:
         r = _pair(args, dtype, text_ids)
-        t_none, t_gguf = r["tpot"]["none"] * 1e3, r["tpot"]["gguf"] * 1e3
+        b0 = args.batch[0]
+        t_none, t_gguf = r["tpot"]["none", b0] * 1e3, r["tpot"]["gguf", b0] * 1e3
         print(f"{dtype:<9}{r['labels']['gguf']:<22}{r['same']:>5}/{args.num_prompts:<4}"
               f"{r['share']:>7.3f}{r['ppl']['none']:>10.3f}{r['ppl']['gguf']:>10.3f}"
               f"{t_none:>9.1f}ms{t_gguf:>9.1f}ms{t_none / t_gguf:>11.2f}")
+        for b in args.batch[1:]:
+            t_none, t_gguf = r["tpot"]["none", b] * 1e3, r["tpot"]["gguf", b] * 1e3
+            print(f"  {dtype} batch {b}: TPOT none {t_none:.1f} ms, gguf {t_gguf:.1f} ms, "
+                  f"none/gguf {t_none / t_gguf:.2f}")
     return 0

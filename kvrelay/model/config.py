@@ -13,6 +13,11 @@ class UnsupportedModel(ValueError):
     """The model file is readable but uses something this runner does not implement."""
 
 
+class RefusedChoice(ValueError):
+    """A load option this machine would serve far below its speed (``--dtype bfloat16``
+    on a CPU without native bfloat16): refused with the flags and the choices."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str

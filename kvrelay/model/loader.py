@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from kvrelay.core.runner import Runner
 from kvrelay.model import hugepages
-from kvrelay.model.config import ModelConfig
+from kvrelay.model.config import ModelConfig, RefusedChoice
 from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer
 from kvrelay.model.graph_runner import cuda_capture, enable_decode_graphs, graphs_wanted
 from kvrelay.model.interface import KvCacheFactory, KvGeometry, LoadedModel
@@ -94,6 +95,8 @@ def load_model(
     model_path = Path(path) if path is not None else default_model_path()
     if dtype == "auto":
         dtype = auto_dtype(model_path, device)
+    elif dtype == "bfloat16" and torch.device(device).type == "cpu":
+        refuse_slow_bfloat16()
     cfg, state, tokenizer, freq_factors = _read(model_path)
     quantized = _quantized(model_path) if quantization == "gguf" else None
     torch_dtype = _DTYPES[dtype]
@@ -201,6 +204,24 @@ def cpu_has_native_bf16() -> bool:
         return False
     # x86: AVX512-BF16 or AMX; Arm: the bf16 feature (FEAT_BF16).
     return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16", "bf16"))
+
+
+ALLOW_SLOW_BF16 = "KVRELAY_ALLOW_SLOW_BF16"
+
+
+def refuse_slow_bfloat16() -> None:
+    """``--dtype bfloat16`` on a CPU without native bfloat16: a ValueError naming the CPU
+    flags and the choices, unless ``KVRELAY_ALLOW_SLOW_BF16=1``. There torch, oneDNN
+    and the native kernels convert every bfloat16 operand to float32 and back: served
+    bfloat16 ran at a third of float32's speed on an AVX2-only EPYC (issue 25), and
+    halving the weights' bytes buys nothing back on a CPU that cannot compute on them."""
+    if cpu_has_native_bf16() or os.environ.get(ALLOW_SLOW_BF16) == "1":
+        return
+    raise RefusedChoice(
+        "--dtype bfloat16: this CPU has no native bfloat16 (none of the flags avx512_bf16, "
+        f"amx_bf16 or bf16 in {CPUINFO}), so bfloat16 would run about 3x slower than "
+        "float32; use --dtype float32 or --dtype auto (float32 here), or set "
+        f"{ALLOW_SLOW_BF16}=1 to run bfloat16 anyway")
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -126,9 +126,10 @@ def small_gemm_unavailable(mod: Any, dtype: torch.dtype) -> str | None:
 
 class NativeGgufGemm:
     """y = x W^T + b with W as a GGUF file stores it (Q8_0 or Q4_1 codes, repacked into
-    16-column groups, same bits per weight) and dequantized in registers
-    (csrc/gemm_q_impl.h): a decode step streams 8.5 or 5 bits a weight instead of 32
-    (float32) or 16 (bfloat16). x float32 or bfloat16, computed in float32."""
+    16-column groups, same bits per weight; csrc/gemm_q_impl.h): a decode step streams
+    8.5 or 5 bits a weight instead of 32 (float32) or 16 (bfloat16). x (float32 or
+    bfloat16) is quantized to 8 bits per 32 values and multiplied in integers (AVX-512
+    VNNI or AVX2), llama.cpp's route; the result in x's dtype."""
 
     def __init__(self, mod: Any, qtype: int, label: str) -> None:
         self._mod, self.qtype, self.label = mod, qtype, label
@@ -152,7 +153,7 @@ class GgufGemms:
     and packed codes when all its parts are stored in one served type, else None."""
 
     def __init__(self, mod: Any, quantized: Mapping[str, QuantWeight]) -> None:
-        self.label = f"native-gguf-{mod.isa()}"
+        self.label = f"native-gguf-{mod.gguf_isa()}"
         self._mod, self._quantized = mod, quantized
         self._kernels: dict[int, NativeGgufGemm] = {}
 

@@ -118,3 +118,35 @@ def test_cpu_bf16_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
         monkeypatch.setattr(loader, "CPUINFO", info)
         assert loader.cpu_has_native_bf16() is want, flags
+
+
+def test_bfloat16_is_refused_on_a_cpu_without_native_bf16(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--dtype bfloat16 where the CPU flags lack avx512_bf16 / amx_bf16 / bf16 (faked
+    through /proc/cpuinfo): a clear error naming the flags and the choices, from
+    load_model and from the CLI (exit 2, one line); KVRELAY_ALLOW_SLOW_BF16=1 lets it
+    run, and a CPU with the flags runs it without the override."""
+    from kvrelay.cli import main
+    from kvrelay.model.config import RefusedChoice
+
+    d = write_tiny_hf_model(tmp_path / "m")
+    info = tmp_path / "cpuinfo"
+    monkeypatch.setattr(loader, "CPUINFO", info)
+    monkeypatch.delenv(loader.ALLOW_SLOW_BF16, raising=False)
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512bw\n")
+    with pytest.raises(RefusedChoice, match=r"avx512_bf16.*--dtype float32 or --dtype auto"):
+        loader.load_model(str(d), dtype="bfloat16", num_blocks=8, block_size=4)
+    assert main(["generate", "--model", str(d), "--dtype", "bfloat16", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "no native bfloat16" in err and "KVRELAY_ALLOW_SLOW_BF16=1" in err
+    assert "Traceback" not in err
+    m = loader.load_model(str(d), dtype="auto", num_blocks=8, block_size=4)
+    assert m.kv_geometry.dtype == "float32"
+    monkeypatch.setenv(loader.ALLOW_SLOW_BF16, "1")
+    m = loader.load_model(str(d), dtype="bfloat16", num_blocks=8, block_size=4)
+    assert m.kv_geometry.dtype == "bfloat16"
+    monkeypatch.delenv(loader.ALLOW_SLOW_BF16)
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16\n")
+    m = loader.load_model(str(d), dtype="bfloat16", num_blocks=8, block_size=4)
+    assert m.kv_geometry.dtype == "bfloat16"

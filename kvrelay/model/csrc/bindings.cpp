@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -29,8 +30,9 @@ int64_t gguf_block_bytes(int type) { return type == int(QType::Q8_0) ? 34 : 20; 
 int64_t gguf_group_bytes(int type) { return type == int(QType::Q8_0) ? 544 : 320; }
 
 // GGUF rows (N rows of K / 32 blocks: Q8_0 f16 d + 32 int8; Q4_1 f16 d, f16 m + 16
-// bytes, k < 16 in the low nibbles) -> the groups of gemm_q_impl.h. Columns past N
-// get zero scales, mins and codes. Generic code, once per weight at load.
+// bytes, k < 16 in the low nibbles) -> the groups of gemm_q_impl.h, codes in chunks of
+// [16 columns][4 k]. Columns past N get zero scales, mins and codes. Generic code, once
+// per weight at load.
 void pack_gguf_blocks(int type, const uint8_t* raw, int64_t N, int64_t K, uint8_t* out) {
   const int64_t G = K / 32, nblk = (N + 15) / 16, bb = gguf_block_bytes(type);
   const int64_t gb = gguf_group_bytes(type);
@@ -42,12 +44,12 @@ void pack_gguf_blocks(int type, const uint8_t* raw, int64_t N, int64_t K, uint8_
       uint8_t* dst = out + (b * G + g) * gb;
       std::memcpy(dst + 2 * c, src, 2);  // the scale d, f16
       if (type == int(QType::Q8_0)) {
-        for (int k = 0; k < 32; ++k) dst[32 + k * 16 + c] = src[2 + k];
+        for (int k = 0; k < 32; ++k) dst[32 + (k / 4) * 64 + c * 4 + k % 4] = src[2 + k];
       } else {
         std::memcpy(dst + 32 + 2 * c, src + 2, 2);  // the min m, f16
         for (int k = 0; k < 32; ++k) {
           const uint8_t code = k < 16 ? src[4 + k] & 0x0f : src[4 + k - 16] >> 4;
-          dst[64 + k * 8 + c % 8] |= uint8_t(code << (c < 8 ? 0 : 4));
+          dst[64 + (k % 16 / 4) * 64 + c * 4 + k % 4] |= uint8_t(code << (k < 16 ? 0 : 4));
         }
       }
     }
@@ -255,6 +257,34 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   return out;
 }
 
+// The checks every small-M GEMM makes: x a matrix of rows, the packed weight of the
+// shape its packer gives for (N, K), the bias N values (returned as float32, or
+// undefined without one).
+void check_packed(const torch::Tensor& wp, torch::ScalarType type,
+                  std::initializer_list<int64_t> shape, int64_t N, int64_t K) {
+  TORCH_CHECK(wp.scalar_type() == type && wp.is_contiguous() &&
+                  wp.sizes() == c10::IntArrayRef(shape),
+              "packed weight does not match N=", N, ", K=", K);
+}
+
+torch::Tensor bias_f32(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return {};
+  TORCH_CHECK(bias->numel() == N, "bias must have N=", N, " values");
+  return bias->to(torch::kFloat32).contiguous();
+}
+
+// f(b0, b1) for contiguous ranges of the nblk column blocks, one per thread: each
+// thread streams its own part of the weight once.
+template <class F>
+void over_blocks(int64_t nblk, int64_t work, F f) {
+#pragma omp parallel if (work >= kParallelElems)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t b0 = nblk * t / nt, b1 = nblk * (t + 1) / nt;
+    if (b0 < b1) f(b0, b1);
+  }
+}
+
 // AVX-512 BF16 (vdpbf16ps) for the small-M GEMM; off when the ISA is forced to AVX2.
 bool has_bf16_gemm() {
   __builtin_cpu_init();
@@ -277,18 +307,11 @@ torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t
                         const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(has_bf16_gemm(), "bf16_gemm needs AVX-512 BF16");
   check_rows(x, "x");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && wp.scalar_type() == torch::kBFloat16,
-              "bf16_gemm takes bfloat16 x and weight");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "bf16_gemm takes bfloat16 x and weight");
   const int64_t M = x.size(0), K = x.size(1), nblk = (N + 15) / 16;
   TORCH_CHECK(K % 2 == 0, "bf16_gemm needs an even K, got ", K);
-  TORCH_CHECK(wp.is_contiguous() && wp.dim() == 3 && wp.size(0) == nblk && wp.size(1) == K / 2 &&
-                  wp.size(2) == 32,
-              "packed weight does not match N=", N, ", K=", K);
-  torch::Tensor b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "bias must have N=", N, " values");
-    b = bias->to(torch::kFloat32).contiguous();
-  }
+  check_packed(wp, torch::kBFloat16, {nblk, K / 2, 32}, N, K);
+  const torch::Tensor b = bias_f32(bias, N);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;  // the row kernels take 1 or more rows
   const uint16_t* xp = (const uint16_t*)x.data_ptr();
@@ -296,13 +319,9 @@ torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   uint16_t* yp = (uint16_t*)y.data_ptr();
   const int64_t ldx = x.stride(0);
-#pragma omp parallel if (N * K >= kParallelElems)
-  {
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-    // Contiguous block ranges, one per thread: each streams its own part of W once.
-    const int64_t b0 = nblk * t / nt, b1 = nblk * (t + 1) / nt;
-    if (b0 < b1) gemm_bf16_pairs(xp, ldx, M, wpp, K, b0, b1, bp, yp, N, N);
-  }
+  over_blocks(nblk, N * K, [&](int64_t b0, int64_t b1) {
+    gemm_bf16_pairs(xp, ldx, M, wpp, K, b0, b1, bp, yp, N, N);
+  });
   return y;
 }
 
@@ -325,17 +344,10 @@ torch::Tensor f32_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t 
                        const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(has_f32_gemm(), "f32_gemm needs AVX2 + FMA or AVX-512");
   check_rows(x, "x");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && wp.scalar_type() == torch::kFloat32,
-              "f32_gemm takes float32 x and weight");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "f32_gemm takes float32 x and weight");
   const int64_t M = x.size(0), K = x.size(1), nblk = (N + 15) / 16;
-  TORCH_CHECK(wp.is_contiguous() && wp.dim() == 3 && wp.size(0) == nblk && wp.size(1) == K &&
-                  wp.size(2) == 16,
-              "packed weight does not match N=", N, ", K=", K);
-  torch::Tensor b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "bias must have N=", N, " values");
-    b = bias->to(torch::kFloat32).contiguous();
-  }
+  check_packed(wp, torch::kFloat32, {nblk, K, 16}, N, K);
+  const torch::Tensor b = bias_f32(bias, N);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;  // the row kernels take 1 or more rows
   auto* run = isa() == "avx512" ? gemm_f32_avx512 : gemm_f32_avx2;
@@ -344,13 +356,9 @@ torch::Tensor f32_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t 
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-#pragma omp parallel if (N * K >= kParallelElems)
-  {
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-    // Contiguous block ranges, one per thread: each streams its own part of W once.
-    const int64_t b0 = nblk * t / nt, b1 = nblk * (t + 1) / nt;
-    if (b0 < b1) run(xp, ldx, M, wpp, K, b0, b1, bp, yp, N, N);
-  }
+  over_blocks(nblk, N * K, [&](int64_t b0, int64_t b1) {
+    run(xp, ldx, M, wpp, K, b0, b1, bp, yp, N, N);
+  });
   return y;
 }
 
@@ -369,8 +377,16 @@ torch::Tensor pack_gguf_gemm(const torch::Tensor& raw, int64_t type, int64_t K) 
   return out;
 }
 
-// y = x W^T (+ bias), W packed by pack_gguf_gemm; x (M, K) float32 or bfloat16 (computed
-// in float32, the result in x's dtype).
+// The quantized GEMM's instruction set: AVX-512 with VNNI, else AVX2 (also on an
+// AVX-512 CPU without VNNI), following the ISA the kernels run with.
+std::string gguf_isa() {
+  __builtin_cpu_init();
+  if (isa() == "avx512" && __builtin_cpu_supports("avx512vnni")) return "avx512";
+  return isa() == "none" ? "none" : "avx2";
+}
+
+// y = x W^T (+ bias), W packed by pack_gguf_gemm; x (M, K) float32 or bfloat16, quantized
+// to int8 per 32 values (gemm_q_impl.h), the result in x's dtype.
 torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int64_t type,
                         int64_t N, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(has_f32_gemm(), "gguf_gemm needs AVX2 + FMA or AVX-512");
@@ -380,37 +396,26 @@ torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int6
               "gguf_gemm takes float32 or bfloat16 x");
   const torch::Tensor x = x_in.to(torch::kFloat32);
   const int64_t M = x.size(0), K = x.size(1), nblk = (N + 15) / 16, G = K / 32;
-  TORCH_CHECK(wp.scalar_type() == torch::kUInt8 && wp.is_contiguous() && wp.dim() == 3 &&
-                  K % 32 == 0 && wp.size(0) == nblk && wp.size(1) == G &&
-                  wp.size(2) == gguf_group_bytes(int(type)),
-              "packed weight does not match N=", N, ", K=", K);
-  torch::Tensor b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "bias must have N=", N, " values");
-    b = bias->to(torch::kFloat32).contiguous();
-  }
+  TORCH_CHECK(K % 32 == 0, "packed weight does not match N=", N, ", K=", K);
+  check_packed(wp, torch::kUInt8, {nblk, G, gguf_group_bytes(int(type))}, N, K);
+  const torch::Tensor b = bias_f32(bias, N);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y.to(x_in.scalar_type());
-  const int64_t ldx = x.stride(0);
-  const float* xp = x.data_ptr<float>();
-  auto sx = torch::empty({M, G}, x.options());
-  float* sxp = sx.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      for (int k = 0; k < 32; ++k) s += xp[m * ldx + g * 32 + k];
-      sxp[m * G + g] = s;
-    }
-  auto* run = isa() == "avx512" ? gemm_q_avx512 : gemm_q_avx2;
+  const bool vnni = gguf_isa() == "avx512";
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto ds = torch::empty({2, M, G}, x.options());  // scales, scaled sums
+  int8_t* xqp = xq.data_ptr<int8_t>();
+  float* dxp = ds.data_ptr<float>();
+  float* sxp = dxp + M * G;
+  (vnni ? quantize_q8_avx512 : quantize_q8_avx2)(x.data_ptr<float>(), x.stride(0), M, K, xqp,
+                                                 dxp, sxp);
+  auto* run = vnni ? gemm_q_avx512 : gemm_q_avx2;
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-#pragma omp parallel if (N * K >= kParallelElems)
-  {
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t b0 = nblk * t / nt, b1 = nblk * (t + 1) / nt;
-    if (b0 < b1) run(int(type), xp, ldx, sxp, M, wpp, K, b0, b1, bp, yp, N, N);
-  }
+  over_blocks(nblk, N * K, [&](int64_t b0, int64_t b1) {
+    run(int(type), xqp, dxp, sxp, M, wpp, K, b0, b1, bp, yp, N, N);
+  });
   return x_in.scalar_type() == torch::kFloat32 ? y : y.to(x_in.scalar_type());
 }
 
@@ -438,6 +443,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_gemm", &kvr::gguf_gemm, pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("type"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         nogil());
+  m.def("gguf_isa", &kvr::gguf_isa, "the instruction set of the quantized GEMM");
   m.def("has_f32_gemm", &kvr::has_f32_gemm, "float32 small-M GEMM available");
   m.def("pack_f32_gemm", &kvr::pack_f32_gemm, nogil());
   m.def("f32_gemm", &kvr::f32_gemm, pybind11::arg("x"), pybind11::arg("packed"),

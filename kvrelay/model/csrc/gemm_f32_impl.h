@@ -60,38 +60,12 @@ struct Ahead {
   int per_step = 0;
 };
 
+// The epilogue of every tile (float32 and quantized): bias added, the MR rows of NB
+// blocks stored, the last block of N possibly partial.
 template <int MR, int NB>
-static inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict wp,
-                        int64_t K, int64_t blk, const float* __restrict bias,
-                        float* __restrict y, int64_t ldy, int64_t N, Ahead& ahead) {
-  constexpr int NV = NB * kVecs;
-  vf sum[MR][NV];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NV; ++j) sum[m][j] = vzero();
-  const float* w[NB];
-  for (int j = 0; j < NB; ++j) w[j] = wp + (blk + j) * K * kCols;
-  for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
-    const int64_t k1 = K - k0 < kChunkK ? K : k0 + kChunkK;
-    vf acc[MR][NV];
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NV; ++j) acc[m][j] = vzero();
-    for (int64_t k = k0; k < k1; ++k) {
-      for (int i = 0; i < ahead.per_step && ahead.next < ahead.end; ++i, ahead.next += 64)
-        _mm_prefetch(ahead.next, _MM_HINT_T1);
-      vf wv[NV];
-      for (int j = 0; j < NB; ++j) {
-        _mm_prefetch((const char*)(w[j] + (k + kAhead) * kCols), _MM_HINT_T0);
-        for (int v = 0; v < kVecs; ++v)
-          wv[j * kVecs + v] = vload(w[j] + k * kCols + v * KVR_F32_LANES);
-      }
-      for (int m = 0; m < MR; ++m) {
-        const vf xb = vset1(x[m * ldx + k]);
-        for (int j = 0; j < NV; ++j) acc[m][j] = vfma(wv[j], xb, acc[m][j]);
-      }
-    }
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NV; ++j) sum[m][j] = vadd(sum[m][j], acc[m][j]);
-  }
+static inline void store_tile(vf (&sum)[MR][NB * kVecs], int64_t blk,
+                              const float* __restrict bias, float* __restrict y, int64_t ldy,
+                              int64_t N) {
   for (int j = 0; j < NB; ++j) {
     const int64_t col = (blk + j) * kCols;
     const int64_t left = N - col;
@@ -104,41 +78,42 @@ static inline void tile(const float* __restrict x, int64_t ldx, const float* __r
         vstore(out + v * KVR_F32_LANES,
                vadd(sum[m][j * kVecs + v], vload(bb + v * KVR_F32_LANES)));
       float* dst = y + m * ldy + col;
-      const int64_t n = left < kCols ? left : kCols;  // the last block may be partial
+      const int64_t n = left < kCols ? left : kCols;
       for (int c = 0; c < n; ++c) dst[c] = out[c];
     }
   }
 }
 
-template <int MR>
-static void rows(const float* x, int64_t ldx, const float* wp, int64_t K, int64_t blk0,
-                 int64_t blk1, const float* bias, float* y, int64_t ldy, int64_t N,
-                 Ahead& ahead) {
-  constexpr int NB = blocks_per_tile(MR);
+// The tile walk shared by the float32 and the quantized GEMMs. A kernel Kern has
+// Args (its operands, `at_row(m)` moving them to row m), kTileRows, blocks_per_tile(mr),
+// kStepK (k per `ahead` step of its tiles) and tile<MR, NB>(args, blk, ahead).
+template <class Kern, int MR>
+static void rows(const typename Kern::Args& a, int64_t blk0, int64_t blk1, Ahead& ahead) {
+  constexpr int NB = Kern::blocks_per_tile(MR);
   int64_t b = blk0;
-  for (; b + NB <= blk1; b += NB) tile<MR, NB>(x, ldx, wp, K, b, bias, y, ldy, N, ahead);
-  for (; b < blk1; ++b) tile<MR, 1>(x, ldx, wp, K, b, bias, y, ldy, N, ahead);
+  for (; b + NB <= blk1; b += NB) Kern::template tile<MR, NB>(a, b, ahead);
+  for (; b < blk1; ++b) Kern::template tile<MR, 1>(a, b, ahead);
 }
 
-typedef void (*RowsFn)(const float*, int64_t, const float*, int64_t, int64_t, int64_t,
-                       const float*, float*, int64_t, int64_t, Ahead&);
-
-template <int MR>
-static RowsFn rows_fn(int mr) {
-  if constexpr (MR == 0) {
-    return nullptr;
-  } else {
-    return mr == MR ? rows<MR> : rows_fn<MR - 1>(mr);
+// rows<Kern, mr> for a run-time mr in 1..MR.
+template <class Kern, int MR = Kern::kTileRows>
+static void rows_of(int mr, const typename Kern::Args& a, int64_t blk0, int64_t blk1,
+                    Ahead& ahead) {
+  if constexpr (MR > 1) {
+    if (mr != MR) return rows_of<Kern, MR - 1>(mr, a, blk0, blk1, ahead);
   }
+  rows<Kern, MR>(a, blk0, blk1, ahead);
 }
 
-// Columns of blocks [blk0, blk1) for all M rows.
-static void gemm(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K,
-                 int64_t blk0, int64_t blk1, const float* bias, float* y, int64_t ldy,
-                 int64_t N) {
+// Columns of blocks [blk0, blk1) for all M rows; block_bytes: one column block's
+// packed weight over all of K.
+template <class Kern>
+static void walk(const typename Kern::Args& a, int64_t M, int64_t K, int64_t blk0,
+                 int64_t blk1, int64_t block_bytes) {
+  constexpr int64_t TR = Kern::kTileRows;
   Ahead none;
-  if (M <= kTileRows) {
-    rows_fn<kTileRows>(int(M))(x, ldx, wp, K, blk0, blk1, bias, y, ldy, N, none);
+  if (M <= TR) {
+    rows_of<Kern>(int(M), a, blk0, blk1, none);
     return;
   }
   // Row groups of kTileRows (the widest tile; under AVX2, 6 + 2 rows for 8 beat 4 + 4,
@@ -146,27 +121,88 @@ static void gemm(const float* x, int64_t ldx, int64_t M, const float* wp, int64_
   // (at least one block), which stay in L2 (256 KiB on the oldest AVX2 cores) while
   // every group passes over them: the first group streams the span from memory, the
   // later ones read it from L2 and meanwhile fetch the next span into L2 a few lines
-  // per k, so the memory stream overlaps all of the arithmetic.
-  const int64_t block_bytes = K * kCols * int64_t(sizeof(float));
+  // per step, so the memory stream overlaps all of the arithmetic.
   int64_t span = (192 << 10) / block_bytes;
   span = span < 1 ? 1 : span;
-  int64_t later_steps = 0;  // k steps of the later groups' tiles over one span
-  for (int64_t m = kTileRows; m < M; m += kTileRows) {
-    const int nb = blocks_per_tile(M - m < kTileRows ? int(M - m) : kTileRows);
-    later_steps += (span + nb - 1) / nb * K;
+  int64_t later_steps = 0;  // ahead steps of the later groups' tiles over one span
+  for (int64_t m = TR; m < M; m += TR) {
+    const int nb = Kern::blocks_per_tile(M - m < TR ? int(M - m) : int(TR));
+    later_steps += (span + nb - 1) / nb * (K / Kern::kStepK);
   }
   const int per_step = int((span * block_bytes / 64 + later_steps - 1) / later_steps);
+  const char* wp = (const char*)a.wp;
   for (int64_t b = blk0; b < blk1; b += span) {
     const int64_t e = blk1 - b < span ? blk1 : b + span;
     const int64_t e2 = blk1 - e < span ? blk1 : e + span;
-    Ahead ahead{(const char*)(wp + e * K * kCols), (const char*)(wp + e2 * K * kCols),
-                per_step};
-    for (int64_t m = 0; m < M; m += kTileRows) {
-      const int64_t mr = M - m < kTileRows ? M - m : kTileRows;
-      rows_fn<kTileRows>(int(mr))(x + m * ldx, ldx, wp, K, b, e, bias, y + m * ldy, ldy, N,
-                                  m == 0 ? none : ahead);
+    Ahead ahead{wp + e * block_bytes, wp + e2 * block_bytes, per_step};
+    for (int64_t m = 0; m < M; m += TR) {
+      const int64_t mr = M - m < TR ? M - m : TR;
+      rows_of<Kern>(int(mr), a.at_row(m), b, e, m == 0 ? none : ahead);
     }
   }
+}
+
+static inline void ahead_step(Ahead& ahead) {
+  for (int i = 0; i < ahead.per_step && ahead.next < ahead.end; ++i, ahead.next += 64)
+    _mm_prefetch(ahead.next, _MM_HINT_T1);
+}
+
+struct F32 {
+  struct Args {
+    const float* x;
+    int64_t ldx;
+    const float* wp;
+    int64_t K;
+    const float* bias;
+    float* y;
+    int64_t ldy, N;
+    Args at_row(int64_t m) const { return {x + m * ldx, ldx, wp, K, bias, y + m * ldy, ldy, N}; }
+  };
+  static constexpr int kTileRows = f32::kTileRows;
+  static constexpr int kStepK = 1;
+  static constexpr int blocks_per_tile(int mr) { return f32::blocks_per_tile(mr); }
+
+  template <int MR, int NB>
+  static inline void tile(const Args& a, int64_t blk, Ahead& ahead) {
+    constexpr int NV = NB * kVecs;
+    const float* __restrict x = a.x;
+    const int64_t K = a.K, ldx = a.ldx;
+    vf sum[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NV; ++j) sum[m][j] = vzero();
+    const float* w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = a.wp + (blk + j) * K * kCols;
+    for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
+      const int64_t k1 = K - k0 < kChunkK ? K : k0 + kChunkK;
+      vf acc[MR][NV];
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < NV; ++j) acc[m][j] = vzero();
+      for (int64_t k = k0; k < k1; ++k) {
+        ahead_step(ahead);
+        vf wv[NV];
+        for (int j = 0; j < NB; ++j) {
+          _mm_prefetch((const char*)(w[j] + (k + kAhead) * kCols), _MM_HINT_T0);
+          for (int v = 0; v < kVecs; ++v)
+            wv[j * kVecs + v] = vload(w[j] + k * kCols + v * KVR_F32_LANES);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const vf xb = vset1(x[m * ldx + k]);
+          for (int j = 0; j < NV; ++j) acc[m][j] = vfma(wv[j], xb, acc[m][j]);
+        }
+      }
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < NV; ++j) sum[m][j] = vadd(sum[m][j], acc[m][j]);
+    }
+    store_tile<MR, NB>(sum, blk, a.bias, a.y, a.ldy, a.N);
+  }
+};
+
+// Columns of blocks [blk0, blk1) for all M rows.
+static inline void gemm(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K,
+                 int64_t blk0, int64_t blk1, const float* bias, float* y, int64_t ldy,
+                 int64_t N) {
+  walk<F32>(F32::Args{x, ldx, wp, K, bias, y, ldy, N}, M, K, blk0, blk1,
+            K * kCols * int64_t(sizeof(float)));
 }
 
 }  // namespace f32

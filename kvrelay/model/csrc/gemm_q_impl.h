@@ -1,15 +1,24 @@
-// GGUF-quantized decode GEMM (Q8_0, Q4_1), included once per ISA after gemm_f32_impl.h
-// (whose vector helpers and tile shapes it shares): y (M, N) = x (M, K) W^T + b with x
-// float32 and W kept as its integer codes, dequantized in registers.
+// GGUF-quantized decode GEMM (Q8_0, Q4_1) with 8-bit activations, llama.cpp's route on
+// CPUs; included once per ISA after gemm_f32_impl.h (whose vectors, epilogue and tile
+// walk it shares): y (M, N) = x (M, K) W^T + b, W kept as its integer codes.
+//
+// Activations: each row's 32-value groups are quantized to int8 with one float scale
+// per group (quantize_rows: d = max |x| / 127, q = round(x / d)), as llama.cpp's Q8_0
+// and Q8_1. Integer dot products of the codes then replace the float FMAs:
+//   sum_k (dw qw_k + m) (dx qx_k) = dw dx sum_k qw_k qx_k + m (dx sum_k qx_k),
+// the min term only for Q4_1, with the per-row group sums sx = dx sum qx.
 //
 // Layout (pack_gguf_blocks): [N/16][K/32 groups][group], a group being the 32 k x 16
-// columns of one column block: Q8_0 [16 f16 scales][32 k x 16 int8] (544 bytes),
-// Q4_1 [16 f16 scales][16 f16 mins][32 k x 8 bytes: byte c = col c | col c+8 << 4]
-// (320 bytes), i.e. the file's bits per weight (8.5 and 5). At each k the 16 codes
-// become one float vector (two under AVX2) that every row of the tile multiplies by
-// its broadcast x; the scale (and for Q4_1 the min, times the sum of x over the group,
-// computed once per call) are applied once per group:
-//   sum_k (d q_k + m) x_k = d * sum_k q_k x_k + m * sum_k x_k.
+// columns of one column block, its codes in chunks of [16 columns][4 k] bytes (one
+// 32-bit lane per column: what vpdpbusd / maddubs sum). Q8_0: [16 f16 scales][8 chunks
+// for k 0-31] (544 bytes); Q4_1: [16 f16 scales][16 f16 mins][4 chunks, byte (c, t) of
+// chunk i holding k = 4i + t in its low and k = 16 + 4i + t in its high nibble] (320
+// bytes): the file's bits per weight (8.5 and 5).
+//
+// Dot products: AVX-512 VNNI (KVR_Q_VNNI) vpdpbusd, unsigned codes x signed
+// activations, 4 products a lane; Q8_0's signed codes are flipped to code + 128 on
+// load and the 128 * sum qx added back through the min term (m = -128 dw). AVX2:
+// maddubs + madd (llama.cpp's AVX2 path; Q8_0 by |qw| x sign(qx, qw), never saturating).
 #ifndef KVR_F32_LANES
 #error "include gemm_f32_impl.h first"
 #endif
@@ -18,173 +27,236 @@ namespace kvr {
 namespace KVR_ISA {
 namespace q {
 
-using f32::vf;
-using f32::vzero;
-using f32::vset1;
-using f32::vfma;
-using f32::vadd;
-using f32::vload;
-using f32::vstore;
+using f32::Ahead;
+using f32::ahead_step;
 using f32::kCols;
 using f32::kVecs;
-using f32::kTileRows;
-using f32::blocks_per_tile;
+using f32::store_tile;
+using f32::vf;
 
 constexpr int kGroup = 32;
 
-static inline void scales(const uint16_t* h, vf out[kVecs]) {
 #if KVR_F32_LANES == 16
-  out[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h));
+typedef __m512i vi;
+static inline vi iload(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
+static inline vi iset1(const int8_t* p4) { return _mm512_set1_epi32(*(const int32_t*)p4); }
+static inline vi izero() { return _mm512_setzero_si512(); }
+static inline vi nib_lo(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
+static inline vi nib_hi(vi v) {
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
+}
+static inline vf to_f(vi v) { return _mm512_cvtepi32_ps(v); }
+static inline vf fmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+#if KVR_Q_VNNI
+// acc + per lane the sum of 4 products u8 x s8
+static inline vi dot_u(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline vi dot_q8(vi acc, vi w, vi s) {
+  return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))), s);
+}
+constexpr int kQ8Bias = 128;  // dot_q8 sums (qw + 128) qx
 #else
-  out[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
-  out[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + 8)));
+#error "the AVX-512 quantized GEMM needs VNNI (KVR_Q_VNNI=1); without it the AVX2 one runs"
 #endif
+static inline void scales(const uint8_t* h, vf out[kVecs]) {
+  out[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h));
+}
+constexpr int kTileRows = 8;
+constexpr int blocks_per_tile(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 2 : 1; }
+#else
+typedef __m256i vi;
+static inline vi iload(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+static inline vi iset1(const int8_t* p4) { return _mm256_set1_epi32(*(const int32_t*)p4); }
+static inline vi izero() { return _mm256_setzero_si256(); }
+static inline vi nib_lo(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+static inline vi nib_hi(vi v) {
+  return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+}
+static inline vf to_f(vi v) { return _mm256_cvtepi32_ps(v); }
+static inline vf fmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+// Pairs of u8 x s8 products in int16 (at most 2 * 15 * 127 for Q4_1 codes, 2 * 128 *
+// 127 for |Q8_0 codes|: below saturation), then the pairs of pairs in int32.
+static inline vi dot_u(vi acc, vi u, vi s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                 _mm256_set1_epi16(1)));
+}
+static inline vi dot_q8(vi acc, vi w, vi s) { return dot_u(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
+constexpr int kQ8Bias = 0;
+static inline void scales(const uint8_t* h, vf out[kVecs]) {
+  out[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
+  out[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + 16)));
+}
+// 16 ymm: MR * 2 int sums + MR * 2 float sums + 4 codes + broadcasts.
+constexpr int kTileRows = 2;
+constexpr int blocks_per_tile(int) { return 1; }
+#endif
+
+// Row m's int8 codes of x (M, K), its scale per group dx (M, K/32) and sx = dx * sum of
+// the group's codes. Round to nearest (even), like llama.cpp's vector paths.
+static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq,
+                          float* dx, float* sx) {
+  const int64_t G = K / kGroup;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* p = x + m * ldx + g * kGroup;
+      int8_t* q = xq + m * K + g * kGroup;
+#if KVR_F32_LANES == 16
+      const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+      _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(qb));
+      const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
+      __m256 v[4];
+      __m256 mx = _mm256_setzero_ps();
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(p + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float amax = _mm_cvtss_f32(h);
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      __m256i qi[4];
+      for (int i = 0; i < 4; ++i)
+        qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+      const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                           _mm256_add_epi32(qi[2], qi[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+      const int sum = _mm_cvtsi128_si32(s4);
+      // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it
+      const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                             _mm256_packs_epi32(qi[2], qi[3]));
+      _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(
+                                           p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#endif
+      dx[m * G + g] = d;
+      sx[m * G + g] = d * float(sum);
+    }
 }
 
 struct Q8_0 {
   static constexpr int kBytes = 32 + kGroup * kCols;
-  static constexpr bool kMin = false;
-  static inline void codes(const uint8_t* g, int kk, vf out[kVecs]) {
-    const int8_t* q = (const int8_t*)(g + 32) + kk * kCols;
-#if KVR_F32_LANES == 16
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
-#else
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q)));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8))));
-#endif
+  static constexpr bool kMin = kQ8Bias != 0;  // VNNI: m = -128 dw
+  template <int MR, int NB>
+  static inline void dots(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
+                          vi (&acc)[MR][NB * kVecs]) {
+    for (int c = 0; c < kGroup / 4; ++c) {
+      vi w[NB * kVecs];
+      for (int j = 0; j < NB; ++j)
+        for (int v = 0; v < kVecs; ++v)
+          w[j * kVecs + v] = iload(base[j] + 32 + c * 64 + v * (64 / kVecs));
+      for (int m = 0; m < MR; ++m) {
+        const vi xb = iset1(xq + m * ldq + 4 * c);
+        for (int j = 0; j < NB * kVecs; ++j) acc[m][j] = dot_q8(acc[m][j], w[j], xb);
+      }
+    }
+  }
+  static inline void mins(const uint8_t* g, const vf d[kVecs], vf out[kVecs]) {
+    for (int v = 0; v < kVecs; ++v) out[v] = fmul(d[v], f32::vset1(-float(kQ8Bias)));
+    (void)g;
   }
 };
 
 struct Q4_1 {
   static constexpr int kBytes = 64 + kGroup * kCols / 2;
   static constexpr bool kMin = true;
-  static inline void codes(const uint8_t* g, int kk, vf out[kVecs]) {
-    const __m128i b = _mm_loadl_epi64((const __m128i*)(g + 64 + kk * 8));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(b, mask);                     // columns 0-7
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);  // columns 8-15
-#if KVR_F32_LANES == 16
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
-#else
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-#endif
+  template <int MR, int NB>
+  static inline void dots(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
+                          vi (&acc)[MR][NB * kVecs]) {
+    for (int c = 0; c < kGroup / 8; ++c) {
+      vi lo[NB * kVecs], hi[NB * kVecs];
+      for (int j = 0; j < NB; ++j)
+        for (int v = 0; v < kVecs; ++v) {
+          const vi raw = iload(base[j] + 64 + c * 64 + v * (64 / kVecs));
+          lo[j * kVecs + v] = nib_lo(raw);
+          hi[j * kVecs + v] = nib_hi(raw);
+        }
+      for (int m = 0; m < MR; ++m) {
+        const vi xl = iset1(xq + m * ldq + 4 * c), xh = iset1(xq + m * ldq + 16 + 4 * c);
+        for (int j = 0; j < NB * kVecs; ++j)
+          acc[m][j] = dot_u(dot_u(acc[m][j], lo[j], xl), hi[j], xh);
+      }
+    }
+  }
+  static inline void mins(const uint8_t* g, const vf[kVecs], vf out[kVecs]) {
+    scales(g + 32, out);
   }
 };
 
-// sx: (M, G) sums of x over each group (Q4_1's min term); G = K / 32.
-template <class Q, int MR, int NB>
-static inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict sx,
-                        const uint8_t* __restrict wp, int64_t G, int64_t blk,
-                        const float* __restrict bias, float* __restrict y, int64_t ldy,
-                        int64_t N) {
-  constexpr int NV = NB * kVecs;
-  vf sum[MR][NV];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NV; ++j) sum[m][j] = vzero();
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* base[NB];
-    for (int j = 0; j < NB; ++j) {
-      base[j] = wp + ((blk + j) * G + g) * Q::kBytes;
-      // the group after next, while this one computes
-      for (int l = 0; l < Q::kBytes; l += 64)
-        _mm_prefetch((const char*)(base[j] + 2 * Q::kBytes + l), _MM_HINT_T0);
+template <class Q>
+struct Kern {
+  struct Args {
+    const int8_t* xq;  // (M, K) codes
+    const float* dx;   // (M, G) scales
+    const float* sx;   // (M, G) dx * sum of codes
+    const uint8_t* wp;
+    int64_t K, G;
+    const float* bias;
+    float* y;
+    int64_t ldy, N;
+    Args at_row(int64_t m) const {
+      return {xq + m * K, dx + m * G, sx + m * G, wp, K, G, bias, y + m * ldy, ldy, N};
     }
-    vf acc[MR][NV];
+  };
+  static constexpr int kTileRows = q::kTileRows;
+  static constexpr int kStepK = kGroup;
+  static constexpr int blocks_per_tile(int mr) { return q::blocks_per_tile(mr); }
+
+  template <int MR, int NB>
+  static inline void tile(const Args& a, int64_t blk, Ahead& ahead) {
+    constexpr int NV = NB * kVecs;
+    const int64_t G = a.G;
+    vf sum[MR][NV];
     for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NV; ++j) acc[m][j] = vzero();
-    const float* xg = x + g * kGroup;
-    for (int kk = 0; kk < kGroup; ++kk) {
-      vf wv[NV];
-      for (int j = 0; j < NB; ++j) Q::codes(base[j], kk, wv + j * kVecs);
-      for (int m = 0; m < MR; ++m) {
-        const vf xb = vset1(xg[m * ldx + kk]);
-        for (int j = 0; j < NV; ++j) acc[m][j] = vfma(wv[j], xb, acc[m][j]);
+      for (int j = 0; j < NV; ++j) sum[m][j] = f32::vzero();
+    for (int64_t g = 0; g < G; ++g) {
+      ahead_step(ahead);
+      const uint8_t* base[NB];
+      for (int j = 0; j < NB; ++j) {
+        base[j] = a.wp + ((blk + j) * G + g) * Q::kBytes;
+        // the group after next, while this one computes
+        for (int l = 0; l < Q::kBytes; l += 64)
+          _mm_prefetch((const char*)(base[j] + 2 * Q::kBytes + l), _MM_HINT_T0);
       }
-    }
-    for (int j = 0; j < NB; ++j) {
-      vf d[kVecs];
-      scales((const uint16_t*)base[j], d);
+      vi acc[MR][NV];
       for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < kVecs; ++v)
-          sum[m][j * kVecs + v] = vfma(acc[m][j * kVecs + v], d[v], sum[m][j * kVecs + v]);
-      if constexpr (Q::kMin) {
-        vf mn[kVecs];
-        scales((const uint16_t*)(base[j] + 32), mn);
+        for (int j = 0; j < NV; ++j) acc[m][j] = izero();
+      Q::template dots<MR, NB>(base, a.xq + g * kGroup, a.K, acc);
+      for (int j = 0; j < NB; ++j) {
+        vf d[kVecs], mn[kVecs];
+        scales(base[j], d);
+        if constexpr (Q::kMin) Q::mins(base[j], d, mn);
         for (int m = 0; m < MR; ++m) {
-          const vf s = vset1(sx[m * G + g]);
-          for (int v = 0; v < kVecs; ++v)
-            sum[m][j * kVecs + v] = vfma(mn[v], s, sum[m][j * kVecs + v]);
+          const vf ddx = f32::vset1(a.dx[m * G + g]);
+          for (int v = 0; v < kVecs; ++v) {
+            vf& s = sum[m][j * kVecs + v];
+            s = f32::vfma(to_f(acc[m][j * kVecs + v]), fmul(d[v], ddx), s);
+            if constexpr (Q::kMin) s = f32::vfma(mn[v], f32::vset1(a.sx[m * G + g]), s);
+          }
         }
       }
     }
+    store_tile<MR, NB>(sum, blk, a.bias, a.y, a.ldy, a.N);
   }
-  for (int j = 0; j < NB; ++j) {
-    const int64_t col = (blk + j) * kCols;
-    const int64_t left = N - col;
-    float bb[kCols] = {};
-    if (bias != nullptr)
-      for (int c = 0; c < kCols && c < left; ++c) bb[c] = bias[col + c];
-    for (int m = 0; m < MR; ++m) {
-      float out[kCols];
-      for (int v = 0; v < kVecs; ++v)
-        vstore(out + v * KVR_F32_LANES,
-               vadd(sum[m][j * kVecs + v], vload(bb + v * KVR_F32_LANES)));
-      float* dst = y + m * ldy + col;
-      const int64_t n = left < kCols ? left : kCols;
-      for (int c = 0; c < n; ++c) dst[c] = out[c];
-    }
-  }
-}
+};
 
-template <class Q, int MR>
-static void rows(const float* x, int64_t ldx, const float* sx, const uint8_t* wp, int64_t G,
-                 int64_t blk0, int64_t blk1, const float* bias, float* y, int64_t ldy,
-                 int64_t N) {
-  constexpr int NB = blocks_per_tile(MR);
-  int64_t b = blk0;
-  for (; b + NB <= blk1; b += NB) tile<Q, MR, NB>(x, ldx, sx, wp, G, b, bias, y, ldy, N);
-  for (; b < blk1; ++b) tile<Q, MR, 1>(x, ldx, sx, wp, G, b, bias, y, ldy, N);
-}
-
-typedef void (*RowsFn)(const float*, int64_t, const float*, const uint8_t*, int64_t, int64_t,
-                       int64_t, const float*, float*, int64_t, int64_t);
-
-template <class Q, int MR>
-static RowsFn rows_fn(int mr) {
-  if constexpr (MR == 0) {
-    return nullptr;
-  } else {
-    return mr == MR ? rows<Q, MR> : rows_fn<Q, MR - 1>(mr);
-  }
-}
-
-// Columns of blocks [blk0, blk1) for all M rows; more rows than a tile: row groups
-// inside spans of ~192 KiB of codes, which the later groups read from L2.
-template <class Q>
-static void gemm(const float* x, int64_t ldx, const float* sx, int64_t M, const uint8_t* wp,
-                 int64_t K, int64_t blk0, int64_t blk1, const float* bias, float* y,
-                 int64_t ldy, int64_t N) {
-  const int64_t G = K / kGroup;
-  int64_t span = (192 << 10) / (G * Q::kBytes);
-  span = span < 1 ? 1 : span;
-  for (int64_t b = blk0; b < blk1; b += span) {
-    const int64_t e = blk1 - b < span ? blk1 : b + span;
-    for (int64_t m = 0; m < M; m += kTileRows) {
-      const int64_t mr = M - m < kTileRows ? M - m : kTileRows;
-      rows_fn<Q, kTileRows>(int(mr))(x + m * ldx, ldx, sx + m * G, wp, G, b, e, bias,
-                                     y + m * ldy, ldy, N);
-    }
-  }
-}
-
-static void gemm_any(int type, const float* x, int64_t ldx, const float* sx, int64_t M,
+static void gemm_any(int type, const int8_t* xq, const float* dx, const float* sx, int64_t M,
                      const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1,
                      const float* bias, float* y, int64_t ldy, int64_t N) {
+  const int64_t G = K / kGroup;
   if (type == int(QType::Q8_0))
-    gemm<Q8_0>(x, ldx, sx, M, wp, K, blk0, blk1, bias, y, ldy, N);
+    f32::walk<Kern<Q8_0>>({xq, dx, sx, wp, K, G, bias, y, ldy, N}, M, K, blk0, blk1,
+                          G * Q8_0::kBytes);
   else
-    gemm<Q4_1>(x, ldx, sx, M, wp, K, blk0, blk1, bias, y, ldy, N);
+    f32::walk<Kern<Q4_1>>({xq, dx, sx, wp, K, G, bias, y, ldy, N}, M, K, blk0, blk1,
+                          G * Q4_1::kBytes);
 }
 
 }  // namespace q

@@ -4,7 +4,6 @@
 #include "kernels_impl.h"
 #define KVR_F32_LANES 16
 #include "gemm_f32_impl.h"
-#include "gemm_q_impl.h"
 
 namespace kvr {
 const Kernels* kernels_avx512(DType dt) { return avx512::table(dt); }
@@ -12,10 +11,5 @@ void gemm_f32_avx512(const float* x, int64_t ldx, int64_t M, const float* wp, in
                      int64_t blk0, int64_t blk1, const float* bias, float* y, int64_t ldy,
                      int64_t N) {
   avx512::f32::gemm(x, ldx, M, wp, K, blk0, blk1, bias, y, ldy, N);
-}
-void gemm_q_avx512(int type, const float* x, int64_t ldx, const float* sx, int64_t M,
-                   const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1, const float* bias,
-                   float* y, int64_t ldy, int64_t N) {
-  avx512::q::gemm_any(type, x, ldx, sx, M, wp, K, blk0, blk1, bias, y, ldy, N);
 }
 }  // namespace kvr

@@ -1,0 +1,21 @@
+// The GGUF-quantized GEMM with AVX-512 VNNI (vpdpbusd); a CPU with AVX-512 but no VNNI
+// runs the AVX2 one (bindings.cpp, gguf_isa).
+#include "kernels.h"
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,prefer-vector-width=512")
+#define KVR_ISA avx512vnni
+#define KVR_F32_LANES 16
+#define KVR_Q_VNNI 1
+#include "gemm_f32_impl.h"
+#include "gemm_q_impl.h"
+
+namespace kvr {
+void quantize_q8_avx512(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq,
+                        float* dx, float* sx) {
+  avx512vnni::q::quantize_rows(x, ldx, M, K, xq, dx, sx);
+}
+void gemm_q_avx512(int type, const int8_t* xq, const float* dx, const float* sx, int64_t M,
+                   const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1, const float* bias,
+                   float* y, int64_t ldy, int64_t N) {
+  avx512vnni::q::gemm_any(type, xq, dx, sx, M, wp, K, blk0, blk1, bias, y, ldy, N);
+}
+}  // namespace kvr
