@@ -61,7 +61,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--routings", nargs="+", choices=ROUTINGS, default=list(ROUTINGS),
-                   help="which to run (least-outstanding, the reference, is always run)")
+                   help="which to run (default: all; least-outstanding, the reference, "
+                        "is always run)")
     p.add_argument("--start-timeout", type=float, default=300.0, metavar="SECONDS")
     p.set_defaults(func=run)
 
