@@ -42,6 +42,7 @@ from kvrelay.server.proxy_affinity import (
 )
 from kvrelay.server.proxy_discovery import Discovery
 from kvrelay.server.proxy_merge import Frame, Leg
+from kvrelay.server.proxy_placement import CHARS_PER_TOKEN, PlacementConfig, local_reason
 from kvrelay.server.responses import EventStream, until_disconnect
 
 log = logging.getLogger(__name__)
@@ -116,14 +117,16 @@ class Upstreams:
         best = self.candidates()[:1]
         return best[0] if best and best[0].healthy else None
 
-    def route(self, leg: Leg) -> tuple[Upstream, Reason]:
-        """The engine for ``leg`` by expected prefix reuse and load (proxy_affinity);
-        with KV-aware routing its record takes the leg's prompt at once, so requests
-        with the same prefix that follow it (also ones already in flight) find it."""
+    def route(self, leg: Leg) -> tuple[Upstream, Reason, int]:
+        """The engine for ``leg`` by expected prefix reuse and load (proxy_affinity),
+        why, and how many chunks of the leg's chain it was expected to hold; with
+        KV-aware routing its record takes the leg's prompt at once, so requests with the
+        same prefix that follow it (also ones already in flight) find it."""
         up, reason = choose(self.all, leg.chain, leg.text_len, self.config)
+        matched = up.prefixes.match(leg.chain)
         if self.config.kv_aware:
             up.prefixes.insert(leg.chain)
-        return up, reason
+        return up, reason, matched
 
 
 class ProxyMetrics:
@@ -153,7 +156,9 @@ class ProxyMetrics:
             "kvrelay_proxy_route", "Engines picked per choice, by role and the reason: "
             "prefix_match (the longest cached prefix), least_outstanding (no match worth "
             "it, or KV-aware routing off), load_balance (a match, on an engine too busy), "
-            "no_healthy", ["role", "reason"], registry=r,
+            "no_healthy; for role prefill also local_short_prompt, local_cached, "
+            "local_prefill_busy, local_always (prefilled on the decode engine: "
+            "--disaggregation)", ["role", "reason"], registry=r,
         )
         self.ttft = Histogram(
             "kvrelay_proxy_time_to_first_token_seconds",
@@ -173,8 +178,10 @@ class Proxy:
         timeout: float = 600.0,
         routing: RoutingConfig | None = None,
         discovery: Discovery | None = None,
+        placement: PlacementConfig | None = None,
     ) -> None:
         self.routing = routing or RoutingConfig()
+        self.placement = placement or PlacementConfig()
         named = discovery.names if discovery is not None else {}
         self.prefill = Upstreams("prefill", prefill, self.routing,
                                  discovered=bool(named.get("prefill")))
@@ -256,7 +263,7 @@ class Proxy:
         # as colocated work (no prefill engine, no lease).
         whole = req.num_prompt_logprobs() is not None or (
             isinstance(req, ChatCompletionRequest) and req.parses_tools())
-        to_prefill = [] if whole else legs
+        to_prefill = [] if whole else [leg for leg in legs if self._to_prefill(leg)]
         try:
             if await self._unless_gone(request, _all(
                     self._prefill_leg(path, leg) for leg in to_prefill)) is None:
@@ -279,29 +286,50 @@ class Proxy:
         return JSONResponse(merge.full_body(frame, legs, choices))
 
     def _route_keys(self, legs: list[Leg], req: Any, chat: bool) -> None:
-        if not self.routing.kv_aware:
-            return
-        chunk = self.routing.chunk_chars
+        """Each leg's prompt length (conditional disaggregation) and, with KV-aware
+        routing, its hash chain."""
+        chunk, kv_aware = self.routing.chunk_chars, self.routing.kv_aware
         text = chat_text(req.template_messages()) if chat else ""
-        chain = chain_hashes(text, chunk) if chat else []
+        chain = chain_hashes(text, chunk) if chat and kv_aware else []
+        tokens = len(text) / CHARS_PER_TOKEN
         for leg in legs:
             if not chat and leg.counts_prompt:  # a completion prompt's first choice
-                text = completion_text(leg.body["prompt"])
-                chain = chain_hashes(text, chunk)
-            leg.chain, leg.text_len = chain, len(text)
+                prompt = leg.body["prompt"]
+                text = completion_text(prompt)
+                chain = chain_hashes(text, chunk) if kv_aware else []
+                tokens = len(prompt) if isinstance(prompt, list) else len(text) / CHARS_PER_TOKEN
+            leg.chain, leg.text_len, leg.tokens = chain, len(text), tokens
 
-    def _pick(self, ups: Upstreams, leg: Leg) -> Upstream:
-        up, reason = ups.route(leg)
+    def _pick(self, ups: Upstreams, leg: Leg) -> tuple[Upstream, int]:
+        """The routed engine (counted) and its expected match, in chunks of the chain."""
+        up, reason, matched = ups.route(leg)
         self.metrics.route.labels(ups.role, reason.value).inc()
         log.debug("route %s %s: %s (outstanding %d)", ups.role, up.url, reason.value,
                   up.outstanding)
-        return up
+        return up, matched
+
+    def _to_prefill(self, leg: Leg) -> bool:
+        """Conditional disaggregation (proxy_placement): False when the leg is to be
+        prefilled by the decode engine it is routed to now (``leg.decoder``), counted
+        under role prefill with the reason."""
+        if self.placement.mode == "always" or not self.decode.all:
+            return True
+        leg.decoder, matched = self._pick(self.decode, leg)
+        cached = matched * self.routing.chunk_chars / leg.text_len if leg.text_len else 0.0
+        ready = [up.outstanding for up in self.prefill.all if up.healthy]
+        why = local_reason(self.placement, leg.tokens, cached, min(ready) if ready else None)
+        if why is None:
+            return True
+        self.metrics.route.labels("prefill", why.value).inc()
+        self.metrics.requests.labels("local_prefill").inc()
+        log.debug("prefill on decode engine %s: %s", leg.decoder.url, why.value)
+        return False
 
     def _prefill_order(self, leg: Leg) -> list[Upstream]:
         """The routed prefill engine, then the others to retry on, least loaded first."""
         if not self.prefill.all:  # DNS names that resolve to nothing (now)
             return []
-        first = self._pick(self.prefill, leg)
+        first, _ = self._pick(self.prefill, leg)
         return [first, *(up for up in self.prefill.candidates() if up is not first)]
 
     def _decode_order(self, leg: Leg) -> list[Upstream]:
@@ -310,7 +338,9 @@ class Proxy:
         it to the next, the lease untouched."""
         if not self.decode.all:  # DNS names that resolve to nothing (now)
             return []
-        first = self._pick(self.decode, leg)
+        # Routed already when the leg was placed (and still known), else now.
+        first = leg.decoder if leg.decoder in self.decode.all else self._pick(self.decode,
+                                                                                leg)[0]
         return [first, *(up for up in self.decode.candidates() if up is not first)]
 
     def _refused_unseen(self, up: Upstream, why: str) -> None:
