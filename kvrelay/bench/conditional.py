@@ -1,19 +1,20 @@
 """``kvrelay bench conditional``: conditional disaggregation against always-disaggregated
 and always-local prefill, on 1P1D behind the proxy, in one run.
 
-For each mode (``--disaggregation always``, the reference, then ``never``, then
-``conditional`` with ``--local-prefill-queue`` and each ``--local-prefill-max-tokens``
-value given, so that one run tunes it) a fresh cluster starts: one prefill and one
-decode engine (embedded model by default, bfloat16 where native, one thread each) and
-the proxy. Each engine gets one short warm-up request straight. Then the same
-``--num-requests`` streamed completions go through the proxy at ``--concurrency``, in
+One cluster per mode, all started at once (``--disaggregation always``, the reference,
+then ``never``, then ``conditional`` with ``--local-prefill-queue`` and each
+``--local-prefill-max-tokens`` value given, so that one run tunes it): one prefill and
+one decode engine (embedded model by default, bfloat16 where native, one thread each)
+and the proxy. Each engine gets one short warm-up request straight. Then the same
+``--num-requests`` streamed completions go through each proxy at ``--concurrency``, in
 one seeded order: a ``--long-fraction`` of them long (one of ``--num-prefixes`` shared
 documents of ``--prefix-len`` common words, about a token each, then a question of
 ``--tail-len`` words), the rest short (a question of 4 to ``--short-len`` words,
-uniformly). Printed per mode: TTFT p50, p90 and p99 as the client sees it, the
-end-to-end mean, the bytes the decode engine pulled and where the proxy placed each
-prefill (its routing reasons); last, each conditional run's TTFT p50 and p99 over the
-better of the two others at each.
+uniformly). The requests run in rounds of ``ROUND``, each round through every cluster in
+turn, so that the load of a shared machine weighs on every mode alike. Printed per mode:
+TTFT p50, p90 and p99 as the client sees it, the end-to-end mean, the bytes the decode
+engine pulled and where the proxy placed each prefill (its routing reasons); last, each
+conditional run's TTFT p50 and p99 over the better of the two others at each.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvrelay.server.proxy_placement import PlacementConfig
 
 MODES = ("always", "never", "conditional")  # the reference first
 LABELS = {"always": "always-disaggregated", "never": "always-local"}
+ROUND = 16  # requests per mode per round (interleaved)
 
 
 def register(subparsers: Any) -> None:
@@ -109,44 +111,73 @@ def run(args: argparse.Namespace) -> int:
     prompts = make_prompts(args)
     runs = [(m, args.local_prefill_max_tokens[0]) for m in MODES[:2]] + [
         ("conditional", n) for n in args.local_prefill_max_tokens]
-    outcomes = [one_mode(args, mode, n, prompts) for mode, n in runs]
+    clusters = [Cluster(args, mode, n) for mode, n in runs]
+    try:
+        for c in clusters:
+            c.start()
+        outcomes = interleaved(args, clusters, prompts)
+    except Exception:
+        print("a cluster failed; the logs are in " + ", ".join(str(c.logs) for c in clusters))
+        raise
+    finally:
+        for c in clusters:
+            c.deployment.stop()
     print(report(args, outcomes))
     return 1 if any(not r.ok for o in outcomes for r in o.results) else 0
 
 
-def one_mode(args: argparse.Namespace, mode: str, max_tokens: int,
-             prompts: list[str]) -> Outcome:
-    from kvrelay.server.demo import Deployment, ServerProcess
+class Cluster:
+    """1P1D and a proxy with ``--disaggregation mode``."""
 
-    base = ([args.model] if args.model else []) + [
-        "--dtype", args.dtype, "--threads", str(args.threads)]
-    logs = Path(tempfile.mkdtemp(prefix=f"kvrelay-bench-conditional-{mode}-"))
-    p = ServerProcess([*base, "--role", "prefill"], log_path=str(logs / "prefill.log"))
-    d = ServerProcess([*base, "--role", "decode"], log_path=str(logs / "decode.log"))
-    proxy = ServerProcess(
-        ["--prefill", p.base_url, "--decode", d.base_url, "--disaggregation", mode,
-         "--local-prefill-max-tokens", str(max_tokens),
-         "--local-prefill-queue", str(args.local_prefill_queue)],
-        command="proxy", log_path=str(logs / "proxy.log"))
-    cluster = Deployment([p, d, proxy])
-    try:
-        cluster.start(args.start_timeout)
-        model = asyncio.run(warm_up([p.base_url, d.base_url]))
-        proxy_sees_all_healthy(proxy.base_url, 2, args.start_timeout)
-        pulled0 = pulled_bytes(d.base_url)
-        results = asyncio.run(load(proxy.base_url, model, prompts, args))
-        pulled = pulled_bytes(d.base_url) - pulled0
+    def __init__(self, args: argparse.Namespace, mode: str, max_tokens: int) -> None:
+        from kvrelay.server.demo import Deployment, ServerProcess
+
+        self.args, self.mode, self.max_tokens = args, mode, max_tokens
+        base = ([args.model] if args.model else []) + [
+            "--dtype", args.dtype, "--threads", str(args.threads)]
+        self.logs = Path(tempfile.mkdtemp(prefix=f"kvrelay-bench-conditional-{mode}-"))
+        self.p = ServerProcess([*base, "--role", "prefill"],
+                               log_path=str(self.logs / "prefill.log"))
+        self.d = ServerProcess([*base, "--role", "decode"],
+                               log_path=str(self.logs / "decode.log"))
+        self.proxy = ServerProcess(
+            ["--prefill", self.p.base_url, "--decode", self.d.base_url, "--disaggregation",
+             mode, "--local-prefill-max-tokens", str(max_tokens),
+             "--local-prefill-queue", str(args.local_prefill_queue)],
+            command="proxy", log_path=str(self.logs / "proxy.log"))
+        self.deployment = Deployment([self.p, self.d, self.proxy])
+        self.model = ""
+        self.pulled0 = 0.0
+
+    def start(self) -> None:
+        self.deployment.start(self.args.start_timeout)
+        self.model = asyncio.run(warm_up([self.p.base_url, self.d.base_url]))
+        proxy_sees_all_healthy(self.proxy.base_url, 2, self.args.start_timeout)
+        self.pulled0 = pulled_bytes(self.d.base_url)
+
+    def outcome(self, results: list[RequestResult]) -> Outcome:
         reasons = {}
-        for key, value in scrape(proxy.base_url).items():
+        for key, value in scrape(self.proxy.base_url).items():
             if key.startswith("kvrelay_proxy_route_total{"):
                 labels = dict(re.findall(r'(\w+)="([^"]*)"', key))
                 reasons[f"{labels['role']}/{labels['reason']}"] = value
-    except Exception:
-        print(f"the {mode} cluster failed; its logs are in {logs}")
-        raise
-    finally:
-        cluster.stop()
-    return Outcome(mode, max_tokens, results, reasons, pulled)
+        return Outcome(self.mode, self.max_tokens, results, reasons,
+                       pulled_bytes(self.d.base_url) - self.pulled0)
+
+
+def interleaved(args: argparse.Namespace, clusters: list[Cluster],
+                prompts: list[str]) -> list[Outcome]:
+    """The prompts in rounds of ``ROUND`` requests, each round through every cluster in
+    turn (the order rotating): a machine whose load drifts during the run (a shared one)
+    slows every mode alike, not the one that happened to run then."""
+    results: list[list[RequestResult]] = [[] for _ in clusters]
+    for r, start in enumerate(range(0, len(prompts), ROUND)):
+        chunk = prompts[start:start + ROUND]
+        for k in range(len(clusters)):
+            i = (k + r) % len(clusters)
+            c = clusters[i]
+            results[i] += asyncio.run(load(c.proxy.base_url, c.model, chunk, args))
+    return [c.outcome(res) for c, res in zip(clusters, results, strict=True)]
 
 
 def pulled_bytes(url: str) -> float:
