@@ -300,7 +300,10 @@ class Proxy:
                 tokens = len(prompt) if isinstance(prompt, list) else len(text) / CHARS_PER_TOKEN
             leg.chain, leg.text_len, leg.tokens = chain, len(text), tokens
 
-    def _pick(self, ups: Upstreams, leg: Leg) -> tuple[Upstream, int]:
+    def _pick(self, ups: Upstreams, leg: Leg) -> Upstream:
+        return self._pick_matched(ups, leg)[0]
+
+    def _pick_matched(self, ups: Upstreams, leg: Leg) -> tuple[Upstream, int]:
         """The routed engine (counted) and its expected match, in chunks of the chain."""
         up, reason, matched = ups.route(leg)
         self.metrics.route.labels(ups.role, reason.value).inc()
@@ -314,7 +317,7 @@ class Proxy:
         under role prefill with the reason."""
         if self.placement.mode == "always" or not self.decode.all:
             return True
-        leg.decoder, matched = self._pick(self.decode, leg)
+        leg.decoder, matched = self._pick_matched(self.decode, leg)
         cached = matched * self.routing.chunk_chars / leg.text_len if leg.text_len else 0.0
         ready = [up.outstanding for up in self.prefill.all if up.healthy]
         why = local_reason(self.placement, leg.tokens, cached, min(ready) if ready else None)
@@ -329,7 +332,7 @@ class Proxy:
         """The routed prefill engine, then the others to retry on, least loaded first."""
         if not self.prefill.all:  # DNS names that resolve to nothing (now)
             return []
-        first, _ = self._pick(self.prefill, leg)
+        first = self._pick(self.prefill, leg)
         return [first, *(up for up in self.prefill.candidates() if up is not first)]
 
     def _decode_order(self, leg: Leg) -> list[Upstream]:
@@ -339,8 +342,7 @@ class Proxy:
         if not self.decode.all:  # DNS names that resolve to nothing (now)
             return []
         # Routed already when the leg was placed (and still known), else now.
-        first = leg.decoder if leg.decoder in self.decode.all else self._pick(self.decode,
-                                                                                leg)[0]
+        first = leg.decoder if leg.decoder in self.decode.all else self._pick(self.decode, leg)
         return [first, *(up for up in self.decode.candidates() if up is not first)]
 
     def _refused_unseen(self, up: Upstream, why: str) -> None:
