@@ -111,10 +111,11 @@ def run(args: argparse.Namespace) -> int:
     prompts = make_prompts(args)
     runs = [(m, args.local_prefill_max_tokens[0]) for m in MODES[:2]] + [
         ("conditional", n) for n in args.local_prefill_max_tokens]
-    clusters = [Cluster(args, mode, n) for mode, n in runs]
+    clusters: list[Cluster] = []
     try:
-        for c in clusters:
-            c.start()
+        for mode, n in runs:  # each one's ports taken just before it starts
+            clusters.append(Cluster(args, mode, n))
+            clusters[-1].start()
         outcomes = interleaved(args, clusters, prompts)
     except Exception:
         print("a cluster failed; the logs are in " + ", ".join(str(c.logs) for c in clusters))
