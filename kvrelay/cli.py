@@ -45,6 +45,7 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.sampling",
     "kvrelay.bench.prefix",
     "kvrelay.bench.routing",
+    "kvrelay.bench.conditional",
     "kvrelay.bench.chaos",
     "kvrelay.bench.soak",
 ]

@@ -43,6 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvrelay.server.protocol import ApiError, install_error_handlers, read_body
 from kvrelay.server.proxy_affinity import POLICIES, RoutingConfig
 from kvrelay.server.proxy_discovery import add_discovery_args, discovery_from
+from kvrelay.server.proxy_placement import add_placement_args, placement_from
 from kvrelay.server.proxy_responses import RESPONSES_PATH, ResponseRouter
 from kvrelay.server.proxy_routing import (
     CHAT_PATH,
@@ -185,6 +186,7 @@ def register(subparsers: Any) -> None:
                    help="kv-aware: know each engine's cache from its KV events (engines "
                    "started with --kv-events-config; the endpoint read from their GET "
                    "/v1/kv/events) instead of guessing it from the prompts sent")
+    add_placement_args(p)
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
@@ -216,9 +218,10 @@ def run(args: Any) -> int:
     routing = routing_config(args)
     proxy = Proxy(args.prefill, args.decode, api_key=args.api_key,
                   health_interval=args.health_interval, routing=routing,
-                  discovery=discovery_from(args))
-    log.info("proxy on http://%s:%d/v1: prefill %s, decode %s; routing %s", args.host,
-             args.port, " ".join(args.prefill), " ".join(args.decode), routing)
+                  discovery=discovery_from(args), placement=placement_from(args))
+    log.info("proxy on http://%s:%d/v1: prefill %s, decode %s; routing %s; %s", args.host,
+             args.port, " ".join(args.prefill), " ".join(args.decode), routing,
+             proxy.placement)
     config = uvicorn.Config(create_proxy_app(proxy), host=args.host, port=args.port,
                             log_level=args.log_level, access_log=args.log_level == "debug")
     server = GracefulServer(config, drain=lambda: None, drain_after=10.0)

@@ -4,10 +4,10 @@ A client request is split into legs, one per prompt of a batch and per choice (`
 each leg is a one-prompt, ``n=1`` request (choice j samples with ``seed + j``, as a
 colocated engine does). A leg's answer is P's first token followed by D's tokens 2..n
 (or P's answer alone when the first token ended it, or a whole colocated answer from D
-when no prefill engine answered). This module turns legs' answers into one OpenAI
-response: one id, one ``created`` and ``model``, each choice under its index, for chat
-one role per choice, logprobs covering every token (P's first one included) and usage
-counting each prompt once.
+when no prefill engine answered or the prefill was placed on D). This module turns
+legs' answers into one OpenAI response: one id, one ``created`` and ``model``, each
+choice under its index, for chat one role per choice, logprobs covering every token
+(P's first one included) and usage counting each prompt once.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvrelay.server.proxy_routing import Upstream
 
 
 @dataclass(eq=False)
@@ -39,6 +42,10 @@ class Leg:
     # chain and its length in characters.
     chain: list[int] = field(default_factory=list)
     text_len: int = 0
+    # Conditional disaggregation (kvrelay.server.proxy_placement): the prompt's estimated
+    # tokens, and the decode engine routed before the prefill was placed.
+    tokens: float = 0.0
+    decoder: Upstream | None = None
     # P's params say its decode engine samples the first token again (vLLM's decode
     # engine behind kvrelay.vllm): D's answer is the whole choice, and in a stream the
     # text the client already got from P (``resent_left`` characters) is cut from D's.

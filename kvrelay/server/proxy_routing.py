@@ -44,6 +44,7 @@ from kvrelay.server.proxy_affinity import (
 from kvrelay.server.proxy_discovery import Discovery
 from kvrelay.server.proxy_events import EventMetrics, EventRecord, KvEventsFeed, tokenize_on
 from kvrelay.server.proxy_merge import Frame, Leg
+from kvrelay.server.proxy_placement import CHARS_PER_TOKEN, PlacementConfig, local_reason
 from kvrelay.server.responses import EventStream, until_disconnect
 
 log = logging.getLogger(__name__)
@@ -118,14 +119,16 @@ class Upstreams:
         best = self.candidates()[:1]
         return best[0] if best and best[0].healthy else None
 
-    def route(self, leg: Leg) -> tuple[Upstream, Reason]:
-        """The engine for ``leg`` by expected prefix reuse and load (proxy_affinity);
-        with KV-aware routing its record takes the leg's prompt at once, so requests
-        with the same prefix that follow it (also ones already in flight) find it."""
+    def route(self, leg: Leg) -> tuple[Upstream, Reason, int]:
+        """The engine for ``leg`` by expected prefix reuse and load (proxy_affinity),
+        why, and how many chunks of the leg's chain it was expected to hold; with
+        KV-aware routing its record takes the leg's prompt at once, so requests with the
+        same prefix that follow it (also ones already in flight) find it."""
         up, reason = choose(self.all, leg.chain, leg.text_len, self.config)
+        matched = up.prefixes.match(leg.chain)
         if self.config.kv_aware:
             up.prefixes.insert(leg.chain)
-        return up, reason
+        return up, reason, matched
 
 
 def _record(config: RoutingConfig) -> PrefixRecord:
@@ -161,7 +164,9 @@ class ProxyMetrics:
             "kvrelay_proxy_route", "Engines picked per choice, by role and the reason: "
             "prefix_match (the longest cached prefix), least_outstanding (no match worth "
             "it, or KV-aware routing off), load_balance (a match, on an engine too busy), "
-            "no_healthy", ["role", "reason"], registry=r,
+            "no_healthy; for role prefill also local_short_prompt, local_cached, "
+            "local_prefill_busy, local_always (prefilled on the decode engine: "
+            "--disaggregation)", ["role", "reason"], registry=r,
         )
         self.ttft = Histogram(
             "kvrelay_proxy_time_to_first_token_seconds",
@@ -181,8 +186,10 @@ class Proxy:
         timeout: float = 600.0,
         routing: RoutingConfig | None = None,
         discovery: Discovery | None = None,
+        placement: PlacementConfig | None = None,
     ) -> None:
         self.routing = routing or RoutingConfig()
+        self.placement = placement or PlacementConfig()
         named = discovery.names if discovery is not None else {}
         self.prefill = Upstreams("prefill", prefill, self.routing,
                                  discovered=bool(named.get("prefill")))
@@ -269,9 +276,10 @@ class Proxy:
         streaming = False
         # Prompt logprobs and echo are P's: it computes every prompt position (see
         # _prefill). Tool calls are read out of the whole output: D serves such a leg
-        # whole, token 1 (P's) included (see Leg.tools).
+        # whole, token 1 (P's) included (see Leg.tools). A leg placed on D
+        # (conditional disaggregation) is D's alone, as colocated work.
         whole = self._tool_legs(req, legs)
-        to_prefill = [] if whole else legs
+        to_prefill = [] if whole else [leg for leg in legs if self._to_prefill(leg)]
         if whole:
             self.metrics.requests.labels("colocated").inc(len(legs))
         try:
@@ -308,27 +316,53 @@ class Proxy:
         return req.logprobs or req.requested_max_tokens() == 1
 
     def _route_keys(self, legs: list[Leg], req: Any, chat: bool) -> None:
-        if not self.routing.kv_aware or self.kv_events is not None:
-            return
+        """Each leg's prompt length (conditional disaggregation) and, with KV-aware
+        routing by guesses, its hash chain (with --kv-events the chain is of tokens:
+        KvEventsFeed.route_keys)."""
         chunk = self.routing.chunk_chars
+        kv_aware = self.routing.kv_aware and self.kv_events is None
         text = chat_text(req.template_messages()) if chat else ""
-        chain = chain_hashes(text, chunk) if chat else []
+        chain = chain_hashes(text, chunk) if chat and kv_aware else []
+        tokens = len(text) / CHARS_PER_TOKEN
         for leg in legs:
             if not chat and leg.counts_prompt:  # a completion prompt's first choice
-                text = completion_text(leg.body["prompt"])
-                chain = chain_hashes(text, chunk)
-            leg.chain, leg.text_len = chain, len(text)
+                prompt = leg.body["prompt"]
+                text = completion_text(prompt)
+                chain = chain_hashes(text, chunk) if kv_aware else []
+                tokens = len(prompt) if isinstance(prompt, list) else len(text) / CHARS_PER_TOKEN
+            leg.chain, leg.text_len, leg.tokens = chain, len(text), tokens
 
     async def _tokenize(self, body: dict[str, Any]) -> list[int] | None:
         urls = [u.url for u in self.decode.candidates() + self.prefill.candidates()]
         return await tokenize_on(self._http(), urls, self._headers(), body)
 
     def _pick(self, ups: Upstreams, leg: Leg) -> Upstream:
-        up, reason = ups.route(leg)
+        return self._pick_matched(ups, leg)[0]
+
+    def _pick_matched(self, ups: Upstreams, leg: Leg) -> tuple[Upstream, int]:
+        """The routed engine (counted) and its expected match, in chunks of the chain."""
+        up, reason, matched = ups.route(leg)
         self.metrics.route.labels(ups.role, reason.value).inc()
         log.debug("route %s %s: %s (outstanding %d)", ups.role, up.url, reason.value,
                   up.outstanding)
-        return up
+        return up, matched
+
+    def _to_prefill(self, leg: Leg) -> bool:
+        """Conditional disaggregation (proxy_placement): False when the leg is to be
+        prefilled by the decode engine it is routed to now (``leg.decoder``), counted
+        under role prefill with the reason."""
+        if self.placement.mode == "always" or not self.decode.all:
+            return True
+        leg.decoder, matched = self._pick_matched(self.decode, leg)
+        cached = matched * self.routing.chunk_chars / leg.text_len if leg.text_len else 0.0
+        ready = [up.outstanding for up in self.prefill.all if up.healthy]
+        why = local_reason(self.placement, leg.tokens, cached, min(ready) if ready else None)
+        if why is None:
+            return True
+        self.metrics.route.labels("prefill", why.value).inc()
+        self.metrics.requests.labels("local_prefill").inc()
+        log.debug("prefill on decode engine %s: %s", leg.decoder.url, why.value)
+        return False
 
     def _prefill_order(self, leg: Leg) -> list[Upstream]:
         """The routed prefill engine, then the others to retry on, least loaded first."""
@@ -343,7 +377,8 @@ class Proxy:
         it to the next, the lease untouched."""
         if not self.decode.all:  # DNS names that resolve to nothing (now)
             return []
-        first = self._pick(self.decode, leg)
+        # Routed already when the leg was placed (and still known), else now.
+        first = leg.decoder if leg.decoder in self.decode.all else self._pick(self.decode, leg)
         return [first, *(up for up in self.decode.candidates() if up is not first)]
 
     def _refused_unseen(self, up: Upstream, why: str, busy: bool = False) -> None:

@@ -1,4 +1,5 @@
-"""A DNS zone the tests edit, served by dnslib's DNS server on a loopback UDP port."""
+"""A DNS zone the tests edit, served by dnslib's DNS server on a UDP port (loopback by
+default)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,14 @@ class Records:
 
 
 @contextlib.contextmanager
-def serve_zone() -> Iterator[tuple[Records, int]]:
-    """(the zone, its UDP port on 127.0.0.1) while the server runs."""
+def serve_zone(address: str = "127.0.0.1",
+               port: int | None = None) -> Iterator[tuple[Records, int]]:
+    """(the zone, its UDP port on ``address``: a free one by default) while the server
+    runs. The socket is bound here, in this thread's network namespace, and keeps it."""
     from dnslib.server import DNSLogger, DNSServer
 
-    records, port = Records(), free_port()
-    server = DNSServer(records, port=port, address="127.0.0.1",
+    records, port = Records(), port or free_port()
+    server = DNSServer(records, port=port, address=address,
                        logger=DNSLogger("-request,-reply,-truncated,-error,-recv,-send"))
     server.start_thread()
     try:
