@@ -1,26 +1,28 @@
-"""vLLM 1P1D with KvRelayConnector against vLLM 1P1D with NixlConnector and colocated vLLM,
-one run (docs/vllm.md, "Benchmark"): TTFT, TPOT, the decode leg and the transfer time
-per request, greedy texts checked against colocated vLLM's; then the reused-block
-scenario through both connectors side by side.
+"""vLLM 1P1D with KvRelayConnector (tcp and nixl) against vLLM 1P1D with NixlConnector and
+colocated vLLM, one run (docs/vllm.md, "Benchmark"): TTFT, TPOT, the decode leg and the
+transfer time per request, greedy texts checked against colocated vLLM's; then the
+reused-block scenario through every connector side by side.
 
     PYTHONPATH=. KVRELAY_VLLM_VENV=/tmp/kvrelay-vllm/v-vllm .venv/bin/python \\
-        bench/vllm_connectors.py [--requests 8] [--json out.json]     # make bench-vllm
+        bench/vllm_connectors.py [--requests 8] [--legs kvrelay-tcp,kvrelay-nixl,nixl]
+        [--no-reused-blocks] [--json out.json]                       # make bench-vllm
 
 Every request goes P then D the way vLLM's toy proxy drives both connectors (P: the
 prompt with max_tokens 1 and ``do_remote_decode``; D: the prompt with P's
-``kv_transfer_params``, streamed; D's text is the answer), so both legs are measured
+``kv_transfer_params``, streamed; D's text is the answer), so every leg is measured
 by the same client. TTFT: from sending P the request to D's first token. Decode leg:
 from sending D the request to its first token (its pull, plus one forward pass). TPOT:
 D's token gaps after the first. Transfer: what each connector reports in D's log
 (KvRelayConnector: ACQUIRE answered to commit confirmed, per request; NixlConnector:
 vLLM's "KV Transfer metrics" average xfer time, READ posted to done).
 
-The reused-block scenario: D stalled (SIGSTOP) after P answered and before D got the
-request, past P's lease (KvRelayConnector lease_timeout 8 s; NixlConnector
-kv_lease_duration 8 s); P's blocks get other requests' KV meanwhile; D resumes and
-decodes. Prompts differ per request (no prefix-cache hit on P). Engines: SmolLM2-135M
-fp32, 1 GiB-capped KV cache of 150 MB, P on core 0, D on core 1; the colocated engine
-alone on core 0, measured while the pair is idle. Only one pair runs at a time.
+The reused-block scenario (on unless ``--no-reused-blocks``): D stopped (SIGSTOP) after
+P answered and before D got the request, past P's lease (KvRelayConnector
+lease_timeout 8 s; NixlConnector kv_lease_duration 8 s); P's blocks get other requests'
+KV meanwhile; D resumes and decodes. Prompts differ per request (no prefix-cache hit on
+P). Engines: SmolLM2-135M fp32, a KV cache of 150 MB; one core each, every thread
+(``taskset -a`` once healthy, see ``pin``): P and the colocated engine on core 0, D on
+core 1. The colocated engine runs alone first, then one pair at a time.
 """
 
 from __future__ import annotations
