@@ -1,26 +1,28 @@
-"""vLLM 1P1D with KvRelayConnector against vLLM 1P1D with NixlConnector and colocated vLLM,
-one run (docs/vllm.md, "Benchmark"): TTFT, TPOT, the decode leg and the transfer time
-per request, greedy texts checked against colocated vLLM's; then the reused-block
-scenario through both connectors side by side.
+"""vLLM 1P1D with KvRelayConnector (tcp and nixl) against vLLM 1P1D with NixlConnector and
+colocated vLLM, one run (docs/vllm.md, "Benchmark"): TTFT, TPOT, the decode leg and the
+transfer time per request, greedy texts checked against colocated vLLM's; then the
+reused-block scenario through every connector side by side.
 
     PYTHONPATH=. KVRELAY_VLLM_VENV=/tmp/kvrelay-vllm/v-vllm .venv/bin/python \\
-        bench/vllm_connectors.py [--requests 8] [--json out.json]     # make bench-vllm
+        bench/vllm_connectors.py [--requests 8] [--legs kvrelay-tcp,kvrelay-nixl,nixl]
+        [--no-reused-blocks] [--json out.json]                       # make bench-vllm
 
 Every request goes P then D the way vLLM's toy proxy drives both connectors (P: the
 prompt with max_tokens 1 and ``do_remote_decode``; D: the prompt with P's
-``kv_transfer_params``, streamed; D's text is the answer), so both legs are measured
+``kv_transfer_params``, streamed; D's text is the answer), so every leg is measured
 by the same client. TTFT: from sending P the request to D's first token. Decode leg:
 from sending D the request to its first token (its pull, plus one forward pass). TPOT:
 D's token gaps after the first. Transfer: what each connector reports in D's log
 (KvRelayConnector: ACQUIRE answered to commit confirmed, per request; NixlConnector:
 vLLM's "KV Transfer metrics" average xfer time, READ posted to done).
 
-The reused-block scenario: D stalled (SIGSTOP) after P answered and before D got the
-request, past P's lease (KvRelayConnector lease_timeout 8 s; NixlConnector
-kv_lease_duration 8 s); P's blocks get other requests' KV meanwhile; D resumes and
-decodes. Prompts differ per request (no prefix-cache hit on P). Engines: SmolLM2-135M
-fp32, 1 GiB-capped KV cache of 150 MB, P on core 0, D on core 1; the colocated engine
-alone on core 0, measured while the pair is idle. Only one pair runs at a time.
+The reused-block scenario (on unless ``--no-reused-blocks``): D stopped (SIGSTOP) after
+P answered and before D got the request, past P's lease (KvRelayConnector
+lease_timeout 8 s; NixlConnector kv_lease_duration 8 s); P's blocks get other requests'
+KV meanwhile; D resumes and decodes. Prompts differ per request (no prefix-cache hit on
+P). Engines: SmolLM2-135M fp32, a KV cache of 150 MB; one core each, every thread
+(``taskset -a`` once healthy, see ``pin``): P and the colocated engine on core 0, D on
+core 1. The colocated engine runs alone first, then one pair at a time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import re
 import secrets
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +46,8 @@ import httpx
 from tests.vllm.pair import MODEL, PYTHON, VllmEngine, missing
 
 MAX_TOKENS = 32
+CORES = 2  # P (and the colocated engine) on core 0, D on core 1
+LEGS = ("kvrelay-tcp", "kvrelay-nixl", "nixl")
 LEASE_S = 8
 NIXL_FIRST = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -163,11 +168,26 @@ def reused_block_scenario(p: VllmEngine, d: VllmEngine, first: dict[str, Any],
     return {"params_keys": sorted(params), "want": want, **out}
 
 
+def pin(engine: VllmEngine, core: int) -> None:
+    """Every thread of ``engine`` (API server, EngineCore, worker and the threads they
+    started) onto ``core``: vLLM's own binding is overridden by NixlConnector's worker,
+    which moves its forward-pass thread to the last core of each NUMA node (here core 1
+    for both engines), so the placement is set from outside, the same for every leg."""
+    assert engine.proc is not None
+    pids = subprocess.run(["pgrep", "-g", str(engine.proc.pid)], capture_output=True,
+                          text=True, check=False).stdout.split()
+    for pid in pids:
+        subprocess.run(["taskset", "-a", "-p", "-c", str(core), pid], capture_output=True,
+                       check=False)  # a process that just exited is no error
+
+
 def start(engines: list[VllmEngine]) -> None:
     for e in engines:
         e.start()
     for e in engines:
         e.wait_healthy()
+    for core, e in enumerate(engines):
+        pin(e, core % CORES)
     for e in engines:  # a cold engine's first request takes seconds
         httpx.post(f"{e.url}/v1/completions", timeout=300, json={
             "model": "smol", "prompt": "warm up", "max_tokens": 2}).raise_for_status()
@@ -178,86 +198,84 @@ def stop(engines: list[VllmEngine]) -> None:
         e.kill()
 
 
+def pair_leg(key: str, p: VllmEngine, d: VllmEngine, first: dict[str, Any],
+             connector: str, expired: str, texts: list[str], want: list[str],
+             scen: tuple[str, str] | None, results: dict[str, Any]) -> None:
+    """One 1P1D leg: the requests, D's transfer times, then the reused-block scenario
+    (``scen``: its prompt and colocated text). A leg that fails says why in the results;
+    both engines are stopped either way."""
+    try:
+        start([p, d])
+        skip = len(d.log.read_text(errors="replace"))
+        results[key] = measure(texts, want, pd_ask(p, d, first))
+        if connector == "nixl":
+            time.sleep(11)  # vLLM logs NixlConnector's transfer metrics every 10 s
+        results[key]["transfer_ms"], results[key]["transfers"] = transfer_ms(
+            d, connector, skip)
+        if scen is not None:
+            results[key + "_reused"] = reused_block_scenario(p, d, first, *scen, expired)
+    except Exception as e:  # the leg that cannot run says why, the rest is printed
+        results[key + "_error"] = f"{type(e).__name__}: {e}\n{d.tail(3000)}"
+    finally:
+        stop([p, d])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--words", type=int, default=360, help="prompt length (~1.2 tokens a word)")
     ap.add_argument("--json", type=Path, help="write the figures here too")
-    ap.add_argument("--no-nixl", action="store_true", help="skip the NixlConnector leg")
-    ap.add_argument("--nixl-only", action="store_true",
-                    help="only the NixlConnector leg (its P, asked without params, is the "
-                    "colocated reference)")
+    ap.add_argument("--legs", default=",".join(LEGS),
+                    help=f"1P1D legs to run, of {','.join(LEGS)} (colocated always runs)")
+    ap.add_argument("--no-reused-blocks", dest="reused_blocks", action="store_false",
+                    help="skip the reused-block scenario at the end of each leg")
     args = ap.parse_args(argv)
-    if missing():
-        print(f"bench-vllm: {missing()}", file=sys.stderr)
+    legs = args.legs.split(",") if args.legs else []
+    if missing() or set(legs) - set(LEGS):
+        print(f"bench-vllm: {missing() or f'--legs: {args.legs!r}, allowed: {LEGS}'}",
+              file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="kvrelay-bench-vllm-"))
-    print(f"vLLM venv {PYTHON.parent.parent}, model {MODEL}, logs in {tmp}")
+    print(f"vLLM venv {PYTHON.parent.parent}, model {MODEL}, logs in {tmp}", flush=True)
     texts = [prompt(i, args.words) for i in range(args.requests)]
-    results: dict[str, Any] = {}
-    bind0, bind1 = {"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}
-
-    colo = VllmEngine("colocated", "none", tmp / "colo.log", kv_config={}, env=bind0)
-    extra = {"lease_timeout": LEASE_S, "lease_max": 60}
-    kp = VllmEngine("kvrelay-P", "kv_producer", tmp / "kvrelay-p.log", extra, env=bind0)
-    kd = VllmEngine("kvrelay-D", "kv_consumer", tmp / "kvrelay-d.log", extra, env=bind1)
-    engines = [colo, kp, kd]
     scen_text = prompt(999, 200)
-    want, scen_want = [], ""
-    try:
-        if args.nixl_only:
-            engines = []
-            raise _Skip
-        start(engines)
+    results: dict[str, Any] = {}
+    # VLLM_CPU_OMP_THREADS_BIND too: vLLM's own placement matches pin()'s from the start.
+    bind = [{"VLLM_CPU_OMP_THREADS_BIND": str(c % CORES)} for c in range(2)]
+
+    colo = VllmEngine("colocated", "none", tmp / "colo.log", kv_config={}, env=bind[0])
+    try:  # alone: the pairs start after it stopped (memory: ~3.5 GB an engine)
+        start([colo])
         want = [stream(colo.url, t, None)[2] for t in texts]  # the reference texts
         results["colocated"] = measure(texts, want, colocated_ask(colo))
         scen_want = stream(colo.url, scen_text, None)[2]
-        stop([colo])
-        skip = len(kd.log.read_text(errors="replace"))
-        results["kvrelay"] = measure(texts, want, pd_ask(kp, kd, KVRELAY_FIRST))
-        results["kvrelay"]["transfer_ms"], results["kvrelay"]["transfers"] = transfer_ms(
-            kd, "kvrelay", skip)
-        results["kvrelay_reused"] = reused_block_scenario(
-            kp, kd, KVRELAY_FIRST, scen_text, scen_want, EXPIRED["kvrelay"])
-    except _Skip:
-        pass
     finally:
-        stop(engines)
+        stop([colo])
+    scen = (scen_text, scen_want) if args.reused_blocks else None
 
-    if not args.no_nixl:
+    for leg in legs:
+        if leg.startswith("kvrelay"):
+            extra = {"lease_timeout": LEASE_S, "lease_max": 60,
+                     "kv_transport": leg.split("-")[1]}
+            p = VllmEngine(f"{leg}-P", "kv_producer", tmp / f"{leg}-p.log", extra, env=bind[0])
+            d = VllmEngine(f"{leg}-D", "kv_consumer", tmp / f"{leg}-d.log", extra, env=bind[1])
+            pair_leg(leg, p, d, KVRELAY_FIRST, "kvrelay", EXPIRED["kvrelay"], texts, want,
+                     scen, results)
+            continue
         nixl_cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                     "kv_buffer_device": "cpu",
                     "kv_connector_extra_config": {"kv_lease_duration": LEASE_S}}
-        np_ = VllmEngine("nixl-P", "kv_both", tmp / "nixl-p.log", kv_config=nixl_cfg,
-                         env={**bind0, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port()),
-                              "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
-        nd = VllmEngine("nixl-D", "kv_both", tmp / "nixl-d.log", kv_config=nixl_cfg,
-                        env={**bind1, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port()),
-                             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
-        try:
-            start([np_, nd])
-            if args.nixl_only:  # P with no kv_transfer_params decodes colocated
-                want = [stream(np_.url, t, None)[2] for t in texts]
-                scen_want = stream(np_.url, scen_text, None)[2]
-            skip = len(nd.log.read_text(errors="replace"))
-            results["nixl"] = measure(texts, want, pd_ask(np_, nd, NIXL_FIRST))
-            time.sleep(11)  # vLLM logs its KV transfer metrics every 10 s
-            results["nixl"]["transfer_ms"], results["nixl"]["transfers"] = transfer_ms(
-                nd, "nixl", skip)
-            results["nixl_reused"] = reused_block_scenario(
-                np_, nd, NIXL_FIRST, scen_text, scen_want, EXPIRED["nixl"])
-        except Exception as e:  # the leg that cannot run says why, the rest is printed
-            results["nixl_error"] = f"{type(e).__name__}: {e}\n{nd.tail(3000)}"
-        finally:
-            stop([np_, nd])
+        p, d = (VllmEngine(f"nixl-{r}", "kv_both", tmp / f"nixl-{r.lower()}.log",
+                           kv_config=nixl_cfg,
+                           env={**bind[i], "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port()),
+                                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
+                for i, r in enumerate("PD"))
+        pair_leg("nixl", p, d, NIXL_FIRST, "nixl", EXPIRED["nixl"], texts, want, scen,
+                 results)
     report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
-
-
-class _Skip(Exception):
-    pass
 
 
 def _port() -> int:
@@ -266,34 +284,41 @@ def _port() -> int:
     return free_port()
 
 
+NAMES = {"colocated": "colocated vLLM", "kvrelay-tcp": "1P1D KvRelayConnector tcp",
+         "kvrelay-nixl": "1P1D KvRelayConnector nixl", "nixl": "1P1D NixlConnector"}
+
+
 def report(r: dict[str, Any]) -> None:
-    print(f"\n{'':22}{'TTFT ms':>10}{'decode leg ms':>15}{'TPOT ms':>10}{'transfer ms':>13}"
-          f"{'wrong texts':>13}")
-    for name, key in (("colocated vLLM", "colocated"), ("1P1D KvRelayConnector", "kvrelay"),
-                      ("1P1D NixlConnector", "nixl")):
+    print(f"\n{'':28}{'TTFT ms':>10}{'decode leg ms':>15}{'TPOT ms':>10}{'transfer ms':>13}"
+          f"{'transfers':>11}{'right texts':>13}")
+    for key, name in NAMES.items():
         if key not in r:
             continue
         m = r[key]
         xfer = f"{m['transfer_ms']:.1f}" if m.get("transfer_ms") is not None else "-"
         leg = f"{m['decode_leg_ms']:.1f}" if key != "colocated" else "-"
-        print(f"{name:22}{m['ttft_ms']:>10.1f}{leg:>15}{m['tpot_ms']:>10.1f}{xfer:>13}"
-              f"{m['wrong_texts']:>9}/{m['n']}")
-    for key in ("kvrelay", "nixl"):
+        print(f"{name:28}{m['ttft_ms']:>10.1f}{leg:>15}{m['tpot_ms']:>10.1f}{xfer:>13}"
+              f"{m.get('transfers', '-'):>11}{m['n'] - m['wrong_texts']:>9}/{m['n']}")
+    for key in LEGS:
         if key in r and "colocated" in r:
             ratio = r[key]["ttft_ms"] / r["colocated"]["ttft_ms"]
             print(f"TTFT {key} / colocated: {ratio:.2f}")
-    k_ms, n_ms = r.get("kvrelay", {}).get("transfer_ms"), r.get("nixl", {}).get("transfer_ms")
-    if k_ms and n_ms:
-        print(f"transfer kvrelay / nixl: {k_ms / n_ms:.2f}")
-    print("\nreused-block scenario (D stalled past P's lease, P's blocks reused):")
-    for key in ("kvrelay_reused", "nixl_reused"):
-        if key in r:
-            s = r[key]
+    n_ms = r.get("nixl", {}).get("transfer_ms")
+    for key in ("kvrelay-tcp", "kvrelay-nixl"):
+        k_ms = r.get(key, {}).get("transfer_ms")
+        if k_ms and n_ms:
+            print(f"transfer {key} / NixlConnector: {k_ms / n_ms:.2f}")
+    if any(k.endswith("_reused") for k in r):
+        print("\nreused-block scenario (D stalled past P's lease, P's blocks reused):")
+    for key in LEGS:
+        if key + "_reused" in r:
+            s = r[key + "_reused"]
             verdict = ("error: " + s["error"]) if "error" in s else (
                 "right text" if s.get("text") == s.get("want") else "WRONG text (HTTP 200)")
-            print(f"  {key.split('_')[0]:8} {verdict}: {s.get('text', '')[:60]!r}")
-    if "nixl_error" in r:
-        print(f"\nNixlConnector leg failed: {r['nixl_error'][:2000]}")
+            print(f"  {key:13} {verdict}: {s.get('text', '')[:60]!r}")
+    for key in LEGS:
+        if key + "_error" in r:
+            print(f"\n{NAMES[key]} leg failed: {r[key + '_error'][:2000]}")
 
 
 if __name__ == "__main__":
