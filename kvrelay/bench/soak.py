@@ -175,7 +175,32 @@ def proc_stats(pid: int | None) -> dict[str, float]:
         return {}
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024, "fds": float(fds),
-            "threads": float(fields["Threads"])}
+            "threads": float(fields["Threads"]), **tcp_states(pid)}
+
+
+# /proc/net/tcp's state codes worth telling apart when fds drift: a socket its peer
+# closed that this process never closed (close_wait) is a leak; established ones are
+# live requests or pooled keep-alive connections.
+TCP_STATES = {"01": "tcp_established", "08": "tcp_close_wait"}
+
+
+def tcp_states(pid: int) -> dict[str, float]:
+    """The process's TCP sockets by state (``TCP_STATES``), from /proc: which of its
+    fds are sockets, and what each is doing."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # closed since listed (listdir's own fd)
+                inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[")[:-1])
+        rows = [line.split() for name in ("tcp", "tcp6")
+                for line in Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]]
+    except OSError:
+        return {}
+    out = dict.fromkeys(TCP_STATES.values(), 0.0)
+    for row in rows:
+        if len(row) > 9 and row[9] in inodes and row[3] in TCP_STATES:
+            out[TCP_STATES[row[3]]] += 1
+    return out
 
 
 @dataclass
@@ -582,7 +607,7 @@ def flat_summary(args: argparse.Namespace, samples: list[Sample]) -> list[str]:
         a, b = first.procs.get(role, {}), last.procs.get(role, {})
         same = a.get("pid") == b.get("pid")
         cells = ", ".join(f"{k} {a.get(k, 0):.0f} -> {b.get(k, 0):.0f}"
-                          for k in ("rss_mib", "fds", "threads"))
+                          for k in ("rss_mib", "fds", "threads", *TCP_STATES.values()))
         out.append(f"  {role}: {cells}" + ("" if same else
                                            f" (restarted: pid {a.get('pid', 0):.0f} -> "
                                            f"{b.get('pid', 0):.0f})"))
@@ -605,5 +630,6 @@ def life_drift(after: list[Sample], role: str) -> str:
     life = max(lives.values(), key=len)
     a, b = life[0], life[-1]
     return f"{len(life)} samples, " + ", ".join(
-        f"{k} {a[k]:.0f} -> {b[k]:.0f}" for k in ("rss_mib", "fds", "threads"))
+        f"{k} {a.get(k, 0):.0f} -> {b.get(k, 0):.0f}"
+        for k in ("rss_mib", "fds", "threads", *TCP_STATES.values()))
 
