@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,6 +140,16 @@ class Cluster:
             "proxy", "--prefill", *[p.url for p in prefill], "--decode",
             *[d.url for d in decode], "--health-interval", "0.5"]).start()
 
+    def pd(self, p_extra: tuple[str, ...] = (), d_extra: tuple[str, ...] = ()) -> dict[str, Proc]:
+        """1P1D, D over shm ("p", "d", started with their extra flags), and a proxy in
+        front of the pair ("proxy"), all healthy."""
+        procs = {"p": self.prefill("prefill", *p_extra),
+                 "d": self.decode("decode", "shm", *d_extra)}
+        for p in procs.values():
+            p.wait_healthy()
+        procs["proxy"] = self.proxy([procs["p"]], [procs["d"]]).wait_healthy()
+        return procs
+
     def restart(self, old: Proc) -> Proc:
         """A fresh process with the same arguments and port (the proxy keeps its URL)."""
         old.kill()
@@ -164,15 +174,23 @@ def colocated_and_pd(model: Path, logdir: Path,
     logs printed (pytest shows them when a test failed)."""
     c = Cluster(model, logdir)
     try:
-        procs = {"colo": c.colocated("colo", *extra), "p": c.prefill("prefill", *extra),
-                 "d": c.decode("decode", "shm", *extra)}
-        for p in procs.values():
-            p.wait_healthy()
-        procs["proxy"] = c.proxy([procs["p"]], [procs["d"]]).wait_healthy()
+        colo = c.colocated("colo", *extra)
+        procs = {"colo": colo, **c.pd(extra, extra)}
+        colo.wait_healthy()
         yield c, procs
     finally:
         c.close()
         print(c.logs())
+
+
+def poll(cond: Callable[[], bool], timeout: float) -> bool:
+    """Whether ``cond()`` came true within ``timeout`` seconds (asked every 50 ms)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def metric(m: dict[str, float], query: str) -> float:

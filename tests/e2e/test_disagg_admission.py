@@ -34,12 +34,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc
     model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
     c = Cluster(model, tmp_path_factory.mktemp("disagg-admission-logs"))
     try:
-        procs = {"p": c.prefill("prefill", *LONG_LEASE),
-                 "d": c.decode("decode", "shm", "--max-num-seqs", "2", *LONG_LEASE)}
-        for p in procs.values():
-            p.wait_healthy()
-        procs["proxy"] = c.proxy([procs["p"]], [procs["d"]]).wait_healthy()
-        yield procs
+        yield c.pd(LONG_LEASE, ("--max-num-seqs", "2", *LONG_LEASE))
     finally:
         c.close()
         print(c.logs())  # shown by pytest when a test failed

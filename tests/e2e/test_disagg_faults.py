@@ -23,7 +23,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, metric, metrics, pools_free, sample, write_fat_model
+from tests.e2e.cluster import (
+    Cluster,
+    metric,
+    metrics,
+    poll,
+    pools_free,
+    sample,
+    write_fat_model,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
@@ -307,7 +315,7 @@ def _give_up_while_waiting_for_prefill(f: Faults) -> None:
         def queued() -> float:
             return sample(metrics(f.p.url), "kvrelay_requests_waiting")
 
-        _wait_for(lambda: not blocker.is_alive() or queued() == 0, 10)
+        poll(lambda: not blocker.is_alive() or queued() == 0, 10)
         print(f"P's queue: {queued()} after {time.monotonic() - t0:.2f} s")
         assert blocker.is_alive(), "P still queued the prefills of clients that had left " \
             "when the blocker ended: the proxy did not cancel them"
@@ -335,15 +343,6 @@ def _hold_stream(url: str, body: dict[str, Any], started: threading.Event,
                 started.set()
                 if stop.is_set():
                     return
-
-
-def _wait_for(cond: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_decode_dies_mid_stream_ends_with_an_error_event(f: Faults) -> None:

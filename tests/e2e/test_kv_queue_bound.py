@@ -12,7 +12,6 @@ the client with its ``Retry-After`` and the proxy gives the lease back.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, Proc, metrics, pools_free, sample
+from tests.e2e.cluster import Cluster, Proc, metrics, poll, pools_free, sample
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -83,17 +82,8 @@ def fill(c: dict[str, Any]) -> tuple[list[threading.Thread], list[httpx.Response
         m = metrics(d.url)
         return sample(m, "kvrelay_kv_loads") == 2 and sample(m, "kvrelay_requests_waiting") == 1
 
-    assert wait_for(full, 30), "D never had one pull loading and one queued"
+    assert poll(full, 30), "D never had one pull loading and one queued"
     return threads, answers
-
-
-def wait_for(cond: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def held(p: Proc) -> float:
@@ -134,7 +124,7 @@ def test_the_proxy_passes_the_429_with_retry_after_and_gives_the_lease_back(
                    timeout=60)
     assert r.status_code == 429, r.text
     assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "kv_queue_full"
-    assert wait_for(lambda: sample(metrics(p.url), "kvrelay_leases_released_total",
+    assert poll(lambda: sample(metrics(p.url), "kvrelay_leases_released_total",
                                    reason="aborted") == aborted + 1, 10), "lease not released"
     for t in threads:
         t.join(120)

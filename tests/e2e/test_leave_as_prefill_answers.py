@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, Proc, held_leases, metrics, pools_free, sample
+from tests.e2e.cluster import Cluster, Proc, held_leases, metrics, poll, pools_free, sample
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -42,12 +42,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc
     c = Cluster(model, tmp_path_factory.mktemp("leave-as-p-answers-logs"),
                 extra_env={"KVRELAY_FAULT_ANSWER_DELAY_S": str(ANSWER_DELAY_S)})
     try:
-        procs = {"p": c.prefill("prefill", *LEASE_TIMEOUT),
-                 "d": c.decode("decode", "shm", *LEASE_TIMEOUT)}
-        for p in procs.values():
-            p.wait_healthy()
-        procs["proxy"] = c.proxy([procs["p"]], [procs["d"]]).wait_healthy()
-        yield procs
+        yield c.pd(LEASE_TIMEOUT, LEASE_TIMEOUT)
     finally:
         c.close()
         print(c.logs())  # shown by pytest when a test failed
@@ -57,15 +52,6 @@ def released(p: Proc) -> dict[str, float]:
     m = metrics(p.url)
     return {r: sample(m, "kvrelay_leases_released_total", reason=r)
             for r in ("done", "failed", "aborted", "expired")}
-
-
-def wait_for(cond: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def model_name(p: Proc) -> str:
@@ -85,12 +71,12 @@ def test_a_client_that_leaves_as_p_writes_its_answer_has_its_lease_released_at_o
                   b"Content-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         # P has made the lease and now waits before it writes its answer: leave.
-        assert wait_for(lambda: held_leases(metrics(p.url)) == 1, 60), "no lease made"
+        assert poll(lambda: held_leases(metrics(p.url)) == 1, 60), "no lease made"
     t_left = time.monotonic()
     # The proxy cancelled its call to P without reading the answer: only the
     # release_key can give the lease back, and it must do so long before P answers
     # (let alone before the lease's 60 s deadline).
-    assert wait_for(lambda: held_leases(metrics(p.url)) == 0, ANSWER_DELAY_S - 1), \
+    assert poll(lambda: held_leases(metrics(p.url)) == 0, ANSWER_DELAY_S - 1), \
         "the lease of a client that left is still held: it would expire"
     took = time.monotonic() - t_left
     after = released(p)
@@ -116,7 +102,7 @@ def test_a_release_key_sent_before_the_lease_is_made_releases_it_when_made(
         "kv_transfer_params": {"do_remote_decode": True, "release_key": key}})
     assert r.status_code == 200, r.text
     assert r.json()["kv_transfer_params"]["lease_id"]
-    assert wait_for(lambda: held_leases(metrics(p.url)) == 0, 10), "the lease is held"
+    assert poll(lambda: held_leases(metrics(p.url)) == 0, 10), "the lease is held"
     after = released(p)
     assert after["aborted"] - before["aborted"] == 1 and after["expired"] == before["expired"]
 

@@ -44,11 +44,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc
     model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
     c = Cluster(model, tmp_path_factory.mktemp("proxy-fds-logs"))
     try:
-        procs = {"p": c.prefill("prefill"), "d": c.decode("decode", "shm")}
-        for p in procs.values():
-            p.wait_healthy()
-        procs["proxy"] = c.proxy([procs["p"]], [procs["d"]]).wait_healthy()
-        yield procs
+        yield c.pd()
     finally:
         c.close()
         print(c.logs())  # shown by pytest when a test failed
