@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,18 +16,11 @@ import openai
 import pytest
 
 from tests.e2e.cluster import Proc, colocated_and_pd, metric, pools_free
+from tests.e2e.tool_schemas import TIME, WEATHER, roomy_tiny_model, valid_args
 from tests.metrics_util import metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 6},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False,
-}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"], "additionalProperties": False}
 TOOLS: list[Any] = [
     {"type": "function", "name": "get_weather", "description": "Weather",
      "parameters": WEATHER, "strict": True},
@@ -38,23 +30,9 @@ ASK = "Weather in Paris for 3 days?"
 WHERE = ["colo", "proxy"]
 
 
-def _valid_args(name: str, arguments: str) -> bool:
-    doc = json.loads(arguments)
-    if name == "get_time":
-        return doc in ({"zone": "UTC"}, {"zone": "CET"})
-    return (isinstance(doc, dict) and list(doc) == ["city", "days"]
-            and isinstance(doc["city"], str) and len(doc["city"]) <= 6
-            and type(doc["days"]) is int and 1 <= doc["days"] <= 7)
-
-
 @pytest.fixture(scope="module")
 def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
-    from kvrelay.model.testing import write_tiny_hf_model
-
-    model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
-    # The tools' description (a system message) is long for the character-level vocabulary.
-    cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=2048)))
+    model = roomy_tiny_model(tmp_path_factory)
     with colocated_and_pd(model, tmp_path_factory.mktemp("responses-logs"), "--num-blocks",
                           "1024") as (_, out):
         yield out
@@ -149,7 +127,7 @@ def test_tool_loop(procs: dict[str, Proc], where: str, stream: bool, choice: str
     assert call.status == "completed"
     if choice == "named":
         assert call.name == "get_weather"
-    assert _valid_args(call.name, call.arguments), call.arguments
+    assert valid_args(call.name, call.arguments), call.arguments
     result = "Sunny, 21C"
     history: list[Any] = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
                           {"type": "function_call_output", "call_id": call.call_id,

@@ -11,24 +11,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from tests.e2e.cluster import Proc, colocated_and_pd
+from tests.e2e.tool_schemas import TIME, WEATHER, roomy_tiny_model, valid_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 6},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False,
-}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"], "additionalProperties": False}
 TOOLS: list[Any] = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather",
                                       "parameters": WEATHER}},
@@ -38,24 +30,9 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
-def _valid_args(name: str, arguments: str) -> bool:
-    doc = json.loads(arguments)
-    if name == "get_time":
-        return doc in ({"zone": "UTC"}, {"zone": "CET"})
-    return (isinstance(doc, dict) and list(doc) == ["city", "days"]
-            and isinstance(doc["city"], str) and len(doc["city"]) <= 6
-            and type(doc["days"]) is int and 1 <= doc["days"] <= 7)
-
-
 @pytest.fixture(scope="module")
 def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
-    from kvrelay.model.testing import write_tiny_hf_model
-
-    model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
-    # The tools' description (a system message: the template ignores tools) is long for
-    # the tiny model's character-level vocabulary: room for it.
-    cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=2048)))
+    model = roomy_tiny_model(tmp_path_factory)
     room = ("--num-blocks", "1024")
     auto = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     with colocated_and_pd(model, tmp_path_factory.mktemp("tools-logs"), *room,
@@ -116,7 +93,7 @@ def test_tool_loop(procs: dict[str, Proc], where: str, stream: bool, choice: str
     if choice == "named":
         assert call.function.name == "get_weather"
     assert call.function.name in SCHEMAS
-    assert _valid_args(call.function.name, call.function.arguments), call.function.arguments
+    assert valid_args(call.function.name, call.function.arguments), call.function.arguments
     # The loop: the call and its result go back, the model answers in text.
     history: list[Any] = [*ASK, {"role": "assistant", "content": None,
                                  "tool_calls": [call.model_dump()]},
