@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvrelay.bench.routing import load, proxy_sees_all_healthy, scrape, warm_up
+from kvrelay.bench.routing import (
+    add_engine_args,
+    load,
+    proxy_sees_all_healthy,
+    scrape,
+    warm_up,
+)
 from kvrelay.bench.serve import WORDS, RequestResult, percentiles
 from kvrelay.server.proxy_placement import PlacementConfig
 
@@ -44,10 +50,7 @@ def register(subparsers: Any) -> None:
         "always-local prefill on 1P1D (mixed short and long prompts)",
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
-    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bfloat16 where the CPU computes it natively, else float32")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    add_engine_args(p)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--long-fraction", type=float, default=0.5)
     p.add_argument("--num-prefixes", type=int, default=6)

@@ -41,16 +41,21 @@ EVENTS_CONFIG = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*
 HIT_NAMES = ("kvrelay_prefix_cache_hits_total", "kvrelay_prefix_cache_queries_total")
 
 
+def add_engine_args(p: Any) -> None:
+    """The engines' flags of a benchmark that starts its own clusters (routing, conditional)."""
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 where the CPU computes it natively, else float32")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "routing", help="KV-aware routing (guesses, KV events) vs least-outstanding on 2P2D "
         "(shared prefixes)",
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
-    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bfloat16 where the CPU computes it natively, else float32")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    add_engine_args(p)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks per engine (default: the engine's own default)")
     p.add_argument("--num-prefixes", type=int, default=4)
