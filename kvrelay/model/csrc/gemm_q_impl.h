@@ -86,7 +86,10 @@ static inline void scales(const uint8_t* h, vf out[kVecs]) {
   out[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + 16)));
 }
 // 16 ymm: MR * 2 int sums + MR * 2 float sums + 4 codes + broadcasts.
-constexpr int kTileRows = 2;
+#ifndef KVR_Q_AVX2_ROWS
+#define KVR_Q_AVX2_ROWS 4
+#endif
+constexpr int kTileRows = KVR_Q_AVX2_ROWS;
 constexpr int blocks_per_tile(int) { return 1; }
 #endif
 
@@ -170,6 +173,33 @@ struct Q4_1 {
   template <int MR, int NB>
   static inline void dots(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
                           vi (&acc)[MR][NB * kVecs]) {
+#if KVR_F32_LANES == 8
+    // AVX2: maddubs gives int16 pair sums of at most 2 * 15 * 128 = 3,840; the group's 8
+    // of them add up in int16 without saturating (30,720 < 32,767), so one madd per
+    // group, not one per chunk, widens them to int32 (2 of the 3 instructions per 32
+    // bytes and row were madd + add before).
+    vi s[MR][NB * kVecs];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NB * kVecs; ++j) s[m][j] = izero();
+    for (int c = 0; c < kGroup / 8; ++c) {
+      vi lo[NB * kVecs], hi[NB * kVecs];
+      for (int j = 0; j < NB; ++j)
+        for (int v = 0; v < kVecs; ++v) {
+          const vi raw = iload(base[j] + 64 + c * 64 + v * (64 / kVecs));
+          lo[j * kVecs + v] = nib_lo(raw);
+          hi[j * kVecs + v] = nib_hi(raw);
+        }
+      for (int m = 0; m < MR; ++m) {
+        const vi xl = iset1(xq + m * ldq + 4 * c), xh = iset1(xq + m * ldq + 16 + 4 * c);
+        for (int j = 0; j < NB * kVecs; ++j)
+          s[m][j] = _mm256_add_epi16(s[m][j], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], xl),
+                                                               _mm256_maddubs_epi16(hi[j], xh)));
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NB * kVecs; ++j)
+        acc[m][j] = _mm256_add_epi32(acc[m][j], _mm256_madd_epi16(s[m][j], _mm256_set1_epi16(1)));
+#else
     for (int c = 0; c < kGroup / 8; ++c) {
       vi lo[NB * kVecs], hi[NB * kVecs];
       for (int j = 0; j < NB; ++j)
@@ -184,6 +214,7 @@ struct Q4_1 {
           acc[m][j] = dot_u(dot_u(acc[m][j], lo[j], xl), hi[j], xh);
       }
     }
+#endif
   }
   static inline void mins(const uint8_t* g, const vf[kVecs], vf out[kVecs]) {
     scales(g + 32, out);
