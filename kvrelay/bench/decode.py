@@ -8,7 +8,9 @@ GEMM chosen at load (``KVRELAY_NATIVE_GEMM=1`` and ``=0``), step ``batch`` reque
 (prompts of ``--prompt-len`` tokens, greedy, ignore_eos) in alternating rounds; a
 step's time is the wall time of ``Engine.step`` once every request decodes, p50 over
 its steps, best round. Prints per batch size both p50s, oneDNN/native and
-native/floor (the issue's goal: within 1.5x at batch 8).
+native/floor (the issue's goal: within 1.5x at batch 8). ``--quantization gguf``: the
+GGUF's codes served as stored against the dequantized weights on the native float GEMM,
+the floor being the bytes of the codes (the served size).
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ from typing import Any
 
 from kvrelay.bench.offline import make_prompts, torch_threads
 
-_SETTINGS = (("onednn", "0"), ("native", "1"))  # name, KVRELAY_NATIVE_GEMM
+# name, KVRELAY_NATIVE_GEMM, quantization: the reference first, the measured second
+_SETTINGS = {
+    "none": (("onednn", "0", "none"), ("native", "1", "none")),
+    "gguf": (("none", "1", "none"), ("gguf", "1", "gguf")),
+}
 
 
 def register(subparsers: Any) -> None:
@@ -37,6 +43,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quantization", default="none", choices=sorted(_SETTINGS),
+                   help="none: the float weights, native GEMM against oneDNN; gguf: the "
+                   "GGUF's codes as stored against the float weights (default: %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -45,14 +54,15 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
 
 
-def _load(args: argparse.Namespace, gemm_env: str) -> Any:
+def _load(args: argparse.Namespace, gemm_env: str, quantization: str) -> Any:
     from kvrelay.model.llm import LLM
 
     previous = os.environ.get("KVRELAY_NATIVE_GEMM")
     os.environ["KVRELAY_NATIVE_GEMM"] = gemm_env
     try:
         per_seq = -(-(args.prompt_len + args.steps + 2) // 16)
-        return LLM(args.model, dtype=args.dtype, num_blocks=max(args.batch) * per_seq + 16)
+        return LLM(args.model, dtype=args.dtype, num_blocks=max(args.batch) * per_seq + 16,
+                   quantization=quantization)
     finally:
         if previous is None:
             os.environ.pop("KVRELAY_NATIVE_GEMM", None)
@@ -61,11 +71,19 @@ def _load(args: argparse.Namespace, gemm_env: str) -> Any:
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes a decode step streams: every Linear's weight (the lm_head included)."""
+    """Bytes a decode step streams: every Linear's weight (the lm_head included), as
+    served: the GGUF codes where the quantized GEMM has them."""
+    import torch
+
     linears = [model.lm_head] + [
         lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ]
-    return sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
+    total = 0
+    for lin in linears:
+        codes = lin.small_w is not None and lin.small_w.dtype == torch.uint8
+        w = lin.small_w if codes else lin.weight
+        total += w.numel() * w.element_size()
+    return total
 
 
 def read_bandwidth(nbytes: int) -> float:
@@ -101,32 +119,34 @@ def step_p50(llm: Any, prompts: list[list[int]], steps: int, tag: str) -> float:
 
 
 def _run(args: argparse.Namespace) -> int:
-    llms = {name: _load(args, env) for name, env in _SETTINGS}
-    model = llms["native"].model.runner.model
+    settings = _SETTINGS[args.quantization]
+    (ref, _, _), (mine, _, _) = settings
+    llms = {name: _load(args, env, quant) for name, env, quant in settings}
+    model = llms[mine].model.runner.model
     from kvrelay.model import kernel_choice
 
     nbytes = weight_bytes(model)
     # Fresh prompts for every measurement: no prefix-cache hits between them.
-    prompts = make_prompts(llms["native"].tokenizer, sum(args.batch) * args.rounds * 2,
+    prompts = make_prompts(llms[mine].tokenizer, sum(args.batch) * args.rounds * 2,
                            args.prompt_len)
     best: dict[tuple[str, int], float] = {}
     bw, n = 0.0, 0
     for r in range(args.rounds):
         bw = max(bw, read_bandwidth(nbytes))
         for batch in args.batch:
-            for name, _ in _SETTINGS:
+            for name, _, _ in settings:
                 p50 = step_p50(llms[name], prompts[n : n + batch], args.steps, f"{r}-{batch}")
                 n += batch
                 best[name, batch] = min(best.get((name, batch), float("inf")), p50)
     floor_ms = nbytes / bw * 1e3
-    print(f"model {llms['native'].model.name}; {args.dtype}; {args.threads} threads; "
+    print(f"model {llms[mine].model.name}; {args.dtype}; {args.threads} threads; "
           f"native GEMM {kernel_choice.info()['gemm']}; prompts of {args.prompt_len} tokens, "
           f"{args.steps} decode steps each; best of {args.rounds} alternating rounds")
     print(f"read bandwidth {bw / 1e9:.1f} GB/s (torch.sum over {nbytes / 1e6:.0f} MB) -> "
           f"weight-streaming floor {floor_ms:.1f} ms ({nbytes / 1e6:.0f} MB of weights)")
-    print(f"{'batch':>5}{'oneDNN p50 ms':>15}{'native p50 ms':>15}{'oneDNN/native':>15}"
-          f"{'native/floor':>14}")
+    print(f"{'batch':>5}{ref + ' p50 ms':>15}{mine + ' p50 ms':>15}{ref + '/' + mine:>15}"
+          f"{mine + '/floor':>14}")
     for batch in args.batch:
-        one, nat = best["onednn", batch] * 1e3, best["native", batch] * 1e3
+        one, nat = best[ref, batch] * 1e3, best[mine, batch] * 1e3
         print(f"{batch:>5}{one:>15.1f}{nat:>15.1f}{one / nat:>15.2f}{nat / floor_ms:>14.2f}")
     return 0

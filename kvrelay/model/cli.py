@@ -38,8 +38,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV dtype; auto: on a CPU bfloat16 where it computes "
                    "bf16 natively (avx512_bf16, amx_bf16), else float32; on CUDA the "
                    "checkpoint's")
-    p.add_argument("--quantization", choices=["none", "gguf"], default="none",
-                   help="gguf: serve a GGUF's Q8_0/Q4_1 weights as stored in decode steps")
+    p.add_argument("--quantization", choices=["auto", "none", "gguf"], default="auto",
+                   help="gguf: serve a GGUF's Q8_0/Q4_1 weights as stored (native kernels); "
+                   "none: dequantize at load; auto: gguf where it can run, else none")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--enforce-eager", action="store_true",

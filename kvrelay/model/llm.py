@@ -68,7 +68,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
-        quantization: str = "none",
+        quantization: str = "auto",
     ) -> None:
         """``model``: a GGUF file or Hugging Face directory; None = the embedded default."""
         self.model: Model = load_model(

@@ -32,7 +32,7 @@ DEFAULT_KV_CACHE_GB = 1.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *_DTYPES)
 # none: every weight dequantized at load; gguf: Q8_0/Q4_1 served as stored (vLLM's name)
-QUANTIZATION_CHOICES = ("none", "gguf")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf")
 
 
 @dataclass
@@ -76,13 +76,14 @@ def load_model(
     kv_cache_factory: KvCacheFactory | None = None,
     max_num_seqs: int = 256,
     enforce_eager: bool = False,
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> Model:
     """``enforce_eager``: no CUDA graphs for decode steps (they are used on CUDA
     devices only, for batches up to ``max_num_seqs``; graphs.py). ``quantization``:
-    ``gguf`` serves a GGUF's Q8_0 and Q4_1 weights as stored in decode-sized GEMMs
-    (the native kernels' job; prefill keeps the dequantized weights), ``none``
-    dequantizes every weight at load."""
+    ``gguf`` serves a GGUF's Q8_0 and Q4_1 weights as stored (the native kernels' job;
+    on AVX-512 VNNI prefill-sized GEMMs keep the dequantized weights), ``none``
+    dequantizes every weight at load, ``auto`` is ``gguf`` for a GGUF file with such
+    weights where the native kernels run, else ``none`` (docs/model.md)."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization {quantization!r} is not supported; supported: "
                          f"{', '.join(QUANTIZATION_CHOICES)}")
@@ -98,7 +99,11 @@ def load_model(
     elif dtype == "bfloat16" and torch.device(device).type == "cpu":
         refuse_slow_bfloat16()
     cfg, state, tokenizer, freq_factors = _read(model_path)
-    quantized = _quantized(model_path) if quantization == "gguf" else None
+    quantized = None
+    if quantization == "gguf":
+        quantized = _quantized(model_path)
+    elif quantization == "auto" and model_path.suffix.lower() == ".gguf":
+        quantized = _quantized(model_path, required=False)
     torch_dtype = _DTYPES[dtype]
     dev = torch.device(device)
     limit = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
@@ -106,6 +111,7 @@ def load_model(
     model = LlamaModel(
         cfg, state, dtype=torch_dtype, device=dev, max_len=max_len,
         rope_freq_factors=freq_factors, quantized=quantized,
+        quantized_optional=quantization == "auto",
     )
     del state
     geometry = KvGeometry(
@@ -255,7 +261,9 @@ def _read(
     return gguf_model.config, state, gguf_model.tokenizer, freq_factors
 
 
-def _quantized(path: Path) -> dict[str, QuantWeight]:
+def _quantized(path: Path, required: bool = True) -> dict[str, QuantWeight] | None:
+    """The GGUF's weights to serve as stored; without ``required`` (``auto``) None where
+    ``gguf`` would be an error."""
     if path.is_dir() or path.suffix.lower() != ".gguf":
         raise ValueError(f"--quantization gguf serves a GGUF file's quantized weights; "
                          f"{path} is not a .gguf file")
@@ -263,6 +271,8 @@ def _quantized(path: Path) -> dict[str, QuantWeight]:
 
     quantized = GgufModel(path).quantized_weights()
     if not quantized:
+        if not required:
+            return None
         raise ValueError(f"--quantization gguf: {path} has no Q8_0 or Q4_1 weights to serve")
     return quantized
 

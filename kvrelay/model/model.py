@@ -117,10 +117,13 @@ class LlamaModel:
         rope_freq_factors: torch.Tensor | None = None,
         kernels: str | None = None,
         quantized: Mapping[str, QuantWeight] | None = None,
+        quantized_optional: bool = False,
     ) -> None:
         """``state`` uses Hugging Face parameter names and layout; ``kernels``: see
         backend.select_backend; ``quantized``: GGUF weights to serve as stored in
-        decode-sized calls (``--quantization gguf``), the native backend's job."""
+        decode-sized calls (``--quantization gguf``), the native backend's job; with
+        ``quantized_optional`` (``auto``) the float weights where that backend is not
+        the one chosen."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -138,7 +141,10 @@ class LlamaModel:
         self.rope = RotaryTable(cfg, max_len, dtype, device, rope_freq_factors)
         self.backend: KernelBackend = select_backend(cfg, self.rope, dtype, device, kernels)
         small = self.backend.small_gemm()
-        gguf = native.gguf_gemms(self.backend, quantized) if quantized else None
+        gguf = None
+        if quantized and (not quantized_optional
+                          or isinstance(self.backend, native.NativeBackend)):
+            gguf = native.gguf_gemms(self.backend, quantized)
         self.small_gemm = small is not None or gguf is not None  # a native small-M GEMM
         kernel_choice.record_gemm(
             gguf.label if gguf else small.label if small else "onednn" if pack else "torch",
@@ -154,7 +160,9 @@ class LlamaModel:
             if gguf is not None:
                 served = gguf.pack(names)
                 if served is not None:
-                    return Linear(weight, bias, pack, served[0], arena, served[1])
+                    # the codes serve every call (AVX2): no oneDNN copy of the float weight
+                    every = served[0].max_rows >= native.GGUF_GEMM_ROWS_AVX2
+                    return Linear(weight, bias, pack and not every, served[0], arena, served[1])
             return Linear(weight, bias, pack, small, arena)
 
         self.embed = get("model.embed_tokens.weight")

@@ -84,6 +84,11 @@ def _self_check(mod: Any, dtype: torch.dtype) -> str | None:
 # "Decode GEMMs"): bfloat16 up to 128 rows, float32 on par at 32 and behind from 64.
 BF16_GEMM_ROWS = 128
 F32_GEMM_ROWS = 32
+# The quantized GEMM: under AVX2 for every call, prefill chunks too (on the AVX2-only
+# EPYC 1.7-3.4x oneDNN's float32 GEMM per layer at 32-256 rows, and a row's result then
+# never depends on the batch it ran in); with AVX-512 VNNI, where oneDNN may have AMX or
+# AVX-512 BF16 for prefill (not measured yet), up to F32_GEMM_ROWS.
+GGUF_GEMM_ROWS_AVX2 = 1 << 30
 
 
 class NativeSmallGemm:
@@ -133,7 +138,7 @@ class NativeGgufGemm:
 
     def __init__(self, mod: Any, qtype: int, label: str) -> None:
         self._mod, self.qtype, self.label = mod, qtype, label
-        self.max_rows = F32_GEMM_ROWS
+        self.max_rows = GGUF_GEMM_ROWS_AVX2 if mod.gguf_isa() == "avx2" else F32_GEMM_ROWS
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
         return None  # its weights come packed from the file's codes (pack_raw)

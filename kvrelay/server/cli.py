@@ -94,9 +94,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV dtype; auto: on a CPU bfloat16 where it computes "
                    "bf16 natively (avx512_bf16, amx_bf16), else float32, whatever the "
                    "checkpoint stores; on CUDA the checkpoint's")
-    p.add_argument("--quantization", choices=["none", "gguf"], default="none",
-                   help="gguf: serve a GGUF's Q8_0/Q4_1 weights as stored in decode steps "
-                   "(native kernels; prefill keeps them dequantized); none: dequantize at load")
+    p.add_argument("--quantization", choices=["auto", "none", "gguf"], default="auto",
+                   help="gguf: serve a GGUF's Q8_0/Q4_1 weights as stored (native kernels, "
+                   "8-bit activations); none: dequantize at load; auto: gguf for a GGUF with "
+                   "such weights where the native kernels run, else none")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's own)")

@@ -30,7 +30,10 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         ref_dir = root / "ref"
     else:
         path = ref_dir = write_tiny_hf_model(root / "hf", arch=request.param, seed=1)
-    ours = load_model(str(path), dtype="float32", block_size=BLOCK, num_blocks=64)
+    # the GGUF dequantized, as transformers reads it (auto serves the Q8_0/Q4_1 codes
+    # with 8-bit activations: test_model_native_kernels and bench quant measure that)
+    ours = load_model(str(path), dtype="float32", block_size=BLOCK, num_blocks=64,
+                      quantization="none")
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32)
     return ours, ref.eval()
 
