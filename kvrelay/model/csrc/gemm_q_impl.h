@@ -54,6 +54,12 @@ static inline vi dot_q8(vi acc, vi w, vi s) {
   return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))), s);
 }
 constexpr int kQ8Bias = 128;  // dot_q8 sums (qw + 128) qx
+// Q4_1: a chunk's low and high nibbles against their activations, summed in int32.
+static inline vi q4_dots(vi s, vi lo, vi xl, vi hi, vi xh) {
+  return dot_u(dot_u(s, lo, xl), hi, xh);
+}
+static inline vi q4_widen(vi s) { return s; }
+static inline vi iadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
 #else
 #error "the AVX-512 quantized GEMM needs VNNI (KVR_Q_VNNI=1); without it the AVX2 one runs"
 #endif
@@ -81,6 +87,16 @@ static inline vi dot_u(vi acc, vi u, vi s) {
 }
 static inline vi dot_q8(vi acc, vi w, vi s) { return dot_u(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
 constexpr int kQ8Bias = 0;
+// Q4_1: maddubs gives int16 pair sums of at most 2 * 15 * 128 = 3,840; a group's 8 of
+// them add up in int16 without saturating (30,720 < 32,767), so one madd per group, not
+// one per chunk, widens them to int32 (each 32 bytes and row took maddubs, madd and an
+// int32 add before).
+static inline vi q4_dots(vi s, vi lo, vi xl, vi hi, vi xh) {
+  return _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
+                                              _mm256_maddubs_epi16(hi, xh)));
+}
+static inline vi q4_widen(vi s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
+static inline vi iadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline void scales(const uint8_t* h, vf out[kVecs]) {
   out[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
   out[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + 16)));
@@ -173,12 +189,7 @@ struct Q4_1 {
   template <int MR, int NB>
   static inline void dots(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
                           vi (&acc)[MR][NB * kVecs]) {
-#if KVR_F32_LANES == 8
-    // AVX2: maddubs gives int16 pair sums of at most 2 * 15 * 128 = 3,840; the group's 8
-    // of them add up in int16 without saturating (30,720 < 32,767), so one madd per
-    // group, not one per chunk, widens them to int32 (2 of the 3 instructions per 32
-    // bytes and row were madd + add before).
-    vi s[MR][NB * kVecs];
+    vi s[MR][NB * kVecs];  // the group's sums (int16 under AVX2: q4_dots)
     for (int m = 0; m < MR; ++m)
       for (int j = 0; j < NB * kVecs; ++j) s[m][j] = izero();
     for (int c = 0; c < kGroup / 8; ++c) {
@@ -191,30 +202,11 @@ struct Q4_1 {
         }
       for (int m = 0; m < MR; ++m) {
         const vi xl = iset1(xq + m * ldq + 4 * c), xh = iset1(xq + m * ldq + 16 + 4 * c);
-        for (int j = 0; j < NB * kVecs; ++j)
-          s[m][j] = _mm256_add_epi16(s[m][j], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], xl),
-                                                               _mm256_maddubs_epi16(hi[j], xh)));
+        for (int j = 0; j < NB * kVecs; ++j) s[m][j] = q4_dots(s[m][j], lo[j], xl, hi[j], xh);
       }
     }
     for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NB * kVecs; ++j)
-        acc[m][j] = _mm256_add_epi32(acc[m][j], _mm256_madd_epi16(s[m][j], _mm256_set1_epi16(1)));
-#else
-    for (int c = 0; c < kGroup / 8; ++c) {
-      vi lo[NB * kVecs], hi[NB * kVecs];
-      for (int j = 0; j < NB; ++j)
-        for (int v = 0; v < kVecs; ++v) {
-          const vi raw = iload(base[j] + 64 + c * 64 + v * (64 / kVecs));
-          lo[j * kVecs + v] = nib_lo(raw);
-          hi[j * kVecs + v] = nib_hi(raw);
-        }
-      for (int m = 0; m < MR; ++m) {
-        const vi xl = iset1(xq + m * ldq + 4 * c), xh = iset1(xq + m * ldq + 16 + 4 * c);
-        for (int j = 0; j < NB * kVecs; ++j)
-          acc[m][j] = dot_u(dot_u(acc[m][j], lo[j], xl), hi[j], xh);
-      }
-    }
-#endif
+      for (int j = 0; j < NB * kVecs; ++j) acc[m][j] = iadd32(acc[m][j], q4_widen(s[m][j]));
   }
   static inline void mins(const uint8_t* g, const vf[kVecs], vf out[kVecs]) {
     scales(g + 32, out);
