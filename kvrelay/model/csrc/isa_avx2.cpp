@@ -1,6 +1,7 @@
 #include "kernels.h"
 #pragma GCC target("avx2,fma,f16c")
 #define KVR_ISA avx2
+#define KVR_ATTN_LANES 8
 #include "kernels_impl.h"
 #define KVR_F32_LANES 8
 #include "gemm_f32_impl.h"

@@ -109,16 +109,30 @@ static void rope_write_token(void* qkvv, const float* cos, const float* sin, int
   __builtin_memcpy(vd, k + KVH * D, sizeof(T) * KVH * D);
 }
 
-// Vectors of 16 floats (one zmm; two ymm under AVX2), for dot products reduced once.
-typedef float v16 __attribute__((vector_size(64)));
+// Vectors of one register: 16 floats (zmm) or, under AVX2 (KVR_ATTN_LANES 8), 8 (ymm).
+// A 64-byte vector type under AVX2 left gcc two halves it kept on the stack: the
+// 1,024-token prefill's attention ran at about 1.7 GMAC/s, 8.7x slower than torch's
+// SDPA (docs/model.md).
+#ifndef KVR_ATTN_LANES
+#define KVR_ATTN_LANES 16
+#endif
+constexpr int kW = KVR_ATTN_LANES;
+constexpr int kP = 16 / kW;  // vectors per 16 floats
+typedef float vw __attribute__((vector_size(kW * 4)));
 
-// A tree of shuffles (4 dependent adds); a plain loop over the lanes is 16 dependent
-// scalar adds, which made the score loop latency-bound.
-static inline float hsum(v16 v) {
+// A tree of shuffles (log2(kW) dependent adds); a plain loop over the lanes is kW
+// dependent scalar adds, which made the score loop latency-bound.
+static inline float hsum(vw v) {
+#if KVR_ATTN_LANES == 16
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
   return v[0];
 }
 
@@ -149,16 +163,24 @@ static inline void scores_chunk(const float* __restrict q, const float* __restri
       const float* q1 = q + (r + (nr > 1 ? 1 : 0)) * D;
       const float* q2 = q + (r + (nr > 2 ? 2 : 0)) * D;
       const float* q3 = q + (r + (nr > 3 ? 3 : 0)) * D;
-      v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      vw a0[kP] = {}, a1[kP] = {}, a2[kP] = {}, a3[kP] = {};
       for (int d = 0; d < D; ++d) {
-        v16 k;
-        __builtin_memcpy(&k, kT + d * 16, 64);
-        a0 += q0[d] * k;
-        a1 += q1[d] * k;
-        a2 += q2[d] * k;
-        a3 += q3[d] * k;
+        for (int p = 0; p < kP; ++p) {
+          vw k;
+          __builtin_memcpy(&k, kT + d * 16 + p * kW, kW * 4);
+          a0[p] += q0[d] * k;
+          a1[p] += q1[d] * k;
+          a2[p] += q2[d] * k;
+          a3[p] += q3[d] * k;
+        }
       }
-      const v16 acc[4] = {a0, a1, a2, a3};
+      float acc[4][16];
+      for (int p = 0; p < kP; ++p) {
+        __builtin_memcpy(acc[0] + p * kW, &a0[p], kW * 4);
+        __builtin_memcpy(acc[1] + p * kW, &a1[p], kW * 4);
+        __builtin_memcpy(acc[2] + p * kW, &a2[p], kW * 4);
+        __builtin_memcpy(acc[3] + p * kW, &a3[p], kW * 4);
+      }
       for (int i = 0; i < nr; ++i) {
         int lim = (r + i) / G - first_pos_minus_pos0 + 1;
         lim = lim < nk ? lim : nk;
@@ -175,12 +197,12 @@ static inline void scores_chunk(const float* __restrict q, const float* __restri
     const float* qr = q + r * D;
     float* sr = s + r * s_stride;
     for (int j = 0; j < lim; ++j) {
-      v16 acc = {};
+      vw acc = {};
       const float* kj = kf + j * D;
-      for (int d = 0; d < D; d += 16) {
-        v16 a, b;
-        __builtin_memcpy(&a, qr + d, 64);
-        __builtin_memcpy(&b, kj + d, 64);
+      for (int d = 0; d < D; d += kW) {
+        vw a, b;
+        __builtin_memcpy(&a, qr + d, kW * 4);
+        __builtin_memcpy(&b, kj + d, kW * 4);
         acc += a * b;
       }
       sr[j] = hsum(acc);
@@ -201,18 +223,18 @@ static inline void weighted_sum_chunk(const float* __restrict w, int w_stride,
     lim = lim < nk ? lim : nk;
     const float* wr = w + r * w_stride;
     if constexpr (DT != 0) {
-      constexpr int NV = DT / 16;
-      v16 a[NV];
-      for (int v = 0; v < NV; ++v) __builtin_memcpy(&a[v], acc + r * D + v * 16, 64);
+      constexpr int NV = DT / kW;
+      vw a[NV];
+      for (int v = 0; v < NV; ++v) __builtin_memcpy(&a[v], acc + r * D + v * kW, kW * 4);
       for (int j = 0; j < lim; ++j) {
         const float x = wr[j];
         for (int v = 0; v < NV; ++v) {
-          v16 b;
-          __builtin_memcpy(&b, vf + j * D + v * 16, 64);
+          vw b;
+          __builtin_memcpy(&b, vf + j * D + v * kW, kW * 4);
           a[v] += x * b;
         }
       }
-      for (int v = 0; v < NV; ++v) __builtin_memcpy(acc + r * D + v * 16, &a[v], 64);
+      for (int v = 0; v < NV; ++v) __builtin_memcpy(acc + r * D + v * kW, &a[v], kW * 4);
     } else {
       float* ar = acc + r * D;
       for (int j = 0; j < lim; ++j) {
