@@ -281,6 +281,10 @@ def register(subparsers: Any) -> None:
                    help="require and forward 'Authorization: Bearer KEY'")
     p.add_argument("--health-interval", type=float, default=2.0, metavar="SECONDS",
                    help="how often each engine's /health is checked")
+    p.add_argument("--upstream-read-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="the longest the proxy waits on a prefill or decode engine per "
+                   "phase of a call (connect, each write, each read): a call past it fails "
+                   "as that engine's failure")
     d = RoutingConfig()
     p.add_argument("--routing", choices=POLICIES, default=d.policy,
                    help="kv-aware: the engine holding the longest prefix of the prompt, "
@@ -323,6 +327,7 @@ def routing_config(args: Any) -> RoutingConfig:
 def run(args: Any) -> int:
     import uvicorn
 
+    from kvrelay.cli import UsageError
     from kvrelay.server.graceful import GracefulServer
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -331,9 +336,12 @@ def run(args: Any) -> int:
         # httpx logs every request at info: with health polling, most of the log.
         logging.getLogger("httpx").setLevel(logging.WARNING)
     routing = routing_config(args)
+    if args.upstream_read_timeout <= 0:
+        raise UsageError(f"--upstream-read-timeout {args.upstream_read_timeout:g}: must be > 0")
     proxy = Proxy(args.prefill, args.decode, api_key=args.api_key,
-                  health_interval=args.health_interval, routing=routing,
-                  discovery=discovery_from(args), placement=placement_from(args))
+                  health_interval=args.health_interval, timeout=args.upstream_read_timeout,
+                  routing=routing, discovery=discovery_from(args),
+                  placement=placement_from(args))
     log.info("proxy on http://%s:%d/v1: prefill %s, decode %s; routing %s; %s", args.host,
              args.port, " ".join(args.prefill), " ".join(args.decode), routing,
              proxy.placement)
