@@ -619,7 +619,8 @@ def flat_summary(args: argparse.Namespace, samples: list[Sample]) -> list[str]:
 
 
 def life_drift(after: list[Sample], role: str) -> str:
-    """The first and last sample of the process life with the most samples."""
+    """The first and last sample of the process life with the most samples, and the
+    most of each between (a leak that comes and goes shows there)."""
     lives: dict[float, list[dict[str, float]]] = {}
     for s in after:
         p = s.procs.get(role, {})
@@ -630,6 +631,6 @@ def life_drift(after: list[Sample], role: str) -> str:
     life = max(lives.values(), key=len)
     a, b = life[0], life[-1]
     return f"{len(life)} samples, " + ", ".join(
-        f"{k} {a.get(k, 0):.0f} -> {b.get(k, 0):.0f}"
+        f"{k} {a.get(k, 0):.0f} -> {b.get(k, 0):.0f} (most {max(p.get(k, 0) for p in life):.0f})"
         for k in ("rss_mib", "fds", "threads", *TCP_STATES.values()))
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import httpx
@@ -58,16 +58,28 @@ log = logging.getLogger(__name__)
 
 
 class SweptTransport(httpx.AsyncHTTPTransport):
-    """httpx's pool, with the connections a cancelled request strands closed.
+    """httpx's pool, with the connections cancelled calls strand closed.
 
-    httpcore 1.0 (encode/httpcore#1093 and kin): a request cancelled after its connection
-    was made but before it took the connection's state lock leaves that connection NEW in
-    the pool, where nothing ever uses, expires or closes it: one fd (and one idle request
-    slot on the engine) for ever. The proxy cancels calls whenever a client leaves (the
-    soak: 14 -> 29 fds in 593 s, each a socket to D both ends kept open). A connection in
-    use always belongs to a request the pool still queues; any other that is neither idle
-    nor closed is an orphan: after every call that ends by an exception, orphans are taken
-    out of the pool and closed (in the background: the caller may be cancelled)."""
+    httpcore 1.0 shields its clean-ups from anyio's cancellation, not from asyncio's
+    ``Task.cancel()``, which the proxy uses whenever a client leaves. Two ways a cancel
+    strands a connection, each one fd (and one request slot on the engine) for ever:
+
+    - a request cancelled after its connection was made but before it took the
+      connection's state lock leaves that connection NEW in the pool, where nothing ever
+      uses, expires or closes it (encode/httpcore#1093 and kin; the soak: 14 -> 29 fds in
+      593 s, each a socket to D both ends kept open). A connection in use always belongs
+      to a request the pool still queues; any other that is neither idle nor closed is an
+      orphan: after every call that ends by an exception, orphans are taken out of the
+      pool and closed (``sweep``);
+    - a response whose close is cancelled at one of its awaits (the connection's state
+      lock, the socket's close) stays ACTIVE with its request queued in the pool for
+      ever: a leg task cancelled (its client left) just as it closes D's finished stream.
+      Once the engine times the idle connection out, the proxy's socket sits in
+      CLOSE_WAIT (the soak: 1 -> 10 in 30 minutes). Every response's close runs to its
+      end in a task of its own (``_FinishedBody``); one that a cancel cut inside a read
+      (closed, its request still queued) is finished there (``finish``).
+
+    Closes run in the background: the caller may be cancelled."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -75,10 +87,13 @@ class SweptTransport(httpx.AsyncHTTPTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         try:
-            return await super().handle_async_request(request)
+            response = await super().handle_async_request(request)
         except BaseException:
             self.sweep()
             raise
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        response.stream = _FinishedBody(response.stream, self)
+        return response
 
     def sweep(self) -> int:
         """Take the orphans out of the pool and close them; how many."""
@@ -89,13 +104,72 @@ class SweptTransport(httpx.AsyncHTTPTransport):
                        if id(c) not in used and not c.is_idle() and not c.is_closed()]
             for c in orphans:
                 pool._connections.remove(c)
-        for c in orphans:
-            task = asyncio.ensure_future(c.aclose())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        self._close_later(orphans)
         if orphans:
             log.debug("closed %d stranded upstream connections", len(orphans))
         return len(orphans)
+
+    def finish(self, body: httpx.AsyncByteStream) -> bool:
+        """After ``body``'s close: if a cancel cut it short (its request still queued, or
+        its connection neither idle, closed nor another request's), take both out of the
+        pool and close the connection. Whether it did."""
+        stream = getattr(body, "_httpcore_stream", None)  # httpcore's PoolByteStream
+        pool_request = getattr(stream, "_pool_request", None)
+        if pool_request is None or not getattr(stream, "_closed", False):
+            return False
+        pool, conn = self._pool, pool_request.connection
+        with pool._optional_thread_lock:
+            queued = pool_request in pool._requests
+            if queued:
+                pool._requests.remove(pool_request)
+            stranded = conn is not None and not (
+                conn.is_idle() or conn.is_closed()
+                or any(r.connection is conn for r in pool._requests))
+            if stranded and conn in pool._connections:
+                pool._connections.remove(conn)
+            if not (queued or stranded):
+                return False
+            closing = pool._assign_requests_to_connections()
+        self._close_later([conn, *closing] if stranded else closing)
+        log.debug("finished the close of an upstream response that a cancel cut short")
+        return True
+
+    def _close_later(self, connections: list[Any]) -> None:
+        for c in connections:
+            self.in_background(c.aclose())
+
+    def in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+        """``work`` as a task held until it ends."""
+        task = asyncio.ensure_future(work)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return task
+
+
+class _FinishedBody(httpx.AsyncByteStream):
+    """A response body whose close runs to its end in a task of its own: a cancel of the
+    caller (the client left) no longer cuts it short, and what an earlier cut left
+    (a read's close cancelled) is finished (``SweptTransport.finish``). One task reads a
+    body and closes it, as httpx's ``stream()`` and ``send()`` do."""
+
+    def __init__(self, body: httpx.AsyncByteStream, transport: SweptTransport) -> None:
+        self._body, self._transport = body, transport
+        self._closed: asyncio.Future[None] | None = None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for part in self._body:
+            yield part
+
+    async def aclose(self) -> None:
+        if self._closed is None:
+            self._closed = self._transport.in_background(self._close())
+        await asyncio.shield(self._closed)
+
+    async def _close(self) -> None:
+        try:
+            await self._body.aclose()
+        finally:
+            self._transport.finish(self._body)
 
 
 def create_proxy_app(proxy: Proxy) -> FastAPI:
@@ -207,6 +281,10 @@ def register(subparsers: Any) -> None:
                    help="require and forward 'Authorization: Bearer KEY'")
     p.add_argument("--health-interval", type=float, default=2.0, metavar="SECONDS",
                    help="how often each engine's /health is checked")
+    p.add_argument("--upstream-read-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="the longest the proxy waits on a prefill or decode engine per "
+                   "phase of a call (connect, each write, each read): a call past it fails "
+                   "as that engine's failure")
     d = RoutingConfig()
     p.add_argument("--routing", choices=POLICIES, default=d.policy,
                    help="kv-aware: the engine holding the longest prefix of the prompt, "
@@ -249,6 +327,7 @@ def routing_config(args: Any) -> RoutingConfig:
 def run(args: Any) -> int:
     import uvicorn
 
+    from kvrelay.cli import UsageError
     from kvrelay.server.graceful import GracefulServer
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -257,9 +336,12 @@ def run(args: Any) -> int:
         # httpx logs every request at info: with health polling, most of the log.
         logging.getLogger("httpx").setLevel(logging.WARNING)
     routing = routing_config(args)
+    if args.upstream_read_timeout <= 0:
+        raise UsageError(f"--upstream-read-timeout {args.upstream_read_timeout:g}: must be > 0")
     proxy = Proxy(args.prefill, args.decode, api_key=args.api_key,
-                  health_interval=args.health_interval, routing=routing,
-                  discovery=discovery_from(args), placement=placement_from(args))
+                  health_interval=args.health_interval, timeout=args.upstream_read_timeout,
+                  routing=routing, discovery=discovery_from(args),
+                  placement=placement_from(args))
     log.info("proxy on http://%s:%d/v1: prefill %s, decode %s; routing %s; %s", args.host,
              args.port, " ".join(args.prefill), " ".join(args.decode), routing,
              proxy.placement)

@@ -12,6 +12,9 @@ those it held then.
 Without ``SweptTransport`` (kvrelay/server/proxy.py) this fails: httpcore strands a NEW
 connection to D for each call cancelled between its connect and its first request
 (seen: 10 fds at warm-up, 14 settled, 5 connections to D stuck NEW in the pool).
+
+The second test is the CLOSE_WAIT the soak still saw after that: clients leaving just as
+D's stream ends, which cancels the proxy's call inside its close of D's response.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import httpx
 import pytest
 
 from kvrelay.bench.soak import tcp_states
-from tests.e2e.cluster import Cluster, Proc, pools_free
+from tests.e2e.cluster import Cluster, Proc, poll, pools_free
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -60,11 +63,12 @@ def close_wait(p: Proc) -> float:
     return tcp_states(p.proc.pid).get("tcp_close_wait", 0.0)
 
 
-async def ask(url: str, model: str, i: int, leave: float | str | None) -> None:
+async def ask(url: str, model: str, i: int, leave: float | str | None,
+              max_tokens: int = 16) -> None:
     """One request; ``leave``: None (read it all), seconds after sending, or "chunk"
     (after the first streamed chunk)."""
-    body = {"model": model, "prompt": f"prefix {i % 4} of the soak {i}", "max_tokens": 16,
-            "stream": leave == "chunk" or i % 2 == 0}
+    body = {"model": model, "prompt": f"prefix {i % 4} of the soak {i}",
+            "max_tokens": max_tokens, "stream": leave == "chunk" or i % 2 == 0}
     async with httpx.AsyncClient(timeout=60) as c:
         if leave is None:
             r = await c.post(url + "/v1/completions", json=body)
@@ -140,3 +144,41 @@ def test_proxy_fds_return_to_warm_up_level_after_clients_leave_at_every_phase(
     assert settled <= warm, f"established sockets {warm:.0f} at warm-up, {settled:.0f} now"
     assert close_wait(proxy) <= warm_cw, "the proxy holds more sockets its peers closed"
     assert fds(proxy) <= warm_fds + SLACK, (warm_fds, fds(proxy))
+
+
+def test_proxy_closes_d_streams_whose_client_leaves_as_they_end(
+    cluster: dict[str, Proc], tmp_path: Path,
+) -> None:
+    """P gone (the soak's kill_p; here a URL nothing listens on): every leg runs on D as
+    colocated work, so a client's first chunk is D's, and one that leaves then leaves as
+    D's short answer ends. The proxy's leg task is cancelled while it closes D's finished
+    stream; httpcore's close stopped at its first await left the connection ACTIVE in the
+    pool for ever, and CLOSE_WAIT once D timed it out (the soak: 1 -> 10 in 30 minutes).
+
+    A race: without the fix about 2% of these clients strand a socket (seen: 16 of 900 on
+    a 2-core machine), so 360 of them strand some with near certainty; with it, none."""
+    gone = Proc("gone-prefill", [], tmp_path / "gone.log")  # never started
+    c = Cluster(Path(), tmp_path)
+    try:
+        proxy = c.proxy([gone], [cluster["d"]]).wait_healthy()
+        model = str(httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"][0]["id"])
+        asyncio.run(steady(proxy.url, model, 3))
+        # An idle connection D has just timed out sits in CLOSE_WAIT until the pool's
+        # next request (the health check's, every 0.5 s) expires it: hence the polls.
+        assert poll(lambda: close_wait(proxy) == 0, 15), "CLOSE_WAIT before any client left"
+        rng = random.Random(21)
+
+        async def leavers() -> None:
+            for rnd in range(60):
+                await asyncio.gather(*(ask(proxy.url, model, rnd * 6 + i, "chunk",
+                                           max_tokens=rng.choice((2, 3, 4, 6, 8)))
+                                       for i in range(6)))
+
+        asyncio.run(leavers())
+        pools_free(cluster["d"], timeout=30)
+        quiet_sockets(proxy)  # D's keep-alive (5 s) has closed its side of each by then
+        assert poll(lambda: close_wait(proxy) == 0, 15), (
+            f"the proxy holds {close_wait(proxy):.0f} sockets D closed")
+    finally:
+        c.close()
+        print(c.logs())
