@@ -141,6 +141,7 @@ class TcpHandle:
     status: TransferStatus = field(default_factory=lambda: TransferStatus(TransferState.PENDING))
     started: float = 0.0
     sock: socket.socket | None = None  # shut down by cancel() to unblock a waiting recv
+    first_byte: float = 0.0  # P's answer to the READ arrived (perf_counter)
 
 
 # Opens an authenticated data connection to a relay (HELLO done) and returns it.
@@ -182,6 +183,9 @@ class TcpTransport:
         self._lock = threading.Lock()
         self._seq = 0
         self.delay = injected_delay()
+        # Called (from the reader thread) once a handle's status is final, so the
+        # receiver can act at once instead of at its next poll.
+        self.on_end: Callable[[], None] | None = None
 
     def register(self, kv_cache: Any) -> dict[str, Any]:
         self.blocks = block_io(kv_cache, self.staging)
@@ -249,6 +253,7 @@ class TcpTransport:
                     sock.sendall(P.encode(P.Read(seq, peer.engine_id, lease_id, holder,
                                                  attempt, remote)))
                     reply = P.recv_frame(sock)
+                    h.first_byte = time.perf_counter()
                     break
                 except (ConnectionError, BrokenPipeError) as e:
                     if not pooled or fresh or h.cancelled.is_set():
@@ -269,8 +274,11 @@ class TcpTransport:
             h.sock = None
             self._give_back(peer.relay, sock)
             sock = None
+            end = time.perf_counter()
             h.status = TransferStatus(TransferState.DONE, nbytes=reply.nbytes,
-                                      seconds=time.perf_counter() - h.started)
+                                      seconds=end - h.started,
+                                      first_byte=h.first_byte - h.started,
+                                      ended_at=time.monotonic())
         except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO/SO_SNDTIMEO expired
             h.status = TransferStatus(
                 TransferState.FAILED,
@@ -290,6 +298,8 @@ class TcpTransport:
             if h.status.state is TransferState.PENDING:  # BaseException: still never hang
                 h.status = TransferStatus(TransferState.FAILED,
                                           error="tcp transfer failed: reader interrupted")
+            if self.on_end is not None:
+                self.on_end()
 
     def _recv_scattered(self, sock: socket.socket, remote: list[int], local: list[int],
                         cancelled: threading.Event) -> None:
