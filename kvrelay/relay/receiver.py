@@ -331,6 +331,11 @@ class Receiver:
     def has_work(self) -> bool:
         return bool(self.loads) or bool(self._quarantine)
 
+    def polling(self) -> bool:
+        """A transfer is running (or quarantined): only ``tick`` sees it end, unless
+        the transport wakes the caller itself. Replies and timers need no polling."""
+        return bool(self._transfers) or bool(self._quarantine)
+
     def on_reply(self, reply: P.Reply, now: float) -> None:
         entry = self._by_seq.get(reply.seq)
         if entry is None or (reply.relay and reply.relay != entry[0].kv.relay):

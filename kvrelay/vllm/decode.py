@@ -48,8 +48,12 @@ from kvrelay.vllm.settings import ConnectorSettings, unpin
 log = logging.getLogger(__name__)
 
 
-# Put on the relay client's reply queue by start(): wakes the receiver thread at once.
+# Put on the relay client's reply queue by start(), and by the tcp transport when a
+# transfer ends: wakes the receiver thread at once.
 _WAKE = P.Reply(0, "wake")
+# How often a running transfer is polled: tcp wakes the thread when it ends (this is
+# a safety net); NIXL cannot, and a READ seen done a poll late costs that poll.
+POLL_S = {"tcp": 0.01, "nixl": 0.001}
 
 
 @dataclass(frozen=True)
@@ -191,8 +195,10 @@ class DecodeSide:
             transport = NixlTransport(regions)  # one-sided READs; the fence decides
         else:
             transport = TcpTransport(connect=self.client.open_data, io_timeout=io_timeout)
+            transport.on_end = lambda _handle: self.client.replies.put(_WAKE)
             transport.blocks = HostBlocks(regions)
         self.transport = transport
+        self._poll_s = POLL_S.get(settings.kv_transport, 0.01)
         self.loads = VllmKvLoads(ready, timing=lambda rid: self.receiver.timing(rid))
         # Policy recompute: a failure is reported as failed_recving, and vLLM's own
         # kv_load_failure_policy decides between recompute and an error.
@@ -290,9 +296,9 @@ class DecodeSide:
             try:
                 with self.lock:
                     wake = self.receiver.next_wakeup()
-                    # Transfers are polled (their threads do not signal): often while
-                    # any load is live; idle, only replies and start() wake us.
-                    wait = 0.01 if self.receiver.has_work() else 0.5
+                    # Running transfers are polled; otherwise only replies, start()
+                    # and timers wake us.
+                    wait = self._poll_s if self.receiver.polling() else 0.5
                 if wake is not None:
                     wait = min(wait, max(0.0, wake - time.monotonic()))
                 try:

@@ -185,7 +185,7 @@ class TcpTransport:
         self.delay = injected_delay()
         # Called (from the reader thread) once a handle's status is final, so the
         # receiver can act at once instead of at its next poll.
-        self.on_end: Callable[[], None] | None = None
+        self.on_end: Callable[[TcpHandle], None] | None = None
 
     def register(self, kv_cache: Any) -> dict[str, Any]:
         self.blocks = block_io(kv_cache, self.staging)
@@ -299,7 +299,7 @@ class TcpTransport:
                 h.status = TransferStatus(TransferState.FAILED,
                                           error="tcp transfer failed: reader interrupted")
             if self.on_end is not None:
-                self.on_end()
+                self.on_end(h)
 
     def _recv_scattered(self, sock: socket.socket, remote: list[int], local: list[int],
                         cancelled: threading.Event) -> None:
