@@ -453,7 +453,12 @@ class Receiver:
             st.transfer_seconds_sum += status.seconds
             st.transfer_seconds_buckets[bisect.bisect_left(TRANSFER_SECONDS_BUCKETS,
                                                            status.seconds)] += 1
-            self._tell(load, self._release_msg(load, True), now, Phase.COMMITTING)
+            if status.verdict is None:
+                self._tell(load, self._release_msg(load, True), now, Phase.COMMITTING)
+            else:  # the READ carried this attempt's RELEASE(ok); P's verdict came with it
+                load.told = True
+                self._set_phase(load, Phase.COMMITTING)
+                self._on_committed(load, status.verdict, now)
         elif load.phase is Phase.COPYING:
             self._fallback(load, "transfer_failed", status.error)
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)

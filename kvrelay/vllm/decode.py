@@ -196,6 +196,7 @@ class DecodeSide:
         else:
             transport = TcpTransport(connect=self.client.open_data, io_timeout=io_timeout)
             transport.on_end = lambda _handle: self.client.replies.put(_WAKE)
+            transport.commit = True  # the verdict after the bytes: no commit round trip
             transport.blocks = HostBlocks(regions)
         self.transport = transport
         self._poll_s = POLL_S.get(settings.kv_transport, 0.01)

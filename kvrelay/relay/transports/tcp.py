@@ -186,6 +186,9 @@ class TcpTransport:
         # Called (from the reader thread) once a handle's status is final, so the
         # receiver can act at once instead of at its next poll.
         self.on_end: Callable[[TcpHandle], None] | None = None
+        # Ask P to commit at the end of each READ (protocol.Read.commit): its verdict
+        # comes after the bytes, and the receiver need not send RELEASE(ok) itself.
+        self.commit = False
 
     def register(self, kv_cache: Any) -> dict[str, Any]:
         self.blocks = block_io(kv_cache, self.staging)
@@ -251,7 +254,7 @@ class TcpTransport:
                 P.kernel_timeouts(sock, self.io_timeout)
                 try:
                     sock.sendall(P.encode(P.Read(seq, peer.engine_id, lease_id, holder,
-                                                 attempt, remote)))
+                                                 attempt, remote, commit=self.commit)))
                     reply = P.recv_frame(sock)
                     h.first_byte = time.perf_counter()
                     break
@@ -271,6 +274,9 @@ class TcpTransport:
                     f"read of {reply.nbytes} bytes does not fit {len(local)} blocks"
                 )
             self._recv_scattered(sock, remote, local, h.cancelled)
+            verdict = P.recv_frame(sock) if self.commit else None
+            if verdict is not None and not isinstance(verdict, P.Reply):
+                raise P.ProtocolError("the commit's verdict is not a reply")
             h.sock = None
             self._give_back(peer.relay, sock)
             sock = None
@@ -278,7 +284,7 @@ class TcpTransport:
             h.status = TransferStatus(TransferState.DONE, nbytes=reply.nbytes,
                                       seconds=end - h.started,
                                       first_byte=h.first_byte - h.started,
-                                      ended_at=time.monotonic())
+                                      ended_at=time.monotonic(), verdict=verdict)
         except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO/SO_SNDTIMEO expired
             h.status = TransferStatus(
                 TransferState.FAILED,
