@@ -13,8 +13,11 @@ prompt with max_tokens 1 and ``do_remote_decode``; D: the prompt with P's
 by the same client. TTFT: from sending P the request to D's first token. Decode leg:
 from sending D the request to its first token (its pull, plus one forward pass). TPOT:
 D's token gaps after the first. Transfer: what each connector reports in D's log
-(KvRelayConnector: ACQUIRE answered to commit confirmed, per request; NixlConnector:
-vLLM's "KV Transfer metrics" average xfer time, READ posted to done).
+(KvRelayConnector: ACQUIRE answered to commit confirmed, per request, and by phase, its
+READ alone among them; NixlConnector: vLLM's "KV Transfer metrics" average xfer time,
+READ posted to seen done). Each pair serves one P/D request before the measured ones
+(its first pull connects: NIXL loads P's metadata and wires UCX up); its transfer is
+printed apart.
 
 The reused-block scenario (on unless ``--no-reused-blocks``): D stopped (SIGSTOP) after
 P answered and before D got the request, past P's lease (KvRelayConnector
@@ -221,8 +224,15 @@ def pair_leg(key: str, p: VllmEngine, d: VllmEngine, first: dict[str, Any],
     both engines are stopped either way."""
     try:
         start([p, d])
+        # One P/D request first, its transfer not counted (every connector's first pull
+        # to a new P also connects: NIXL loads P's metadata and wires UCX up).
+        pd_ask(p, d, first)(prompt(-1, len(texts[0].split())))
+        if connector == "nixl":
+            time.sleep(11)  # its metrics line (every 10 s) must come before ``skip``
+        cold = transfer_ms(d, connector, 0)[0]
         skip = len(d.log.read_text(errors="replace"))
         results[key] = measure(texts, want, pd_ask(p, d, first))
+        results[key]["first_pull_ms"] = cold
         if connector == "nixl":
             time.sleep(11)  # vLLM logs NixlConnector's transfer metrics every 10 s
         (results[key]["transfer_ms"], results[key]["transfers"],
@@ -318,6 +328,9 @@ def report(r: dict[str, Any]) -> None:
         if key in r and "colocated" in r:
             ratio = r[key]["ttft_ms"] / r["colocated"]["ttft_ms"]
             print(f"TTFT {key} / colocated: {ratio:.2f}")
+    print("first pull of each pair (connecting; not counted above): " + ", ".join(
+        f"{k} {r[k]['first_pull_ms']:.1f} ms" for k in LEGS
+        if k in r and r[k].get("first_pull_ms") is not None))
     print(f"\ntransfer by phase, mean ms ({', '.join(PHASES)}; read: the READ alone)")
     for key in LEGS:
         ph = r.get(key, {}).get("phases_ms")
