@@ -302,7 +302,8 @@ class Receiver:
         done (the span of a one-sided READ alone), of which ``first_byte`` (tcp: P's
         answer to the READ), ``bytes`` (first byte to the last one landed in our blocks:
         the scatter is the receive itself) and ``noticed`` (landed to seen here).
-        ``commit``: RELEASE(ok) sent to P's verdict. ``load``: ACQUIRE answered to the
+        ``commit``: RELEASE(ok) sent to P's verdict (0 when the READ carried the commit
+        and the verdict came with the bytes: tcp). ``load``: ACQUIRE answered to the
         verdict, the span reported as the load time. The transfer's own clock marks its
         start and end: a ``now`` passed in may predate a READ posted within its call."""
         load = self.loads.get(request_id)
