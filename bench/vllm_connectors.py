@@ -13,8 +13,11 @@ prompt with max_tokens 1 and ``do_remote_decode``; D: the prompt with P's
 by the same client. TTFT: from sending P the request to D's first token. Decode leg:
 from sending D the request to its first token (its pull, plus one forward pass). TPOT:
 D's token gaps after the first. Transfer: what each connector reports in D's log
-(KvRelayConnector: ACQUIRE answered to commit confirmed, per request; NixlConnector:
-vLLM's "KV Transfer metrics" average xfer time, READ posted to done).
+(KvRelayConnector: ACQUIRE answered to commit confirmed, per request, and by phase, its
+READ alone among them; NixlConnector: vLLM's "KV Transfer metrics" average xfer time,
+READ posted to seen done). Each pair serves one P/D request before the measured ones
+(its first pull connects: NIXL loads P's metadata and wires UCX up); its transfer is
+printed apart.
 
 The reused-block scenario (on unless ``--no-reused-blocks``): D stopped (SIGSTOP) after
 P answered and before D got the request, past P's lease (KvRelayConnector
@@ -122,18 +125,33 @@ def pd_ask(p: VllmEngine, d: VllmEngine, first: dict[str, Any]) -> Any:
     return ask
 
 
-def transfer_ms(d: VllmEngine, connector: str, skip: int) -> tuple[float | None, int]:
-    """(mean transfer ms, transfers) from D's log past its first ``skip`` characters."""
+PHASES = ("acquire", "read", "first_byte", "bytes", "noticed", "commit", "reported")
+
+
+def transfer_ms(d: VllmEngine, connector: str, skip: int
+                ) -> tuple[float | None, int, dict[str, float]]:
+    """(mean transfer ms, transfers, mean ms by phase) from D's log past its first
+    ``skip`` characters. KvRelayConnector: its full span (ACQUIRE answered to the
+    commit confirmed) and its phases (``read``: the READ alone, the span comparable to
+    NixlConnector's); NixlConnector: its xfer time, READ posted to seen done."""
     log = d.log.read_text(errors="replace")[skip:]
     if connector == "kvrelay":
-        ms = [float(m) for m in re.findall(r"loaded in ([\d.]+) ms", log)]
-        return (statistics.mean(ms) if ms else None), len(ms)
+        lines = re.findall(r"loaded in ([\d.]+) ms \(copy and commit; ([^;]*); reported to "
+                           r"vLLM ([\d.]+) ms later\)", log)
+        by: dict[str, list[float]] = {}
+        for total, phases, reported in lines:
+            by.setdefault("load", []).append(float(total))
+            by.setdefault("reported", []).append(float(reported))
+            for name, v in re.findall(r"(\w+) ([\d.]+)", phases):
+                by.setdefault(name, []).append(float(v))
+        means = {k: statistics.mean(v) for k, v in by.items()}
+        return means.get("load"), len(lines), means
     total, n = 0.0, 0
     for m in re.finditer(r"KV Transfer metrics: Num successful transfers=(\d+), "
                          r"Avg xfer time \(ms\)=([\d.]+)", log):
         k = int(m.group(1))
         total, n = total + k * float(m.group(2)), n + k
-    return (total / n if n else None), n
+    return (total / n if n else None), n, ({"read": total / n} if n else {})
 
 
 def fill(p: VllmEngine) -> None:
@@ -206,12 +224,19 @@ def pair_leg(key: str, p: VllmEngine, d: VllmEngine, first: dict[str, Any],
     both engines are stopped either way."""
     try:
         start([p, d])
+        # One P/D request first, its transfer not counted (every connector's first pull
+        # to a new P also connects: NIXL loads P's metadata and wires UCX up).
+        pd_ask(p, d, first)(prompt(-1, len(texts[0].split())))
+        if connector == "nixl":
+            time.sleep(11)  # its metrics line (every 10 s) must come before ``skip``
+        cold = transfer_ms(d, connector, 0)[0]
         skip = len(d.log.read_text(errors="replace"))
         results[key] = measure(texts, want, pd_ask(p, d, first))
+        results[key]["first_pull_ms"] = cold
         if connector == "nixl":
             time.sleep(11)  # vLLM logs NixlConnector's transfer metrics every 10 s
-        results[key]["transfer_ms"], results[key]["transfers"] = transfer_ms(
-            d, connector, skip)
+        (results[key]["transfer_ms"], results[key]["transfers"],
+         results[key]["phases_ms"]) = transfer_ms(d, connector, skip)
         if scen is not None:
             results[key + "_reused"] = reused_block_scenario(p, d, first, *scen, expired)
     except Exception as e:  # the leg that cannot run says why, the rest is printed
@@ -303,11 +328,22 @@ def report(r: dict[str, Any]) -> None:
         if key in r and "colocated" in r:
             ratio = r[key]["ttft_ms"] / r["colocated"]["ttft_ms"]
             print(f"TTFT {key} / colocated: {ratio:.2f}")
+    print("first pull of each pair (connecting; not counted above): " + ", ".join(
+        f"{k} {r[k]['first_pull_ms']:.1f} ms" for k in LEGS
+        if k in r and r[k].get("first_pull_ms") is not None))
+    print(f"\ntransfer by phase, mean ms ({', '.join(PHASES)}; read: the READ alone)")
+    for key in LEGS:
+        ph = r.get(key, {}).get("phases_ms")
+        if ph:
+            print(f"  {key:13} " + "  ".join(f"{k} {ph[k]:.1f}" for k in PHASES if k in ph))
     n_ms = r.get("nixl", {}).get("transfer_ms")
     for key in ("kvrelay-tcp", "kvrelay-nixl"):
-        k_ms = r.get(key, {}).get("transfer_ms")
-        if k_ms and n_ms:
-            print(f"transfer {key} / NixlConnector: {k_ms / n_ms:.2f}")
+        m = r.get(key, {})
+        if m.get("transfer_ms") and n_ms:
+            read = m["phases_ms"].get("read")
+            print(f"transfer {key} / NixlConnector: READ alone "
+                  f"{f'{read / n_ms:.2f}' if read else '-'}, full span (ACQUIRE answered "
+                  f"to commit confirmed) {m['transfer_ms'] / n_ms:.2f}")
     if any(k.endswith("_reused") for k in r):
         print("\nreused-block scenario (D stalled past P's lease, P's blocks reused):")
     for key in LEGS:

@@ -45,7 +45,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAGIC = b"KR"
 HEADER = struct.Struct(">2sBBI")
 MAX_FRAME = 1 << 20
@@ -155,6 +155,11 @@ class Read(msgspec.Struct, tag="read"):
     holder: str
     attempt: str
     block_ids: list[int]
+    # Commit once the blocks are sent: P applies RELEASE(ok) of this attempt right after
+    # its last send returned (its memory is read no more) and sends the verdict, a Reply,
+    # after the bytes. The fence is the one RELEASE(ok) applies, at a moment no later
+    # than D's own RELEASE(ok) could (protocol version 4).
+    commit: bool = False
 
 
 class Reply(msgspec.Struct, tag="reply", omit_defaults=True):

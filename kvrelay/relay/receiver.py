@@ -54,7 +54,7 @@ from kvrelay.core.scheduler import RequestRejected
 from kvrelay.relay import protocol as P
 from kvrelay.relay.port import KvLoads
 from kvrelay.relay.remote import RelayLink, RemoteKv
-from kvrelay.relay.transports.base import TransferState, Transport
+from kvrelay.relay.transports.base import TransferState, TransferStatus, Transport
 from kvrelay.sampling_params import SamplingParams
 
 __all__ = [
@@ -180,6 +180,10 @@ class Load:
     fail_reason: str = ""  # why a draining transfer was stopped (empty: abort)
     epoch: int = 0  # bumps on every phase change; invalidates older timers
     seqs: list[int] = field(default_factory=list)
+    # When each step happened (``now``): acquire (sent), acquired, copied (the receiver
+    # saw the transfer done), committed; and the transfer's final status.
+    marks: dict[str, float] = field(default_factory=dict)
+    transfer: TransferStatus | None = None
 
 
 class Receiver:
@@ -292,11 +296,46 @@ class Receiver:
             if epoch == load.epoch and load.phase is not Phase.DONE:
                 self._on_timer(load, now)
 
+    def timing(self, request_id: str) -> dict[str, float]:
+        """Where a load's time went, in ms (only the steps it reached). ``acquire``:
+        ACQUIRE sent to answered. ``read``: the READ started to the receiver seeing it
+        done (the span of a one-sided READ alone), of which ``first_byte`` (tcp: P's
+        answer to the READ), ``bytes`` (first byte to the last one landed in our blocks:
+        the scatter is the receive itself) and ``noticed`` (landed to seen here).
+        ``commit``: RELEASE(ok) sent to P's verdict (0 when the READ carried the commit
+        and the verdict came with the bytes: tcp). ``load``: ACQUIRE answered to the
+        verdict, the span reported as the load time. The transfer's own clock marks its
+        start and end: a ``now`` passed in may predate a READ posted within its call."""
+        load = self.loads.get(request_id)
+        if load is None:
+            return {}
+        m, st, out = load.marks, load.transfer, {}
+        if "acquire" in m and "acquired" in m:
+            out["acquire"] = 1000 * (m["acquired"] - m["acquire"])
+        seen = m.get("copied")
+        if st is not None and st.ended_at and seen is not None:
+            seen = max(seen, st.ended_at)
+            out["read"] = 1000 * (seen - (st.ended_at - st.seconds))
+            if st.first_byte:
+                out["first_byte"] = 1000 * st.first_byte
+                out["bytes"] = 1000 * (st.seconds - st.first_byte)
+            out["noticed"] = 1000 * (seen - st.ended_at)
+        if seen is not None and "committed" in m:
+            out["commit"] = 1000 * (m["committed"] - seen)
+        if "acquired" in m and "committed" in m:
+            out["load"] = 1000 * (m["committed"] - m["acquired"])
+        return out
+
     def next_wakeup(self) -> float | None:
         return self._timers[0][0] if self._timers else None
 
     def has_work(self) -> bool:
         return bool(self.loads) or bool(self._quarantine)
+
+    def polling(self) -> bool:
+        """A transfer is running (or quarantined): only ``tick`` sees it end, unless
+        the transport wakes the caller itself. Replies and timers need no polling."""
+        return bool(self._transfers) or bool(self._quarantine)
 
     def on_reply(self, reply: P.Reply, now: float) -> None:
         entry = self._by_seq.get(reply.seq)
@@ -346,6 +385,7 @@ class Receiver:
         load.first_block = cached
         self.stats.cached_blocks += cached
         self._set_phase(load, Phase.ACQUIRING)
+        load.marks["acquire"] = now
         self._send(load, P.Acquire(0, kv.engine_id, kv.lease_id, self.holder, load.attempt,
                                    cached), now)
 
@@ -361,6 +401,7 @@ class Receiver:
             self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{mismatch}", fail=True)
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
             return
+        load.marks["acquired"] = now
         self.engine.load_started(rid)
         if first == need:  # everything cached: an empty copy, committed like any other
             self._tell(load, self._release_msg(load, True), now, Phase.COMMITTING)
@@ -404,6 +445,7 @@ class Receiver:
         del self._transfers[load.request_id]
         rid = load.request_id
         if load.phase is Phase.COPYING and status.state is TransferState.DONE:
+            load.marks["copied"], load.transfer = now, status
             self.stats.transfer_bytes += status.nbytes
             st = self.stats
             name = self._transport_name(load.handle)
@@ -412,7 +454,12 @@ class Receiver:
             st.transfer_seconds_sum += status.seconds
             st.transfer_seconds_buckets[bisect.bisect_left(TRANSFER_SECONDS_BUCKETS,
                                                            status.seconds)] += 1
-            self._tell(load, self._release_msg(load, True), now, Phase.COMMITTING)
+            if status.verdict is None:
+                self._tell(load, self._release_msg(load, True), now, Phase.COMMITTING)
+            else:  # the READ carried this attempt's RELEASE(ok); P's verdict came with it
+                load.told = True
+                self._set_phase(load, Phase.COMMITTING)
+                self._on_committed(load, status.verdict, now)
         elif load.phase is Phase.COPYING:
             self._fallback(load, "transfer_failed", status.error)
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
@@ -429,6 +476,7 @@ class Receiver:
             return
         # Only P's "ok, done" to this attempt's own RELEASE(ok) commits the copy.
         if reply.status == "ok" and reply.reason == "done":
+            load.marks["committed"] = now
             # Pulled KV is shared (published) only if its relay is a proven one: a
             # forged relay's KV stays private to the request that named it.
             kv = load.kv

@@ -459,6 +459,14 @@ class RelayServer:
         self.kv_blocks.send(conn, msg.block_ids,
                             deadline=time.monotonic() + self.config.send_timeout)
         self._bump("bytes_sent", nbytes)
+        if msg.commit:
+            # Every byte has left P's blocks: the verdict RELEASE(ok) would get now.
+            release = P.Release(msg.seq, msg.engine_id, msg.lease_id, msg.holder,
+                                msg.attempt, ok=True)
+            with self.lock:
+                verdict = self.relay.handle(release, self.clock())
+            self._wake.set()
+            conn.sendall(P.encode(verdict))
 
     def _bump(self, counter: str, n: int = 1) -> None:
         with self._stats_lock:

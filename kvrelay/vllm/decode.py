@@ -29,7 +29,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +48,12 @@ from kvrelay.vllm.settings import ConnectorSettings, unpin
 log = logging.getLogger(__name__)
 
 
-# Put on the relay client's reply queue by start(): wakes the receiver thread at once.
+# Put on the relay client's reply queue by start(), and by the tcp transport when a
+# transfer ends: wakes the receiver thread at once.
 _WAKE = P.Reply(0, "wake")
+# How often a running transfer is polled: tcp wakes the thread when it ends (this is
+# a safety net); NIXL cannot, and a READ seen done a poll late costs that poll.
+POLL_S = {"tcp": 0.01, "nixl": 0.001}
 
 
 @dataclass(frozen=True)
@@ -66,14 +70,19 @@ class LoadSpec:
 class VllmKvLoads:
     """``KvLoads`` over vLLM's scheduler: loads end in reports (see the module table)."""
 
-    def __init__(self, ready: threading.Event | None = None) -> None:
+    def __init__(self, ready: threading.Event | None = None,
+                 timing: Callable[[str], dict[str, float]] | None = None) -> None:
         self.ready = ready or threading.Event()  # set when a report is queued
+        self.timing = timing  # a load's phases in ms (Receiver.timing), for the log
         self._pending: dict[str, tuple[list[int], int]] = {}
         self._waiting: list[tuple[str, list[int], int]] = []
         self._live: set[str] = set()  # admitted, not reported yet
         self._sizes: dict[str, tuple[int, int]] = {}  # (blocks pulled, blocks), for the log
         self._started: dict[str, float] = {}  # pull started (ACQUIRE answered), for the log
         self.load_ms: list[float] = []  # pulls committed since the last stats
+        # Committed, not yet taken by vLLM: (load ms, its phases, when it committed);
+        # logged when vLLM takes the report, with how long that took.
+        self._committed: dict[str, tuple[float, dict[str, float], float]] = {}
         self._quarantined: dict[str, bool | None] = {}  # rid -> deferred report (failed?)
         self.finished: set[str] = set()
         self.failed: set[str] = set()
@@ -115,10 +124,11 @@ class VllmKvLoads:
     def load_done(self, request_id: str, *, shareable: bool) -> None:
         t0 = self._started.pop(request_id, None)
         if t0 is not None:
-            ms = 1000 * (time.monotonic() - t0)
+            now = time.monotonic()
+            ms = 1000 * (now - t0)
             self.load_ms.append(ms)
-            log.info("kvrelay: KV of request %s loaded in %.1f ms (copy and commit)",
-                     request_id, ms)
+            phases = self.timing(request_id) if self.timing is not None else {}
+            self._committed[request_id] = (ms, phases, now)
         self.report(request_id, failed=False)
 
     def load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
@@ -156,6 +166,15 @@ class VllmKvLoads:
     def take(self) -> tuple[set[str], set[str]]:
         out = self.finished, self.failed
         self.finished, self.failed = set(), set()
+        now = time.monotonic()
+        for rid in out[0]:
+            entry = self._committed.pop(rid, None)
+            if entry is not None:
+                ms, phases, at = entry
+                log.info("kvrelay: KV of request %s loaded in %.1f ms (copy and commit; %s; "
+                         "reported to vLLM %.1f ms later)", rid, ms,
+                         ", ".join(f"{k} {v:.1f}" for k, v in phases.items()),
+                         1000 * (now - at))
         return out
 
 
@@ -176,9 +195,12 @@ class DecodeSide:
             transport = NixlTransport(regions)  # one-sided READs; the fence decides
         else:
             transport = TcpTransport(connect=self.client.open_data, io_timeout=io_timeout)
+            transport.on_end = lambda _handle: self.client.replies.put(_WAKE)
+            transport.commit = True  # the verdict after the bytes: no commit round trip
             transport.blocks = HostBlocks(regions)
         self.transport = transport
-        self.loads = VllmKvLoads(ready)
+        self._poll_s = POLL_S.get(settings.kv_transport, 0.01)
+        self.loads = VllmKvLoads(ready, timing=lambda rid: self.receiver.timing(rid))
         # Policy recompute: a failure is reported as failed_recving, and vLLM's own
         # kv_load_failure_policy decides between recompute and an error.
         self.receiver = Receiver(
@@ -275,9 +297,9 @@ class DecodeSide:
             try:
                 with self.lock:
                     wake = self.receiver.next_wakeup()
-                    # Transfers are polled (their threads do not signal): often while
-                    # any load is live; idle, only replies and start() wake us.
-                    wait = 0.01 if self.receiver.has_work() else 0.5
+                    # Running transfers are polled; otherwise only replies, start()
+                    # and timers wake us.
+                    wait = self._poll_s if self.receiver.polling() else 0.5
                 if wake is not None:
                     wait = min(wait, max(0.0, wake - time.monotonic()))
                 try:
@@ -285,16 +307,15 @@ class DecodeSide:
                 except queue.Empty:
                     reply = None
                 with self.lock:
-                    now = time.monotonic()
-                    self._take_inbox(now)
+                    self._take_inbox(time.monotonic())
                     while reply is not None:
                         if reply is not _WAKE:
-                            self.receiver.on_reply(reply, now)
+                            self.receiver.on_reply(reply, time.monotonic())
                         try:
                             reply = replies.get_nowait()
                         except queue.Empty:
                             reply = None
-                    self.receiver.tick(now)
+                    self.receiver.tick(time.monotonic())
             except Exception:  # a bug must not stop every later load
                 log.exception("kvrelay: receiver step failed")
                 time.sleep(0.05)

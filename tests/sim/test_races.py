@@ -26,7 +26,7 @@ from kvrelay.relay import protocol as P
 from kvrelay.relay.lease import LeaseState, LeaseTable, ReleaseReason
 from kvrelay.relay.prefill import PrefillRelay
 from kvrelay.relay.receiver import Phase, Policy, Receiver, ReceiverConfig, RemoteKv
-from kvrelay.relay.transports.base import PeerInfo, TransferState
+from kvrelay.relay.transports.base import PeerInfo, TransferState, TransferStatus
 from kvrelay.relay.transports.tcp import TcpTransport
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.sim.pd_world import SimKv, SimRunner, Violation
@@ -222,6 +222,40 @@ def test_race06_expiry_while_reading_is_caught_by_the_fence() -> None:
     pair.deliver_to_p()
     pair.deliver_to_d()
     assert pair.rx.stats.fence_failures == 1 and pair.rx.stats.fallbacks == {"fence_failed": 1}
+    pair.converse()
+    assert decoded(pair, "r", kv) == pair.expect(1, prompt_len=12)
+    pair.assert_all_free()
+
+
+@pytest.mark.parametrize("expired", [False, True])
+def test_race06_the_verdict_after_the_bytes_is_the_fence(expired: bool) -> None:
+    """The same race with the commit carried by the READ (tcp, Read.commit): P's
+    verdict arrives with the transfer's end, and only ``done`` lets D decode. An expiry
+    and reuse under the copy gets ``released`` and D recomputes; D sends no RELEASE of
+    its own either way (the READ told P), and P released the lease once."""
+    pair = Pair(acquire=1.0)
+    kv, h = pair.start_copy("r", prompt_len=12)
+    pair.transport.land(h, 1)
+    if expired:
+        pair.now = 2.0
+        pair.table.expire(pair.now)
+        pair.p.add_request("other", [5] * 12, pair.params(9, 1))  # reuses the freed blocks
+        while pair.p.has_work():
+            pair.p.step()
+    pair.transport.land(h)
+    load = pair.rx.loads["r"]
+    commit = P.Release(7, kv.engine_id, kv.lease_id, "d1", load.attempt, True)
+    h.status = TransferStatus(TransferState.DONE, nbytes=h.landed * 4,
+                              verdict=pair.relay.handle(commit, pair.now))
+    pair.outbox.clear()  # heartbeats
+    pair.tick()
+    assert pair.outbox == [] and load.phase is Phase.DONE
+    assert pair.table.stats.released == {"expired" if expired else "done": 1}
+    if expired:
+        assert pair.rx.stats.fallbacks == {"fence_failed": 1}
+        assert pair.d.requests["r"].state is not RequestState.RUNNING
+    else:
+        assert pair.rx.stats.loaded == 1 and not pair.rx.stats.fallbacks
     pair.converse()
     assert decoded(pair, "r", kv) == pair.expect(1, prompt_len=12)
     pair.assert_all_free()

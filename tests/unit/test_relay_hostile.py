@@ -343,6 +343,41 @@ def test_read_one_block_2000_times_is_refused_after_the_first(prefill: Prefill) 
     assert prefill.server.stats.bytes_sent == 4 * block_bytes
 
 
+@pytest.mark.parametrize("ended_under_the_stream", [False, True])
+def test_a_read_that_commits_gets_the_fence_of_release_ok(ended_under_the_stream: bool) -> None:
+    """Read.commit: P commits once its last send returned and sends the verdict after
+    the bytes. The verdict is RELEASE(ok)'s: a lease released while P streamed (here it
+    expires while the stream waits for D to read) is refused, never ``done``."""
+    p = Prefill(block_floats=1 << 20)  # 4 MiB blocks: 32 MiB do not fit socket buffers
+    try:
+        lease_id, ids = p.lease("r", nblocks=8)
+        ctl, _ = hello(p.addr, "d-1")
+        data, _ = hello(p.addr, "d-1")
+        data.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        with ctl, data:
+            assert call(ctl, P.Acquire(1, "p-1", lease_id, "d-1", "a-1")).status == "ok"
+            r = call(data, P.Read(2, "p-1", lease_id, "d-1", "a-1", ids, commit=True))
+            assert r.status == "ok"
+            if ended_under_the_stream:
+                with p.lock:  # P is still sending: D has not read a byte yet
+                    assert [x.lease_id for x in p.table.expire(time.monotonic() + 3600)
+                            ] == [lease_id]
+            got = P.read_exact(data, r.nbytes)
+            verdict = P.recv_frame(data)
+            assert isinstance(verdict, P.Reply)
+            assert got == p.kv[ids].numpy().tobytes()
+            if ended_under_the_stream:
+                assert (verdict.status, verdict.reason) == ("released", "expired")
+            else:
+                assert (verdict.status, verdict.reason) == ("ok", "done")
+            # The commit was the lease's one release: a RELEASE(ok) now changes nothing.
+            again = call(ctl, P.Release(3, "p-1", lease_id, "d-1", "a-1", True))
+            assert (again.status, again.reason) == (verdict.status, verdict.reason)
+        assert p.pool.num_free == NBLOCKS
+    finally:
+        p.close()
+
+
 def test_a_read_stream_nobody_takes_ends_the_connection() -> None:
     """A peer that asks for a lease's bytes and never reads them holds P's thread
     and slot for send_timeout only (16 MiB: more than the socket buffers hold)."""

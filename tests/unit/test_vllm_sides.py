@@ -15,6 +15,7 @@ import torch
 
 from kvrelay.relay.receiver import Phase
 from kvrelay.relay.transports import nixl
+from kvrelay.relay.transports.base import TransferState
 from kvrelay.relay.transports.layout import BlockLayout, layer_regions
 from kvrelay.vllm.decode import DecodeSide, LoadSpec, VllmKvLoads
 from kvrelay.vllm.prefill import PrefillSide, VllmLeaseBlocks, prompt_digest
@@ -118,6 +119,19 @@ def test_a_pull_lands_every_layer_and_releases_once(pair: Any, transport: str) -
     d.collect_stats(stats)
     assert len(stats.pop("load_ms")) == 1
     assert stats == {"fallbacks": {}, "fence_refused": 0, "leases_ended": {"done": 1}}
+
+
+def test_a_tcp_transfer_wakes_the_receiver_once_its_status_is_final(pair: Any) -> None:
+    """The receiver thread acts on a transfer's end at once (not at its next poll):
+    the transport calls on_end once per transfer, after the status stopped changing."""
+    p, d, _, _ = pair()
+    ends: list[TransferState] = []
+    wake = d.transport.on_end
+    d.transport.on_end = lambda h: (ends.append(h.status.state), wake(h))
+    d.start([LoadSpec("d-req", lease(p), PROMPT, [9, 10, 1], 0)], [])
+    got: dict[str, bool] = {}
+    wait_for(finished(d, got), "the load's report")
+    assert got == {"d-req": False} and ends == [TransferState.DONE]
 
 
 def test_a_replay_never_commits(pair: Any) -> None:

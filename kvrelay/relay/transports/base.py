@@ -29,7 +29,15 @@ class TransferStatus:
     state: TransferState
     error: str = ""
     nbytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # started to ended
+    # Where a transfer's time went (0: the transport does not tell): seconds from its
+    # start to the first byte (tcp: P's answer to the READ), and the time.monotonic()
+    # at which it ended (the receiver notices later: by a wake-up, or its next poll).
+    first_byte: float = 0.0
+    ended_at: float = 0.0
+    # P's verdict on the commit, when the transport asked P to commit at the end of
+    # the transfer (tcp with ``commit``): the Reply a RELEASE(ok) would have got.
+    verdict: Any = None
 
 
 @dataclass

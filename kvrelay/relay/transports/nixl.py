@@ -445,5 +445,5 @@ class NixlTransport:
         h.status = TransferStatus(
             state, error=error,
             nbytes=h.nbytes if state is TransferState.DONE else 0,
-            seconds=time.perf_counter() - h.started)
+            seconds=time.perf_counter() - h.started, ended_at=time.monotonic())
         return h.status

@@ -141,6 +141,7 @@ class TcpHandle:
     status: TransferStatus = field(default_factory=lambda: TransferStatus(TransferState.PENDING))
     started: float = 0.0
     sock: socket.socket | None = None  # shut down by cancel() to unblock a waiting recv
+    first_byte: float = 0.0  # P's answer to the READ arrived (perf_counter)
 
 
 # Opens an authenticated data connection to a relay (HELLO done) and returns it.
@@ -182,6 +183,12 @@ class TcpTransport:
         self._lock = threading.Lock()
         self._seq = 0
         self.delay = injected_delay()
+        # Called (from the reader thread) once a handle's status is final, so the
+        # receiver can act at once instead of at its next poll.
+        self.on_end: Callable[[TcpHandle], None] | None = None
+        # Ask P to commit at the end of each READ (protocol.Read.commit): its verdict
+        # comes after the bytes, and the receiver need not send RELEASE(ok) itself.
+        self.commit = False
 
     def register(self, kv_cache: Any) -> dict[str, Any]:
         self.blocks = block_io(kv_cache, self.staging)
@@ -247,8 +254,9 @@ class TcpTransport:
                 P.kernel_timeouts(sock, self.io_timeout)
                 try:
                     sock.sendall(P.encode(P.Read(seq, peer.engine_id, lease_id, holder,
-                                                 attempt, remote)))
+                                                 attempt, remote, commit=self.commit)))
                     reply = P.recv_frame(sock)
+                    h.first_byte = time.perf_counter()
                     break
                 except (ConnectionError, BrokenPipeError) as e:
                     if not pooled or fresh or h.cancelled.is_set():
@@ -266,11 +274,17 @@ class TcpTransport:
                     f"read of {reply.nbytes} bytes does not fit {len(local)} blocks"
                 )
             self._recv_scattered(sock, remote, local, h.cancelled)
+            verdict = P.recv_frame(sock) if self.commit else None
+            if verdict is not None and not isinstance(verdict, P.Reply):
+                raise P.ProtocolError("the commit's verdict is not a reply")
             h.sock = None
             self._give_back(peer.relay, sock)
             sock = None
+            end = time.perf_counter()
             h.status = TransferStatus(TransferState.DONE, nbytes=reply.nbytes,
-                                      seconds=time.perf_counter() - h.started)
+                                      seconds=end - h.started,
+                                      first_byte=h.first_byte - h.started,
+                                      ended_at=time.monotonic(), verdict=verdict)
         except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO/SO_SNDTIMEO expired
             h.status = TransferStatus(
                 TransferState.FAILED,
@@ -290,6 +304,8 @@ class TcpTransport:
             if h.status.state is TransferState.PENDING:  # BaseException: still never hang
                 h.status = TransferStatus(TransferState.FAILED,
                                           error="tcp transfer failed: reader interrupted")
+            if self.on_end is not None:
+                self.on_end(h)
 
     def _recv_scattered(self, sock: socket.socket, remote: list[int], local: list[int],
                         cancelled: threading.Event) -> None:
