@@ -2,7 +2,7 @@
 and always-local prefill, on 1P1D behind the proxy, in one run.
 
 One cluster per mode, all started at once (``--disaggregation always``, the reference,
-then ``never``, then ``conditional`` with ``--local-prefill-queue`` and each
+then ``never``, then ``conditional`` with ``--local-prefill-queue-tokens`` and each
 ``--local-prefill-max-tokens`` value given, so that one run tunes it): one prefill and
 one decode engine (embedded model by default, bfloat16 where native, one thread each)
 and the proxy. Each engine gets one short warm-up request straight. Then the same
@@ -63,7 +63,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--local-prefill-max-tokens", type=int, nargs="+", default=[d.max_tokens],
                    metavar="N", help="one conditional run per value")
-    p.add_argument("--local-prefill-queue", type=int, default=d.queue)
+    p.add_argument("--local-prefill-queue-tokens", type=int, default=d.queue_tokens,
+                   metavar="N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=300.0, metavar="SECONDS")
     p.add_argument("--save-result", metavar="FILE.json",
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--long-fraction must be between 0 and 1, got {args.long_fraction}")
     try:
         for n in args.local_prefill_max_tokens:
-            PlacementConfig("conditional", n, args.local_prefill_queue)
+            PlacementConfig("conditional", n, args.local_prefill_queue_tokens)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     prompts = make_prompts(args)
@@ -166,7 +167,7 @@ class Cluster:
         self.proxy = ServerProcess(
             ["--prefill", self.p.base_url, "--decode", self.d.base_url, "--disaggregation",
              mode, "--local-prefill-max-tokens", str(max_tokens),
-             "--local-prefill-queue", str(args.local_prefill_queue)],
+             "--local-prefill-queue-tokens", str(args.local_prefill_queue_tokens)],
             command="proxy", log_path=str(self.logs / "proxy.log"))
         self.deployment = Deployment([self.p, self.d, self.proxy])
         self.model = ""
@@ -240,7 +241,7 @@ def report(args: argparse.Namespace, outcomes: list[Outcome]) -> str:
         f"{args.num_prefixes} documents of {args.prefix_len} words + {args.tail_len}-word "
         f"question), the rest 4-{args.short_len} words; concurrency {args.concurrency}, "
         f"max_tokens {args.output_len}; {args.dtype}, {args.threads} thread(s) per engine; "
-        f"conditional: --local-prefill-queue {args.local_prefill_queue}",
+        f"conditional: --local-prefill-queue-tokens {args.local_prefill_queue_tokens}",
         f"{'mode':<22}{'ok':>4}{'TTFT p50 ms':>13}{'p90 ms':>9}{'p99 ms':>9}"
         f"{'E2E mean ms':>13}{'pulled MiB':>12}  prefill placed by",
     ]
