@@ -2,7 +2,7 @@
 and always-local prefill, on 1P1D behind the proxy, in one run.
 
 One cluster per mode, all started at once (``--disaggregation always``, the reference,
-then ``never``, then ``conditional`` with ``--local-prefill-queue`` and each
+then ``never``, then ``conditional`` with ``--local-prefill-queue-tokens`` and each
 ``--local-prefill-max-tokens`` value given, so that one run tunes it): one prefill and
 one decode engine (embedded model by default, bfloat16 where native, one thread each)
 and the proxy. Each engine gets one short warm-up request straight. Then the same
@@ -21,21 +21,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import re
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvrelay.bench.routing import (
     add_engine_args,
-    load,
     proxy_sees_all_healthy,
     scrape,
     warm_up,
 )
-from kvrelay.bench.serve import WORDS, RequestResult, percentiles
+from kvrelay.bench.serve import WORDS, RequestResult, percentiles, send_one
 from kvrelay.server.proxy_placement import PlacementConfig
 
 MODES = ("always", "never", "conditional")  # the reference first
@@ -62,9 +63,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--local-prefill-max-tokens", type=int, nargs="+", default=[d.max_tokens],
                    metavar="N", help="one conditional run per value")
-    p.add_argument("--local-prefill-queue", type=int, default=d.queue)
+    p.add_argument("--local-prefill-queue-tokens", type=int, default=d.queue_tokens,
+                   metavar="N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=300.0, metavar="SECONDS")
+    p.add_argument("--save-result", metavar="FILE.json",
+                   help="every request of every mode: its kind, when it was sent, TTFT, E2E")
     p.set_defaults(func=run)
 
 
@@ -85,6 +89,18 @@ def make_prompts(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def kinds(prompts: list[str]) -> list[str]:
+    """Each prompt's kind: ``short``; ``cold``, the first on its document (no engine holds
+    it); ``warm``, a later one (the engine that served the first may hold it)."""
+    seen: set[str] = set()
+    out = []
+    for p in prompts:
+        doc = p.split("\nQuestion", 1)[0] if p.startswith("Document") else ""
+        out.append("short" if not doc else "warm" if doc in seen else "cold")
+        seen.add(doc)
+    return out
+
+
 @dataclass
 class Outcome:
     mode: str
@@ -92,6 +108,7 @@ class Outcome:
     results: list[RequestResult]
     reasons: dict[str, float]  # 'role/reason' -> picks
     pulled: float  # bytes the decode engine pulled
+    sent: list[float] = field(default_factory=list)  # s from its round's start, per request
 
     def ttft(self) -> dict[str, float]:
         return percentiles([r.ttft_s * 1e3 for r in self.results if r.ok])
@@ -108,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--long-fraction must be between 0 and 1, got {args.long_fraction}")
     try:
         for n in args.local_prefill_max_tokens:
-            PlacementConfig("conditional", n, args.local_prefill_queue)
+            PlacementConfig("conditional", n, args.local_prefill_queue_tokens)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     prompts = make_prompts(args)
@@ -127,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
         for c in clusters:
             c.deployment.stop()
     print(report(args, outcomes))
+    print(tails(prompts, outcomes))
+    if args.save_result:
+        save(args.save_result, prompts, outcomes)
     return 1 if any(not r.ok for o in outcomes for r in o.results) else 0
 
 
@@ -147,7 +167,7 @@ class Cluster:
         self.proxy = ServerProcess(
             ["--prefill", self.p.base_url, "--decode", self.d.base_url, "--disaggregation",
              mode, "--local-prefill-max-tokens", str(max_tokens),
-             "--local-prefill-queue", str(args.local_prefill_queue)],
+             "--local-prefill-queue-tokens", str(args.local_prefill_queue_tokens)],
             command="proxy", log_path=str(self.logs / "proxy.log"))
         self.deployment = Deployment([self.p, self.d, self.proxy])
         self.model = ""
@@ -159,14 +179,14 @@ class Cluster:
         proxy_sees_all_healthy(self.proxy.base_url, 2, self.args.start_timeout)
         self.pulled0 = pulled_bytes(self.d.base_url)
 
-    def outcome(self, results: list[RequestResult]) -> Outcome:
+    def outcome(self, results: list[RequestResult], sent: list[float]) -> Outcome:
         reasons = {}
         for key, value in scrape(self.proxy.base_url).items():
             if key.startswith("kvrelay_proxy_route_total{"):
                 labels = dict(re.findall(r'(\w+)="([^"]*)"', key))
                 reasons[f"{labels['role']}/{labels['reason']}"] = value
         return Outcome(self.mode, self.max_tokens, results, reasons,
-                       pulled_bytes(self.d.base_url) - self.pulled0)
+                       pulled_bytes(self.d.base_url) - self.pulled0, sent)
 
 
 def interleaved(args: argparse.Namespace, clusters: list[Cluster],
@@ -175,13 +195,38 @@ def interleaved(args: argparse.Namespace, clusters: list[Cluster],
     turn (the order rotating): a machine whose load drifts during the run (a shared one)
     slows every mode alike, not the one that happened to run then."""
     results: list[list[RequestResult]] = [[] for _ in clusters]
+    sent: list[list[float]] = [[] for _ in clusters]
     for r, start in enumerate(range(0, len(prompts), ROUND)):
         chunk = prompts[start:start + ROUND]
         for k in range(len(clusters)):
             i = (k + r) % len(clusters)
             c = clusters[i]
-            results[i] += asyncio.run(load(c.proxy.base_url, c.model, chunk, args))
-    return [c.outcome(res) for c, res in zip(clusters, results, strict=True)]
+            timed = asyncio.run(load(c.proxy.base_url, c.model, chunk, args))
+            results[i] += [res for _, res in timed]
+            sent[i] += [t for t, _ in timed]
+    return [c.outcome(res, t) for c, res, t in zip(clusters, results, sent, strict=True)]
+
+
+async def load(proxy_url: str, model: str, prompts: list[str],
+               args: argparse.Namespace) -> list[tuple[float, RequestResult]]:
+    """The prompts' streamed completions at ``--concurrency``: each one's send time (s
+    since the first) and result."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=args.concurrency,
+                          max_keepalive_connections=args.concurrency)
+    sem = asyncio.Semaphore(args.concurrency)
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(limits=limits, timeout=600.0) as client:
+        async def one(prompt: str) -> tuple[float, RequestResult]:
+            async with sem:
+                at = time.perf_counter() - t0
+                return at, await send_one(client, proxy_url + "/v1/completions", {
+                    "model": model, "prompt": prompt, "max_tokens": args.output_len,
+                    "temperature": 0.0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}})
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
 def pulled_bytes(url: str) -> float:
@@ -196,7 +241,7 @@ def report(args: argparse.Namespace, outcomes: list[Outcome]) -> str:
         f"{args.num_prefixes} documents of {args.prefix_len} words + {args.tail_len}-word "
         f"question), the rest 4-{args.short_len} words; concurrency {args.concurrency}, "
         f"max_tokens {args.output_len}; {args.dtype}, {args.threads} thread(s) per engine; "
-        f"conditional: --local-prefill-queue {args.local_prefill_queue}",
+        f"conditional: --local-prefill-queue-tokens {args.local_prefill_queue_tokens}",
         f"{'mode':<22}{'ok':>4}{'TTFT p50 ms':>13}{'p90 ms':>9}{'p99 ms':>9}"
         f"{'E2E mean ms':>13}{'pulled MiB':>12}  prefill placed by",
     ]
@@ -218,3 +263,38 @@ def report(args: argparse.Namespace, outcomes: list[Outcome]) -> str:
         lines.append(f"TTFT ratio conditional {o.max_tokens} / better of the two: "
                      f"{', '.join(ratios)}")
     return "\n".join(lines)
+
+
+def _label(o: Outcome) -> str:
+    return f"conditional {o.max_tokens}" if o.mode == "conditional" else LABELS[o.mode]
+
+
+def tails(prompts: list[str], outcomes: list[Outcome]) -> str:
+    """TTFT by prompt kind (kinds()) per mode, and the kinds of each mode's slowest
+    requests (past its p95): what makes the tail."""
+    kind = kinds(prompts)
+    lines = [f"{'TTFT by kind':<22}" + "".join(
+        f"{k + ' n/p50/max ms':>26}" for k in ("short", "cold", "warm")) + "  slowest (>p95)"]
+    for o in outcomes:
+        cells = []
+        for k in ("short", "cold", "warm"):
+            t = [r.ttft_s * 1e3 for r, kk in zip(o.results, kind, strict=True)
+                 if r.ok and kk == k]
+            cells.append(f"{len(t)}/{percentiles(t)['p50']:.0f}/{max(t, default=0):.0f}")
+        ok = sorted(((r.ttft_s * 1e3, i) for i, r in enumerate(o.results) if r.ok),
+                    reverse=True)
+        slow = ok[:max(1, len(ok) // 20)]
+        lines.append(f"{_label(o):<22}" + "".join(f"{c:>26}" for c in cells) + "  " +
+                     ", ".join(f"#{i} {kind[i]} {t:.0f}" for t, i in slow))
+    return "\n".join(lines)
+
+
+def save(path: str, prompts: list[str], outcomes: list[Outcome]) -> None:
+    kind = kinds(prompts)
+    rows = [{"mode": _label(o), "i": i, "round": i // ROUND, "kind": kind[i],
+             "chars": len(prompts[i]), "sent_s": o.sent[i] if i < len(o.sent) else None,
+             "ok": r.ok, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
+             "prompt_tokens": r.prompt_tokens}
+            for o in outcomes for i, r in enumerate(o.results)]
+    Path(path).write_text(json.dumps({"requests": rows, "reasons": {
+        _label(o): o.reasons for o in outcomes}}, indent=1))

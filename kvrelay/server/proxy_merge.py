@@ -46,6 +46,10 @@ class Leg:
     # tokens, and the decode engine routed before the prefill was placed.
     tokens: float = 0.0
     decoder: Upstream | None = None
+    # The prompt tokens each side would compute (the prompt less the prefix it holds),
+    # counted as the engine's prefill work in flight until its first token; None: all.
+    local_tokens: float | None = None
+    remote_tokens: float | None = None
     # P's params say its decode engine samples the first token again (vLLM's decode
     # engine behind kvrelay.vllm): D's answer is the whole choice, and in a stream the
     # text the client already got from P (``resent_left`` characters) is cut from D's.

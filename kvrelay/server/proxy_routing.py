@@ -44,7 +44,7 @@ from kvrelay.server.proxy_affinity import (
 from kvrelay.server.proxy_discovery import Discovery
 from kvrelay.server.proxy_events import EventMetrics, EventRecord, KvEventsFeed, tokenize_on
 from kvrelay.server.proxy_merge import Frame, Leg
-from kvrelay.server.proxy_placement import CHARS_PER_TOKEN, PlacementConfig, local_reason
+from kvrelay.server.proxy_placement import CHARS_PER_TOKEN, PlacementConfig, Work, local_reason
 from kvrelay.server.responses import EventStream, until_disconnect
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,15 @@ class Upstream:
     # can time out on an engine that lost nothing, and a record gone stale (the engine
     # restarted) costs one miss per prefix, after which the engine holds it again.
     healthy: bool = True
+    # Conditional disaggregation: the prefixes this (decode) engine has computed or
+    # pulled, recorded when its first token of a leg came back. ``prefixes`` takes a
+    # prompt at routing, before the engine has it: a prefix still being prefilled on a P
+    # (or on this engine) is not in its cache, and a prefill placed here on the strength
+    # of it computes the whole prompt (the tail of the first benchmark runs).
+    landed: PrefixRecord | None = None
+    # Prompt tokens sent here to prefill and not yet answered by a first token: the
+    # engine's prefill work in flight, for conditional disaggregation (_Prefilling).
+    prefilling: float = 0.0
 
 
 class Upstreams:
@@ -94,7 +103,11 @@ class Upstreams:
         if not urls and not discovered:
             raise ValueError(f"at least one --{role} URL is required")
         self.role, self.config = role, config
-        self.all = [Upstream(u.rstrip("/"), role, _record(config)) for u in urls]
+        self.all = [self._upstream(u.rstrip("/")) for u in urls]
+
+    def _upstream(self, url: str, healthy: bool = True) -> Upstream:
+        landed = PrefixRecord(self.config.cache_size) if self.role == "decode" else None
+        return Upstream(url, self.role, _record(self.config), healthy=healthy, landed=landed)
 
     def update(self, urls: list[str]) -> tuple[list[str], list[str]]:
         """The engines are now ``urls`` (DNS discovery): (added, removed). A new one
@@ -104,8 +117,7 @@ class Upstreams:
         have = {u.url for u in self.all}
         added, removed = sorted(want - have), sorted(have - want)
         self.all = [u for u in self.all if u.url in want] + [
-            Upstream(u, self.role, _record(self.config), healthy=False)
-            for u in added]
+            self._upstream(u, healthy=False) for u in added]
         return added, removed
 
     def candidates(self) -> list[Upstream]:
@@ -119,16 +131,15 @@ class Upstreams:
         best = self.candidates()[:1]
         return best[0] if best and best[0].healthy else None
 
-    def route(self, leg: Leg) -> tuple[Upstream, Reason, int]:
+    def route(self, leg: Leg) -> tuple[Upstream, Reason]:
         """The engine for ``leg`` by expected prefix reuse and load (proxy_affinity),
-        why, and how many chunks of the leg's chain it was expected to hold; with
-        KV-aware routing its record takes the leg's prompt at once, so requests with the
-        same prefix that follow it (also ones already in flight) find it."""
+        and why; with KV-aware routing its record takes the leg's prompt at once, so
+        requests with the same prefix that follow it (also ones already in flight) find
+        it there."""
         up, reason = choose(self.all, leg.chain, leg.text_len, self.config)
-        matched = up.prefixes.match(leg.chain)
         if self.config.kv_aware:
             up.prefixes.insert(leg.chain)
-        return up, reason, matched
+        return up, reason
 
 
 def _record(config: RoutingConfig) -> PrefixRecord:
@@ -337,15 +348,12 @@ class Proxy:
         return await tokenize_on(self._http(), urls, self._headers(), body)
 
     def _pick(self, ups: Upstreams, leg: Leg) -> Upstream:
-        return self._pick_matched(ups, leg)[0]
-
-    def _pick_matched(self, ups: Upstreams, leg: Leg) -> tuple[Upstream, int]:
-        """The routed engine (counted) and its expected match, in chunks of the chain."""
-        up, reason, matched = ups.route(leg)
+        """The routed engine, counted."""
+        up, reason = ups.route(leg)
         self.metrics.route.labels(ups.role, reason.value).inc()
         log.debug("route %s %s: %s (outstanding %d)", ups.role, up.url, reason.value,
                   up.outstanding)
-        return up, matched
+        return up
 
     def _to_prefill(self, leg: Leg) -> bool:
         """Conditional disaggregation (proxy_placement): False when the leg is to be
@@ -353,16 +361,31 @@ class Proxy:
         under role prefill with the reason."""
         if self.placement.mode == "always" or not self.decode.all:
             return True
-        leg.decoder, matched = self._pick_matched(self.decode, leg)
-        cached = matched * self.routing.chunk_chars / leg.text_len if leg.text_len else 0.0
-        ready = [up.outstanding for up in self.prefill.all if up.healthy]
-        why = local_reason(self.placement, leg.tokens, cached, min(ready) if ready else None)
+        d = leg.decoder = self._pick(self.decode, leg)
+        # What D holds, not what was sent to it (Upstream.landed): a prefix on its way
+        # from P is not there yet. P's record is what was sent: a prefix in flight on P
+        # lands with the step computing it, before the step a later prompt joins.
+        leg.local_tokens = self._uncached(leg, d.landed.match(leg.chain) if d.landed else 0)
+        # Per healthy P: its work in flight with this prompt's, and this prompt's.
+        remote = min(((max(0.0, up.prefilling) + t, t) for up in self.prefill.all if up.healthy
+                      for t in (self._uncached(leg, up.prefixes.match(leg.chain)),)),
+                     default=None)
+        why = local_reason(self.placement, Work(leg.tokens, leg.local_tokens,
+                                                max(0.0, d.prefilling), remote and remote[0]))
         if why is None:
+            leg.remote_tokens = remote[1] if remote else None
             return True
         self.metrics.route.labels("prefill", why.value).inc()
         self.metrics.requests.labels("local_prefill").inc()
         log.debug("prefill on decode engine %s: %s", leg.decoder.url, why.value)
         return False
+
+    def _uncached(self, leg: Leg, matched: int) -> float:
+        """The leg's prompt tokens an engine would compute, ``matched`` chunks of its chain
+        being in the engine's cache."""
+        if not leg.text_len:
+            return leg.tokens
+        return leg.tokens * (1.0 - min(1.0, matched * self.routing.chunk_chars / leg.text_len))
 
     def _prefill_order(self, leg: Leg) -> list[Upstream]:
         """The routed prefill engine, then the others to retry on, least loaded first."""
@@ -407,7 +430,9 @@ class Proxy:
     async def _prefill_leg(self, path: str, leg: Leg) -> None:
         for attempt, up in enumerate(self._prefill_order(leg)):
             try:
-                first = await self._prefill(up, path, leg.p_body())
+                with _Prefilling(up, leg.tokens if leg.remote_tokens is None
+                                 else leg.remote_tokens):
+                    first = await self._prefill(up, path, leg.p_body())
             except UpstreamDown as exc:
                 self.metrics.prefill_failures.inc()
                 up.healthy = False
@@ -501,8 +526,10 @@ class Proxy:
         for up in self._decode_order(leg):
             async with self._outstanding(up):
                 try:
-                    r = await self._http().post(f"{up.url}{path}", json=body,
-                                                headers=self._headers(), timeout=self.timeout)
+                    with _Prefilling(up, _local_work(leg)):
+                        r = await self._http().post(f"{up.url}{path}", json=body,
+                                                    headers=self._headers(),
+                                                    timeout=self.timeout)
                 except httpx.ConnectError as exc:  # D never saw the leg: the next one
                     self._refused_unseen(up, f"{type(exc).__name__}: {exc}")
                     r = _error(502, f"the decode engine {up.url} is unreachable: {exc}")
@@ -521,6 +548,7 @@ class Proxy:
             self._release(leg)
             raise Refused(r)
         leg.params = None  # D pulled (or gave back) the lease
+        _landed(up, leg)
         decoded = r.json()
         frame.saw(decoded)
         return merge.leg_choice(leg, decoded)
@@ -607,40 +635,85 @@ class Proxy:
         self, up: Upstream, path: str, leg: Leg, frame: Frame,
         events: asyncio.Queue[tuple[Leg, str, Any]],
     ) -> dict[str, Any] | None:
+        async with self._outstanding(up):
+            with _Prefilling(up, _local_work(leg)) as work:
+                return await self._stream_lines(up, path, leg, frame, events, work)
+
+    async def _stream_lines(
+        self, up: Upstream, path: str, leg: Leg, frame: Frame,
+        events: asyncio.Queue[tuple[Leg, str, Any]], work: _Prefilling,
+    ) -> dict[str, Any] | None:
         body = self._decode_body(leg, stream=True)
         kind = "d" if leg.first is not None and leg.tools is None else "c"
-        async with self._outstanding(up):
-            try:
-                async with self._http().stream("POST", f"{up.url}{path}", json=body,
-                                               headers=self._headers(),
-                                               timeout=self.timeout) as r:
-                    if r.status_code != 200:
-                        await r.aread()
-                        if r.status_code in (429, 503):
-                            raise _Unseen(_json_body(r), busy=r.status_code == 429)
-                        return dict(_json_body(r))
-                    leg.params = None  # D has the lease: it pulls or gives it back
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            return None
-                        chunk = json.loads(data)
-                        if "error" in chunk:
-                            return dict(chunk)
-                        frame.saw(chunk)
-                        if chunk.get("usage") and not chunk.get("choices"):
-                            leg.usage = chunk["usage"]
-                        for choice in chunk.get("choices") or []:
-                            events.put_nowait((leg, kind, choice))
-            except httpx.ConnectError as exc:
-                raise _Unseen(merge.error_event(f"the decode engine {up.url} is unreachable: "
-                                                f"{exc}")) from exc
-            except httpx.HTTPError as exc:
-                return merge.error_event(f"the decode engine {up.url} failed mid-stream: "
-                                         f"{type(exc).__name__}: {exc}")
+        landed = False
+        try:
+            async with self._http().stream("POST", f"{up.url}{path}", json=body,
+                                           headers=self._headers(),
+                                           timeout=self.timeout) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    if r.status_code in (429, 503):
+                        raise _Unseen(_json_body(r), busy=r.status_code == 429)
+                    return dict(_json_body(r))
+                leg.params = None  # D has the lease: it pulls or gives it back
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return None
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        return dict(chunk)
+                    frame.saw(chunk)
+                    if chunk.get("usage") and not chunk.get("choices"):
+                        leg.usage = chunk["usage"]
+                    for choice in chunk.get("choices") or []:
+                        if not landed:
+                            landed = _landed(up, leg)
+                            work.done()
+                        events.put_nowait((leg, kind, choice))
+        except httpx.ConnectError as exc:
+            raise _Unseen(merge.error_event(f"the decode engine {up.url} is unreachable: "
+                                            f"{exc}")) from exc
+        except httpx.HTTPError as exc:
+            return merge.error_event(f"the decode engine {up.url} failed mid-stream: "
+                                     f"{type(exc).__name__}: {exc}")
         return merge.error_event(f"the decode engine {up.url} ended the stream early")
+
+
+class _Prefilling:
+    """A leg's prefill work on an engine (Upstream.prefilling), counted from the request
+    until ``done()``: its first token, or the end of the request however it ends."""
+
+    def __init__(self, up: Upstream, tokens: float) -> None:
+        self.up, self.tokens = up, tokens
+
+    def __enter__(self) -> _Prefilling:
+        self.up.prefilling += self.tokens
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done()
+
+    def done(self) -> None:
+        self.up.prefilling -= self.tokens
+        self.tokens = 0.0
+
+
+def _local_work(leg: Leg) -> float:
+    """The prompt tokens a decode engine computes for the leg: none when P prefilled it."""
+    if leg.first is not None:
+        return 0.0
+    return leg.tokens if leg.local_tokens is None else leg.local_tokens
+
+
+def _landed(up: Upstream, leg: Leg) -> bool:
+    """The decode engine answered the leg: it holds its prompt's KV now (computed or
+    pulled), for conditional disaggregation's cached estimate."""
+    if up.landed is not None:
+        up.landed.insert(leg.chain)
+    return True
 
 
 async def _all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:

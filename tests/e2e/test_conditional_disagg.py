@@ -43,7 +43,7 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
             "proxy", "--prefill", procs["p"].url, "--decode", procs["d"].url,
             "--health-interval", "0.5", "--disaggregation", "conditional",
             "--local-prefill-max-tokens", str(MAX_LOCAL),
-            "--local-prefill-queue", "0"]).start().wait_healthy()
+            "--local-prefill-queue-tokens", "0"]).start().wait_healthy()
         yield procs
     finally:
         c.close()

@@ -12,7 +12,7 @@ from kvrelay.bench.serve import RequestResult
 def args(**kw: object) -> argparse.Namespace:
     base = {"num_requests": 200, "long_fraction": 0.5, "num_prefixes": 3, "prefix_len": 40,
             "tail_len": 5, "short_len": 12, "seed": 1, "concurrency": 4, "output_len": 8,
-            "dtype": "bfloat16", "threads": 1, "local_prefill_queue": 2}
+            "dtype": "bfloat16", "threads": 1, "local_prefill_queue_tokens": 256}
     return argparse.Namespace(**{**base, **kw})
 
 

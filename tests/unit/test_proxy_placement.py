@@ -12,45 +12,46 @@ from kvrelay.cli import EXIT_USAGE, main
 from kvrelay.server.protocol import CompletionRequest, validate
 from kvrelay.server.proxy_affinity import RoutingConfig
 from kvrelay.server.proxy_merge import Leg
-from kvrelay.server.proxy_placement import Local, PlacementConfig, local_reason
-from kvrelay.server.proxy_routing import Proxy
+from kvrelay.server.proxy_placement import Local, PlacementConfig, Work, local_reason
+from kvrelay.server.proxy_routing import Proxy, _landed, _Prefilling
 
-COND = PlacementConfig("conditional", max_tokens=100, queue=3)
+COND = PlacementConfig("conditional", max_tokens=100, queue_tokens=50)
 
 
-@pytest.mark.parametrize(("tokens", "cached", "load", "want"), [
-    (1, 0.0, 0, Local.SHORT),
-    (100, 0.0, 0, Local.SHORT),  # the threshold is inclusive
-    (101, 0.0, 0, None),  # long, nothing cached, P idle: disaggregated
-    (1000, 0.9, 0, Local.CACHED),  # 100 tokens left to compute
-    (1000, 0.89, 0, None),  # 110 left
-    (1000, 1.5, 0, Local.CACHED),  # an estimate past the prompt counts as all of it
-    (1000, -1.0, 2, None),
-    (1000, 0.0, 3, Local.BUSY),  # every P has 3 in flight
-    (1000, 0.0, 2, None),
-    (1000, 0.0, None, None),  # no healthy P: the usual retries, then D
-    (50, 0.0, 9, Local.SHORT),  # the first reason that holds is the one counted
+@pytest.mark.parametrize(("prompt", "local", "local_queue", "remote", "want"), [
+    (1, 1, 0, 1, Local.SHORT),
+    (100, 100, 0, 100, Local.SHORT),  # the threshold is inclusive
+    (101, 101, 0, 101, None),  # long, nothing cached, both idle: disaggregated
+    (1000, 100, 0, 1000, Local.CACHED),  # 100 tokens left to compute on D
+    (1000, 110, 0, 110, None),  # P holds as much of it
+    (1000, 110, 0, 1000, Local.BUSY),  # P does not: D computes far less
+    (1000, 1000, 0, 1049, None),  # P's backlog 49 tokens longer: not worth moving
+    (1000, 1000, 0, 1050, Local.BUSY),  # 50 longer: D finishes it sooner
+    (1000, 1000, 500, 1549, None),  # D's own prefills in flight count
+    (1000, 1000, 500, 1550, Local.BUSY),
+    (1000, 1000, 0, None, None),  # no healthy P: the usual retries, then D
+    (50, 50, 10_000, 50, Local.SHORT),  # the first reason that holds is the one counted
 ])
-def test_conditional_rule(tokens: float, cached: float, load: int | None,
-                          want: Local | None) -> None:
-    assert local_reason(COND, tokens, cached, load) == want
+def test_conditional_rule(prompt: float, local: float, local_queue: float,
+                          remote: float | None, want: Local | None) -> None:
+    assert local_reason(COND, Work(prompt, local, local_queue, remote)) == want
 
 
 def test_always_and_never_ignore_the_prompt() -> None:
-    for tokens, cached, load in ((1, 1.0, 99), (10_000, 0.0, 0), (10_000, 0.0, None)):
-        assert local_reason(PlacementConfig("always"), tokens, cached, load) is None
-        assert local_reason(PlacementConfig("never"), tokens, cached, load) is Local.ALWAYS
+    for work in (Work(1, 0, 0, 99), Work(10_000, 10_000, 0, 0), Work(10_000, 0, 0, None)):
+        assert local_reason(PlacementConfig("always"), work) is None
+        assert local_reason(PlacementConfig("never"), work) is Local.ALWAYS
 
 
 def test_queue_zero_turns_the_busy_rule_off() -> None:
-    off = PlacementConfig("conditional", max_tokens=10, queue=0)
-    assert local_reason(off, 1000, 0.0, 10_000) is None
+    off = PlacementConfig("conditional", max_tokens=10, queue_tokens=0)
+    assert local_reason(off, Work(1000, 1000, 0, 100_000)) is None
 
 
 @pytest.mark.parametrize(("kw", "flag"), [
     ({"mode": "sometimes"}, "--disaggregation"),
     ({"max_tokens": -1}, "--local-prefill-max-tokens"),
-    ({"queue": -1}, "--local-prefill-queue"),
+    ({"queue_tokens": -1}, "--local-prefill-queue-tokens"),
 ])
 def test_bad_settings_name_the_flag(kw: dict[str, Any], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
@@ -59,9 +60,9 @@ def test_bad_settings_name_the_flag(kw: dict[str, Any], flag: str) -> None:
 
 def test_proxy_with_a_bad_placement_flag_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["proxy", "--prefill", "http://p", "--decode", "http://d",
-                 "--disaggregation", "conditional", "--local-prefill-queue", "-2"])
+                 "--disaggregation", "conditional", "--local-prefill-queue-tokens", "-2"])
     assert code == EXIT_USAGE
-    assert "--local-prefill-queue must be >= 0" in capsys.readouterr().err
+    assert "--local-prefill-queue-tokens must be >= 0" in capsys.readouterr().err
 
 
 # -- the proxy's inputs to the rule ---------------------------------------------------
@@ -105,26 +106,47 @@ def test_token_id_prompts_count_their_ids() -> None:
 def test_a_prefix_the_decode_engine_holds_is_computed_there() -> None:
     px = proxy(max_tokens=8)
     doc = "".join(chr(65 + i % 26) for i in range(160))  # 10 chunks, 40 tokens
-    assert px._to_prefill(legs(px, doc + "tail one"))  # first sight: cold everywhere
-    # Its chain is in D's record now: the same document with a new tail is cached.
-    assert not px._to_prefill(legs(px, doc + "tail two"))
+    first = legs(px, doc + "tail one")
+    assert px._to_prefill(first)  # first sight: cold everywhere
+    # Routed to D, but D has not answered it yet: the document is still on its way
+    # (prefilling on P, then pulled), so a second question on it is not cached there.
+    assert px._to_prefill(legs(px, doc + "tail two"))
+    assert count(px, "local_cached") == 0
+    _landed(first.decoder, first)  # D's first token of it: D holds the document now
+    assert not px._to_prefill(legs(px, doc + "tail three"))
     assert count(px, "local_cached") == 1
     # The match is what D held before this leg, not the leg's own prompt just recorded.
-    assert px._to_prefill(legs(px, doc[::-1] + "tail three"))
+    assert px._to_prefill(legs(px, doc[::-1] + "tail four"))
 
 
-def test_every_prefill_engine_busy_moves_the_prefill() -> None:
-    px = proxy(max_tokens=0, queue=2)
+def test_prefill_work_in_flight_moves_a_long_prefill() -> None:
+    px = proxy(max_tokens=0, queue_tokens=5)
     p1, p2 = px.prefill.all
-    p1.outstanding, p2.outstanding = 2, 1
-    assert px._to_prefill(legs(px, "long enough"))
-    p2.outstanding = 2
-    assert not px._to_prefill(legs(px, "long enough"))
+    p1.prefilling, p2.prefilling = 20.0, 4.0  # tokens, not yet answered
+    leg = legs(px, "x" * 40)  # 10 tokens
+    assert px._to_prefill(leg)  # on p2: 14 tokens against 10 on D
+    assert leg.remote_tokens == 10
+    p2.prefilling = 5.0
+    assert not px._to_prefill(legs(px, "y" * 40))
     assert count(px, "local_prefill_busy") == 1
-    p2.healthy = False  # an unhealthy engine's count does not hold the rule back
-    p1.outstanding = 5
-    p2.outstanding = 0
-    assert not px._to_prefill(legs(px, "long enough"))
+    p2.healthy = False  # an unhealthy engine's backlog does not hold the rule back
+    p2.prefilling = 0.0
+    assert not px._to_prefill(legs(px, "z" * 40))
+    d = px.decode.all[0]
+    d.prefilling = 20.0  # D's own prefills in flight: now P is the sooner
+    assert px._to_prefill(legs(px, "w" * 40))
+
+
+def test_an_engines_prefill_work_counts_until_its_first_token() -> None:
+    up = Proxy(["http://p"], ["http://d"]).prefill.all[0]
+    with _Prefilling(up, 30.0) as work:
+        assert up.prefilling == 30.0
+        work.done()  # the first token
+        assert up.prefilling == 0.0
+    assert up.prefilling == 0.0  # and once only
+    with pytest.raises(RuntimeError), _Prefilling(up, 7.0):
+        raise RuntimeError("the engine failed")
+    assert up.prefilling == 0.0
 
 
 def test_always_routes_decode_after_the_prefill_as_before() -> None:
