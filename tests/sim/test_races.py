@@ -197,6 +197,15 @@ def test_race05_received_and_sent_reported_in_the_same_step() -> None:
     pair.assert_all_free()
 
 
+def _expire_and_reuse(pair: Pair) -> None:
+    """P's lease expires mid-copy and another request takes the freed blocks."""
+    pair.now = 2.0
+    pair.table.expire(pair.now)
+    pair.p.add_request("other", [5] * 12, pair.params(9, 1))
+    while pair.p.has_work():
+        pair.p.step()
+
+
 def test_race06_expiry_while_reading_is_caught_by_the_fence() -> None:
     """vLLM: P freed the blocks while D still read them; D decoded the torn copy
     and produced wrong output. Here the copy is torn for real (P reuses the
@@ -204,11 +213,7 @@ def test_race06_expiry_while_reading_is_caught_by_the_fence() -> None:
     pair = Pair(acquire=1.0)
     kv, h = pair.start_copy("r", prompt_len=12)
     pair.transport.land(h, 1)
-    pair.now = 2.0
-    pair.table.expire(pair.now)
-    pair.p.add_request("other", [5] * 12, pair.params(9, 1))  # reuses the freed blocks
-    while pair.p.has_work():
-        pair.p.step()
+    _expire_and_reuse(pair)
     pair.transport.land(h)
     pair.transport.finish(h)
     # The naive design decodes now: the copied KV is someone else's.
@@ -237,11 +242,7 @@ def test_race06_the_verdict_after_the_bytes_is_the_fence(expired: bool) -> None:
     kv, h = pair.start_copy("r", prompt_len=12)
     pair.transport.land(h, 1)
     if expired:
-        pair.now = 2.0
-        pair.table.expire(pair.now)
-        pair.p.add_request("other", [5] * 12, pair.params(9, 1))  # reuses the freed blocks
-        while pair.p.has_work():
-            pair.p.step()
+        _expire_and_reuse(pair)
     pair.transport.land(h)
     load = pair.rx.loads["r"]
     commit = P.Release(7, kv.engine_id, kv.lease_id, "d1", load.attempt, True)
