@@ -120,8 +120,9 @@ class LlamaModel:
         quantized_optional: bool = False,
     ) -> None:
         """``state`` uses Hugging Face parameter names and layout; ``kernels``: see
-        backend.select_backend; ``quantized``: GGUF weights to serve as stored in
-        decode-sized calls (``--quantization gguf``), the native backend's job; with
+        backend.select_backend; ``quantized``: GGUF weights to serve as stored
+        (``--quantization gguf``; every call under AVX2, decode-sized ones with AVX-512
+        VNNI), the native backend's job; with
         ``quantized_optional`` (``auto``) the float weights where that backend is not
         the one chosen."""
         self.cfg = cfg
