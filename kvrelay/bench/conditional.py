@@ -25,18 +25,18 @@ import json
 import random
 import re
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvrelay.bench.routing import (
     add_engine_args,
+    load,
     proxy_sees_all_healthy,
     scrape,
     warm_up,
 )
-from kvrelay.bench.serve import WORDS, RequestResult, percentiles, send_one
+from kvrelay.bench.serve import WORDS, RequestResult, percentiles
 from kvrelay.server.proxy_placement import PlacementConfig
 
 MODES = ("always", "never", "conditional")  # the reference first
@@ -205,28 +205,6 @@ def interleaved(args: argparse.Namespace, clusters: list[Cluster],
             results[i] += [res for _, res in timed]
             sent[i] += [t for t, _ in timed]
     return [c.outcome(res, t) for c, res, t in zip(clusters, results, sent, strict=True)]
-
-
-async def load(proxy_url: str, model: str, prompts: list[str],
-               args: argparse.Namespace) -> list[tuple[float, RequestResult]]:
-    """The prompts' streamed completions at ``--concurrency``: each one's send time (s
-    since the first) and result."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=args.concurrency,
-                          max_keepalive_connections=args.concurrency)
-    sem = asyncio.Semaphore(args.concurrency)
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(limits=limits, timeout=600.0) as client:
-        async def one(prompt: str) -> tuple[float, RequestResult]:
-            async with sem:
-                at = time.perf_counter() - t0
-                return at, await send_one(client, proxy_url + "/v1/completions", {
-                    "model": model, "prompt": prompt, "max_tokens": args.output_len,
-                    "temperature": 0.0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}})
-
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
 def pulled_bytes(url: str) -> float:

@@ -155,7 +155,7 @@ def one_routing(args: argparse.Namespace, routing: str, prompts: list[str]) -> O
             asyncio.run(events_flowing(proxy.base_url, [e.base_url for e in all_engines],
                                        model, args.start_timeout))
         before = {e.base_url: scrape(e.base_url) for e in all_engines}
-        results = asyncio.run(load(proxy.base_url, model, prompts, args))
+        results = [res for _, res in asyncio.run(load(proxy.base_url, model, prompts, args))]
         hits = {}
         for role, procs in engines.items():
             delta = [sum(scrape(e.base_url).get(n, 0.0) - before[e.base_url].get(n, 0.0)
@@ -227,16 +227,20 @@ async def warm_up(urls: list[str]) -> str:
 
 
 async def load(proxy_url: str, model: str, prompts: list[str],
-               args: argparse.Namespace) -> list[RequestResult]:
+               args: argparse.Namespace) -> list[tuple[float, RequestResult]]:
+    """The prompts' streamed completions at ``--concurrency``: each one's send time (s
+    since the first) and result."""
     import httpx
 
     limits = httpx.Limits(max_connections=args.concurrency,
                           max_keepalive_connections=args.concurrency)
     sem = asyncio.Semaphore(args.concurrency)
+    t0 = time.perf_counter()
     async with httpx.AsyncClient(limits=limits, timeout=600.0) as client:
-        async def one(prompt: str) -> RequestResult:
+        async def one(prompt: str) -> tuple[float, RequestResult]:
             async with sem:
-                return await send_one(client, proxy_url + "/v1/completions", {
+                at = time.perf_counter() - t0
+                return at, await send_one(client, proxy_url + "/v1/completions", {
                     "model": model, "prompt": prompt, "max_tokens": args.output_len,
                     "temperature": 0.0, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}})

@@ -670,7 +670,8 @@ class Proxy:
                         leg.usage = chunk["usage"]
                     for choice in chunk.get("choices") or []:
                         if not landed:
-                            landed = _landed(up, leg)
+                            landed = True
+                            _landed(up, leg)
                             work.done()
                         events.put_nowait((leg, kind, choice))
         except httpx.ConnectError as exc:
@@ -708,12 +709,11 @@ def _local_work(leg: Leg) -> float:
     return leg.tokens if leg.local_tokens is None else leg.local_tokens
 
 
-def _landed(up: Upstream, leg: Leg) -> bool:
+def _landed(up: Upstream, leg: Leg) -> None:
     """The decode engine answered the leg: it holds its prompt's KV now (computed or
     pulled), for conditional disaggregation's cached estimate."""
     if up.landed is not None:
         up.landed.insert(leg.chain)
-    return True
 
 
 async def _all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
