@@ -24,6 +24,9 @@ def test_bench_decode_prints_a_row_per_batch(
     assert args.func(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "weight-streaming floor" in lines[1]
+    assert "KV cache read per step" in lines[2]
     rows = [line.split() for line in lines[-2:]]
+    # with the KV cache in the floor, each ratio is below the weights-only one
+    assert all(float(r[-1]) < float(r[-2]) for r in rows)
     assert [r[0] for r in rows] == ["1", "3"]
     assert all(float(v) > 0 for r in rows for v in r[1:])
