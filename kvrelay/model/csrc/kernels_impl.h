@@ -120,20 +120,42 @@ constexpr int kW = KVR_ATTN_LANES;
 constexpr int kP = 16 / kW;  // vectors per 16 floats
 typedef float vw __attribute__((vector_size(kW * 4)));
 
-// A tree of shuffles (log2(kW) dependent adds); a plain loop over the lanes is kW
-// dependent scalar adds, which made the score loop latency-bound.
-static inline float hsum(vw v) {
+// The sums of v[0..kW) each, in lane order: a tree of shuffle pairs (each level adds
+// the halves of two vectors' partial sums side by side), kW - 1 shuffle pairs and adds
+// where kW separate hsums take kW * log2(kW) dependent ones.
+static inline vw hsums(const vw* v) {
 #if KVR_ATTN_LANES == 16
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  vw t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = __builtin_shufflevector(v[i], v[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                   20, 21, 22, 23) +
+           __builtin_shufflevector(v[i], v[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                   27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    u[i] = __builtin_shufflevector(t[i], t[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11,
+                                   24, 25, 26, 27) +
+           __builtin_shufflevector(t[i], t[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15,
+                                   28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    w[i] = __builtin_shufflevector(u[i], u[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25,
+                                   12, 13, 28, 29) +
+           __builtin_shufflevector(u[i], u[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27,
+                                   14, 15, 30, 31);
+  return __builtin_shufflevector(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12,
+                                 28, 14, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                                 15, 31);
 #else
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  vw t[4], u[2];
+  for (int i = 0; i < 4; ++i)
+    t[i] = __builtin_shufflevector(v[i], v[i + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[i], v[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(u[0], u[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+         __builtin_shufflevector(u[0], u[1], 1, 9, 3, 11, 5, 13, 7, 15);
 #endif
-  return v[0];
 }
 
 template <typename T>
@@ -143,19 +165,20 @@ static inline void load_f32(const T* __restrict src, float* __restrict dst, int 
 }
 
 // Scores of query rows [r0, rows) against a chunk of `nk` <= 16 key rows kf (float32,
-// D each): row r sees the chunk's keys [0, lim(r)). DT: head_dim known at compile time
-// (64, 128) or 0 (runtime, a multiple of 16). Few rows (decode: the G heads of one
-// token): a dot product per key, reduced once. Many rows (prefill tiles): the chunk is
-// transposed once (kT, D x 16) and each row accumulates its 16 scores in one vector,
-// with no reduction at all.
+// D each, `ks` floats apart): row r sees the chunk's keys [0, lim(r)). DT: head_dim
+// known at compile time (64, 128) or 0 (runtime, a multiple of 16). Few rows (decode:
+// the G heads of one token): a vector of products per key, the chunk's 16 reduced
+// together (hsums). Many rows (prefill tiles): the chunk is transposed once (kT, D x 16)
+// and each row accumulates its 16 scores in one vector, with no reduction at all.
 template <int DT>
-static inline void scores_chunk(const float* __restrict q, const float* __restrict kf, int nk,
-                                int r0, int rows, int G, int first_pos_minus_pos0, int Drt,
-                                float* __restrict s, int s_stride, float* __restrict kT) {
+static inline void scores_chunk(const float* __restrict q, const float* __restrict kf,
+                                int64_t ks, int nk, int r0, int rows, int G,
+                                int first_pos_minus_pos0, int Drt, float* __restrict s,
+                                int s_stride, float* __restrict kT) {
   const int D = DT ? DT : Drt;
   if (rows - r0 >= 8) {
     for (int d = 0; d < D; ++d)
-      for (int j = 0; j < 16; ++j) kT[d * 16 + j] = j < nk ? kf[j * D + d] : 0.f;
+      for (int j = 0; j < 16; ++j) kT[d * 16 + j] = j < nk ? kf[j * ks + d] : 0.f;
     // Four rows at a time: four independent FMA chains share each kT load.
     for (int r = r0; r < rows; r += 4) {
       const int nr = rows - r < 4 ? rows - r : 4;
@@ -196,16 +219,24 @@ static inline void scores_chunk(const float* __restrict q, const float* __restri
     lim = lim < nk ? lim : nk;
     const float* qr = q + r * D;
     float* sr = s + r * s_stride;
-    for (int j = 0; j < lim; ++j) {
-      vw acc = {};
-      const float* kj = kf + j * D;
-      for (int d = 0; d < D; d += kW) {
-        vw a, b;
-        __builtin_memcpy(&a, qr + d, kW * 4);
-        __builtin_memcpy(&b, kj + d, kW * 4);
-        acc += a * b;
+    for (int j0 = 0; j0 < lim; j0 += kW) {
+      vw acc[kW] = {};
+      const int n = lim - j0 < kW ? lim - j0 : kW;
+      for (int j = 0; j < n; ++j) {
+        const float* kj = kf + (j0 + j) * ks;
+        vw sum = {};  // in a register; acc[j] (a run-time index) lives in memory
+        for (int d = 0; d < D; d += kW) {
+          vw a, b;
+          __builtin_memcpy(&a, qr + d, kW * 4);
+          __builtin_memcpy(&b, kj + d, kW * 4);
+          sum += a * b;
+        }
+        acc[j] = sum;
       }
-      sr[j] = hsum(acc);
+      float out[kW];
+      const vw sums = hsums(acc);
+      __builtin_memcpy(out, &sums, kW * 4);
+      for (int j = 0; j < n; ++j) sr[j0 + j] = out[j];
     }
   }
 }
@@ -214,7 +245,8 @@ static inline void scores_chunk(const float* __restrict q, const float* __restri
 // the accumulator row lives in DT / 16 vector registers (independent FMA chains).
 template <int DT>
 static inline void weighted_sum_chunk(const float* __restrict w, int w_stride,
-                                      const float* __restrict vf, int nk, int r0, int rows,
+                                      const float* __restrict vf, int64_t vs, int nk,
+                                      int r0, int rows,
                                       int G, int first_pos_minus_pos0, int Drt,
                                       float* __restrict acc) {
   const int D = DT ? DT : Drt;
@@ -230,7 +262,7 @@ static inline void weighted_sum_chunk(const float* __restrict w, int w_stride,
         const float x = wr[j];
         for (int v = 0; v < NV; ++v) {
           vw b;
-          __builtin_memcpy(&b, vf + j * D + v * kW, kW * 4);
+          __builtin_memcpy(&b, vf + j * vs + v * kW, kW * 4);
           a[v] += x * b;
         }
       }
@@ -239,7 +271,7 @@ static inline void weighted_sum_chunk(const float* __restrict w, int w_stride,
       float* ar = acc + r * D;
       for (int j = 0; j < lim; ++j) {
         const float x = wr[j];
-        const float* vj = vf + j * D;
+        const float* vj = vf + j * vs;
 #pragma omp simd
         for (int d = 0; d < D; ++d) ar[d] += x * vj[d];
       }
@@ -252,8 +284,8 @@ constexpr int kChunk = 16;  // key/value rows converted to float32 at a time
 // Scores, softmax and the weighted sum for one tile: rows r = i * G + j are query
 // token i, head kvh * G + j. Two passes over the context in chunks of up to 16
 // positions within a block (scores of every row, then V); each K or V row is read
-// from the cache once, converted to float32 once, and used by all query rows of the
-// tile that see it.
+// from the cache once (bfloat16 converted to float32 once; float32 read in place) and
+// used by all query rows of the tile that see it.
 template <typename T, int DT>
 static void attend_d(const void* qv, void* outv, const void* cachev, const AttnGeom& g,
                      const AttnTile& t, float* scratch) {
@@ -292,13 +324,21 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
           for (int l = 0; l < lines; ++l)
             __builtin_prefetch(nxt + (j * row_elems) * int64_t(sizeof(T)) + l * 64);
       }
-      for (int j = 0; j < nk; ++j) load_f32(src + j * row_elems, kf + j * D, D);
+      // float32 rows are read where they lie; bfloat16 ones converted once, to kf
+      const float* rows_f = kf;
+      int64_t stride = D;
+      if constexpr (sizeof(T) == sizeof(float)) {
+        rows_f = (const float*)src;
+        stride = row_elems;
+      } else {
+        for (int j = 0; j < nk; ++j) load_f32(src + j * row_elems, kf + j * D, D);
+      }
       const int rel = p - t.pos0;  // token i sees chunk key j iff j <= i - rel
       const int r0 = (rel > 0 ? rel : 0) * G;
       if (pass == 0)
-        scores_chunk<DT>(q, kf, nk, r0, rows, G, rel, D, s + p, ctx, kT);
+        scores_chunk<DT>(q, rows_f, stride, nk, r0, rows, G, rel, D, s + p, ctx, kT);
       else
-        weighted_sum_chunk<DT>(s + p, ctx, kf, nk, r0, rows, G, rel, D, acc);
+        weighted_sum_chunk<DT>(s + p, ctx, rows_f, stride, nk, r0, rows, G, rel, D, acc);
       p += nk;
     }
     if (pass == 1) break;
