@@ -160,6 +160,8 @@ class NixlAgent:
         cfg.useListenThread = False
         cfg.pthrDelay = PROGRESS_DELAY_US
         cfg.syncMode = b.NIXL_THREAD_SYNC_NONE
+        if hasattr(cfg, "captureTelemetry"):  # NIXL's own clock of each READ (own_seconds)
+            cfg.captureTelemetry = True
         self.name = name
         self.lock = threading.Lock()
         self.agent = b.nixlAgent(name, cfg)
@@ -200,11 +202,12 @@ class NixlAgent:
             self.agent.invalidateRemoteMD(name)
 
     def read(self, remote_agent: str, local: np.ndarray, remote: np.ndarray, mem: str,
-             remote_mem: str) -> tuple[int, str]:
+             remote_mem: str) -> tuple[int, str, bool]:
         """Create and post one READ of ``remote`` rows into ``local`` rows (N x 3 uint64:
-        address, bytes, device). Returns the transfer handle and '' or, when posting
-        failed, why: a post that failed may have posted some parts (NIXL posts one
-        request per part), so the handle is kept and polled like any other."""
+        address, bytes, device). Returns the transfer handle, '' or, when posting
+        failed, why (a post that failed may have posted some parts: NIXL posts one
+        request per part, so the handle is kept and polled like any other), and whether
+        the READ completed within the post (UCX over cma copies inside it)."""
         b = self.b
         ldl = b.nixlXferDList(self.mems[mem], local)
         rdl = b.nixlXferDList(self.mems[remote_mem], remote)
@@ -215,10 +218,19 @@ class NixlAgent:
             with self._call("posting the READ"):
                 status = self.agent.postXferReq(handle, b"")
         except NixlError as e:
-            return handle, str(e)
+            return handle, str(e), False
         if status not in (b.NIXL_SUCCESS, b.NIXL_IN_PROG):
-            return handle, f"NIXL refused the READ (status {status})"
-        return handle, ""
+            return handle, f"NIXL refused the READ (status {status})", False
+        return handle, "", status == b.NIXL_SUCCESS
+
+    def own_seconds(self, handle: int) -> float:
+        """The READ by NIXL's clock (its telemetry: posted to seen complete in NIXL);
+        0.0 where NIXL keeps none."""
+        with self.lock:
+            try:
+                return float(self.agent.getXferTelemetry(handle).xferDuration) / 1e6
+            except Exception:
+                return 0.0
 
     def state(self, handle: int) -> tuple[TransferState, str]:
         """DONE only when NIXL says the whole READ completed. An error (a status, or
@@ -268,6 +280,7 @@ class NixlHandle:
     cancelled: bool = False
     status: TransferStatus | None = None  # final once set
     descriptors: int = 0
+    own_seconds: float = 0.0  # NIXL's clock of the READ, once it ended
     error: str = ""  # the READ failed, but may still write until NIXL says it ended
 
 
@@ -353,9 +366,16 @@ class NixlTransport:
             # over UCX tcp: NIXL accepted the release and bytes kept landing for tens of
             # ms), so a cancelled or failed READ is drained to its end, never cut short.
             return TransferStatus(TransferState.PENDING, error=h.error)
-        if h.xfer is not None and not self.agent.release(h.xfer):
-            return TransferStatus(TransferState.PENDING, error=h.error)
-        h.xfer = None
+        return self._ended(h)
+
+    def _ended(self, h: NixlHandle) -> TransferStatus:
+        """NIXL said the whole READ completed: release it, then the final status."""
+        assert self.agent is not None
+        if h.xfer is not None:
+            own = self.agent.own_seconds(h.xfer)
+            if not self.agent.release(h.xfer):
+                return TransferStatus(TransferState.PENDING, error=h.error)
+            h.own_seconds, h.xfer = own, None
         if h.cancelled:
             return self._end(h, TransferState.FAILED, "nixl transfer cancelled")
         if h.error:
@@ -433,17 +453,20 @@ class NixlTransport:
             return
         h.started = time.perf_counter()
         try:
-            h.xfer, err = self.agent.read(h.remote_agent, h.local, h.remote, self.local.mem,
-                                          h.remote_mem)
+            h.xfer, err, complete = self.agent.read(h.remote_agent, h.local, h.remote,
+                                                    self.local.mem, h.remote_mem)
         except (ConnectionError, RuntimeError, ValueError) as e:  # nothing was posted
             h.status = TransferStatus(TransferState.FAILED, error=f"nixl transfer failed: {e}")
             return
         if err:  # some parts may have been posted: polled until NIXL says they ended
             h.error = f"nixl transfer failed: {err}"
+        elif complete:  # copied within the post: nothing left to write, no status to ask
+            self._ended(h)
 
     def _end(self, h: NixlHandle, state: TransferState, error: str = "") -> TransferStatus:
         h.status = TransferStatus(
             state, error=error,
             nbytes=h.nbytes if state is TransferState.DONE else 0,
-            seconds=time.perf_counter() - h.started, ended_at=time.monotonic())
+            seconds=time.perf_counter() - h.started, ended_at=time.monotonic(),
+            own_seconds=h.own_seconds if state is TransferState.DONE else 0.0)
         return h.status
