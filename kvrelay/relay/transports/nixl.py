@@ -34,7 +34,10 @@ write.
 
 NIXL's Python wrapper starts its progress thread with no idle delay, which keeps a core
 busy polling; the agent here is built on NIXL's bindings with a progress thread that
-sleeps ``PROGRESS_DELAY_US`` when idle (measured: ~1 core -> ~2 % of one).
+sleeps ``PROGRESS_DELAY_US`` when idle (measured: ~1 core -> ~2 % of one), and UCX is
+told to guard its worker with a mutex, not a spinlock (``UCX_ENV_DEFAULTS``): the thread
+would otherwise spin through every READ that copies inside its post (cma), on the very
+core doing the copy.
 """
 
 from __future__ import annotations
@@ -63,6 +66,14 @@ from kvrelay.relay.transports.base import (
 log = logging.getLogger(__name__)
 
 PROGRESS_DELAY_US = int(os.environ.get("KVRELAY_NIXL_PROGRESS_DELAY_US", "200"))
+# UCX guards a worker that a progress thread shares with a spinlock by default. Over cma
+# (one host) D's READ copies inside its post, holding that lock; the progress thread,
+# waking meanwhile, spins on the lock until the copy ends, and on the core the copy runs
+# on (a vLLM engine pinned to one) that halves the copy, whatever its delay (measured with
+# bench/nixl_micro.py: 7.5 ms -> 3.7 ms for SmolLM2's 3 blocks, as without the thread). A
+# mutex puts the waiting thread to sleep. Set before the UCX backend reads its config;
+# an operator's own UCX_USE_MT_MUTEX wins.
+UCX_ENV_DEFAULTS = {"UCX_USE_MT_MUTEX": "y"}
 INSTALL_HINT = (
     "the nixl transport needs NIXL: pip install 'kvrelay[nixl]' (nixl-cu12, installed "
     "with --no-deps so that it keeps the pinned torch)"
@@ -167,6 +178,8 @@ class NixlAgent:
         self.agent = b.nixlAgent(name, cfg)
         if "UCX" not in self.agent.getAvailPlugins():
             raise NixlUnavailable("NIXL has no UCX plugin here")
+        for key, value in UCX_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
         self.agent.createBackend("UCX", {})
         self.mems = {"DRAM": b.DRAM_SEG, "VRAM": b.VRAM_SEG}
         self._regs: list[Any] = []
