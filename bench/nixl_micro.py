@@ -15,7 +15,8 @@ bench/vllm_connectors.py pins the engines; ``--spinner`` adds a busy Python thre
 ``--yielder`` a process on D's core looping on sched_yield (vLLM's EngineCore waiting for
 its worker). Printed: medians of the READ made and posted, and of made to seen done, in
 ms, NIXL's own clock of it (its telemetry: what NixlConnector reports), the fastest and
-slowest, and how far the spinner got during a post (0: the post kept the GIL).
+slowest, how far the spinner got during a post (0: the post kept the GIL), and the CPU
+time of D's busiest thread other than the one posting (its progress thread), all repeats.
 
 Found with it (issue 20): on a core shared with D's progress thread, a READ over cma took
 twice as long whatever the thread's delay, as UCX's worker spinlock made the woken thread
@@ -91,6 +92,17 @@ def cache() -> np.ndarray:
     return buf
 
 
+def thread_cpu_ms() -> dict[int, float]:
+    """CPU time of each thread of this process, ms (/proc: user + system)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[int(tid)] = 1000 * (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def pin(cpus: str, side: int) -> None:
     if cpus:
         os.sched_setaffinity(0, {int(cpus.split(",")[side])})
@@ -142,6 +154,7 @@ def d_main(conn: Any, v: Variant, repeats: int, out: Any) -> None:
         lh = a.prepXferDlist(b.NIXL_INIT_AGENT, b.nixlXferDList(b.DRAM_SEG, lrows), [])
         rh = a.prepXferDlist(remote, b.nixlXferDList(b.DRAM_SEG, rrows), [])
     post, done, tele, spun = [], [], [], []
+    cpu0 = thread_cpu_ms()
     for i in range(repeats + 3):
         rb = [(i * RUN) % (NB - RUN) + k for k in range(RUN)]
         lb = [((i + 7) * RUN) % (NB - RUN) + k for k in range(RUN)]
@@ -171,8 +184,11 @@ def d_main(conn: Any, v: Variant, repeats: int, out: Any) -> None:
             tele.append(t.xferDuration / 1e3)
             spun.append(c2 - c1)
     stop.set()
+    cpu1 = thread_cpu_ms()
+    me = threading.get_native_id()
+    others = max((cpu1[t] - cpu0.get(t, 0.0) for t in cpu1 if t != me), default=0.0)
     out.put((statistics.median(post), statistics.median(done), statistics.median(tele),
-             min(done), max(done), statistics.median(spun)))
+             min(done), max(done), statistics.median(spun), others))
 
 
 def run_d(conn: Any, v: Variant, repeats: int, out: Any) -> None:
@@ -215,14 +231,15 @@ def main() -> None:
     print(f"{LAYERS} descriptors x {RUN} blocks, {mb:.1f} MiB a READ, {args.repeats} repeats;"
           f" UCX_TLS={os.environ.get('UCX_TLS', '(UCX chooses)')}")
     print(f"{'variant':<10} {'pthr':>5} {'thr':>4} {'make':>7} {'wait':>6} | post ms | "
-          "done ms | NIXL ms |  min |  max | spinner counts in post")
+          "done ms | NIXL ms |  min |  max | spinner | busiest other thread of D, CPU ms")
     for name in args.variants.split(","):
         v = VARIANTS[name]
         v = dataclasses.replace(v, cpus=args.cpus or v.cpus, spinner=args.spinner or v.spinner,
                                 yielder=args.yielder or v.yielder)
-        post, done, tele, lo, hi, spun = run(v, args.repeats)
+        post, done, tele, lo, hi, spun, others = run(v, args.repeats)
         print(f"{name:<10} {v.pthr:>5} {v.threads:>4} {v.make:>7} {v.wait:>6} | {post:7.2f} | "
-              f"{done:7.2f} | {tele:7.2f} | {lo:4.1f} | {hi:4.1f} | {spun:.0f}", flush=True)
+              f"{done:7.2f} | {tele:7.2f} | {lo:4.1f} | {hi:4.1f} | {spun:>7.0f} | {others:.0f}",
+              flush=True)
 
 
 if __name__ == "__main__":
