@@ -125,7 +125,7 @@ def pd_ask(p: VllmEngine, d: VllmEngine, first: dict[str, Any]) -> Any:
     return ask
 
 
-PHASES = ("acquire", "read", "first_byte", "bytes", "noticed", "commit", "reported")
+PHASES = ("acquire", "read", "own", "first_byte", "bytes", "noticed", "commit", "reported")
 
 
 def transfer_ms(d: VllmEngine, connector: str, skip: int
@@ -331,7 +331,8 @@ def report(r: dict[str, Any]) -> None:
     print("first pull of each pair (connecting; not counted above): " + ", ".join(
         f"{k} {r[k]['first_pull_ms']:.1f} ms" for k in LEGS
         if k in r and r[k].get("first_pull_ms") is not None))
-    print(f"\ntransfer by phase, mean ms ({', '.join(PHASES)}; read: the READ alone)")
+    print(f"\ntransfer by phase, mean ms ({', '.join(PHASES)}; read: the READ alone; own: "
+          "the READ by NIXL's clock, as NixlConnector's figure)")
     for key in LEGS:
         ph = r.get(key, {}).get("phases_ms")
         if ph:
@@ -340,10 +341,11 @@ def report(r: dict[str, Any]) -> None:
     for key in ("kvrelay-tcp", "kvrelay-nixl"):
         m = r.get(key, {})
         if m.get("transfer_ms") and n_ms:
-            read = m["phases_ms"].get("read")
+            read, own = m["phases_ms"].get("read"), m["phases_ms"].get("own")
             print(f"transfer {key} / NixlConnector: READ alone "
-                  f"{f'{read / n_ms:.2f}' if read else '-'}, full span (ACQUIRE answered "
-                  f"to commit confirmed) {m['transfer_ms'] / n_ms:.2f}")
+                  f"{f'{read / n_ms:.2f}' if read else '-'}"
+                  f"{f' (by NIXL clock {own / n_ms:.2f})' if own else ''}, full span "
+                  f"(ACQUIRE answered to commit confirmed) {m['transfer_ms'] / n_ms:.2f}")
     if any(k.endswith("_reused") for k in r):
         print("\nreused-block scenario (D stalled past P's lease, P's blocks reused):")
     for key in LEGS:

@@ -392,7 +392,7 @@ def nixl_pair(d: Any, peer: Any, remote: list[int], local: list[int],
         assert st.state is TransferState.DONE, st.error
 
     def ref_once() -> None:
-        x, err = d.agent.read(d._remotes[peer.relay], one_l, one_r, "DRAM", "DRAM")
+        x, err, _ = d.agent.read(d._remotes[peer.relay], one_l, one_r, "DRAM", "DRAM")
         while (st := d.agent.state(x))[0] is TransferState.PENDING and not st[1] and not err:
             pass
         d.agent.release(x)

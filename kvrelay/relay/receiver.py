@@ -301,7 +301,9 @@ class Receiver:
         ACQUIRE sent to answered. ``read``: the READ started to the receiver seeing it
         done (the span of a one-sided READ alone), of which ``first_byte`` (tcp: P's
         answer to the READ), ``bytes`` (first byte to the last one landed in our blocks:
-        the scatter is the receive itself) and ``noticed`` (landed to seen here).
+        the scatter is the receive itself) and ``noticed`` (landed to seen here); ``own``: the
+        READ by the transport's own clock, where it keeps one (nixl: NIXL's, as vLLM's
+        NixlConnector reports its READs; the rest of ``read`` is Python's share).
         ``commit``: RELEASE(ok) sent to P's verdict (0 when the READ carried the commit
         and the verdict came with the bytes: tcp). ``load``: ACQUIRE answered to the
         verdict, the span reported as the load time. The transfer's own clock marks its
@@ -316,6 +318,8 @@ class Receiver:
         if st is not None and st.ended_at and seen is not None:
             seen = max(seen, st.ended_at)
             out["read"] = 1000 * (seen - (st.ended_at - st.seconds))
+            if st.own_seconds:
+                out["own"] = 1000 * st.own_seconds
             if st.first_byte:
                 out["first_byte"] = 1000 * st.first_byte
                 out["bytes"] = 1000 * (st.seconds - st.first_byte)

@@ -7,6 +7,7 @@ fence commits, and the fake runner verifies every KV value D decodes on.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -240,3 +241,21 @@ def test_handover_over_nixl_matches_colocated_and_frees_everything() -> None:
         assert pair.server.stats.bytes_sent == 0  # nothing went over the relay's tcp path
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("operator", [None, "n"])
+def test_ucx_guards_its_worker_with_a_mutex_unless_the_operator_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch, operator: str | None) -> None:
+    """With UCX's default spinlock, D's progress thread spun through every READ that
+    copies inside its post (cma), on the core doing the copy: twice the READ's time
+    (bench/nixl_micro.py, issue 20). The agent starts its UCX backend with
+    UCX_USE_MT_MUTEX=y; an operator's own setting wins."""
+    if operator is None:
+        monkeypatch.delenv("UCX_USE_MT_MUTEX", raising=False)
+    else:
+        monkeypatch.setenv("UCX_USE_MT_MUTEX", operator)
+    agent = nixl.NixlAgent(f"mutex-test-{operator}")
+    try:
+        assert os.environ.get("UCX_USE_MT_MUTEX") == (operator or "y")
+    finally:
+        agent.close()

@@ -57,6 +57,8 @@ class FakeNativeAgent:
         self.post_status: Any = IN_PROG
         self.posted: list[int] = []
         self.released: list[int] = []
+        self.status_calls = 0
+        self.xfer_us = 0  # NIXL's telemetry of a READ (xferDuration, microseconds)
 
     def createXferReq(self, op: str, ldl: Any, rdl: Any, agent: str, notif: bytes,
                       backends: list[Any]) -> int:
@@ -69,10 +71,14 @@ class FakeNativeAgent:
         return self.post_status
 
     def getXferStatus(self, handle: int) -> Any:
+        self.status_calls += 1
         st = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
         if isinstance(st, Exception):
             raise st
         return st
+
+    def getXferTelemetry(self, handle: int) -> Any:
+        return SimpleNamespace(xferDuration=self.xfer_us, postDuration=self.xfer_us)
 
     def releaseXferReq(self, handle: int) -> None:
         self.released.append(handle)
@@ -140,6 +146,22 @@ def test_a_clean_read_is_done_and_released() -> None:
     st = t.poll(h)
     assert st.state is TransferState.PENDING and not st.error
     assert t.poll(h).state is TransferState.DONE and native.released == native.posted
+
+
+def test_a_read_completed_within_its_post_is_done_at_once_by_nixls_clock() -> None:
+    """UCX over cma copies inside postXferReq, which then answers NIXL_SUCCESS: the READ
+    is final there, released, with no status call (polling for it cost the receiver a
+    turn of its loop, its lock and NIXL's: milliseconds on a core vLLM keeps busy), and
+    it carries NIXL's own clock of the copy, the figure NixlConnector reports."""
+    kv = torch.zeros(kv_shape(GEOM, NBLOCKS))
+    t, native = fake_transport(kv)
+    native.post_status, native.statuses = OK, [IN_PROG]  # asking would say in progress
+    native.xfer_us = 4200
+    h = t.read(PeerInfo("p:1", "p-1", descriptor(kv)), "L", "d", [0, 1], [5, 6])
+    st = t.poll(h)
+    assert st.state is TransferState.DONE and native.released == native.posted
+    assert native.status_calls == 0
+    assert st.own_seconds == pytest.approx(0.0042)
 
 
 def test_blocks_of_a_failed_read_are_quarantined_until_nixl_says_it_ended() -> None:

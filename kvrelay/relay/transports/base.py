@@ -35,6 +35,9 @@ class TransferStatus:
     # at which it ended (the receiver notices later: by a wake-up, or its next poll).
     first_byte: float = 0.0
     ended_at: float = 0.0
+    # The transport's own clock of the copy, when it keeps one (nixl: NIXL's telemetry,
+    # the figure vLLM's NixlConnector reports as its xfer time); 0: it keeps none.
+    own_seconds: float = 0.0
     # P's verdict on the commit, when the transport asked P to commit at the end of
     # the transfer (tcp with ``commit``): the Reply a RELEASE(ok) would have got.
     verdict: Any = None

@@ -34,7 +34,10 @@ write.
 
 NIXL's Python wrapper starts its progress thread with no idle delay, which keeps a core
 busy polling; the agent here is built on NIXL's bindings with a progress thread that
-sleeps ``PROGRESS_DELAY_US`` when idle (measured: ~1 core -> ~2 % of one).
+sleeps ``PROGRESS_DELAY_US`` when idle (measured: ~1 core -> ~2 % of one), and UCX is
+told to guard its worker with a mutex, not a spinlock (``UCX_ENV_DEFAULTS``): the thread
+would otherwise spin through every READ that copies inside its post (cma), on the very
+core doing the copy.
 """
 
 from __future__ import annotations
@@ -63,6 +66,14 @@ from kvrelay.relay.transports.base import (
 log = logging.getLogger(__name__)
 
 PROGRESS_DELAY_US = int(os.environ.get("KVRELAY_NIXL_PROGRESS_DELAY_US", "200"))
+# UCX guards a worker that a progress thread shares with a spinlock by default. Over cma
+# (one host) D's READ copies inside its post, holding that lock; the progress thread,
+# waking meanwhile, spins on the lock until the copy ends, and on the core the copy runs
+# on (a vLLM engine pinned to one) that halves the copy, whatever its delay (measured with
+# bench/nixl_micro.py: 7.5 ms -> 3.7 ms for SmolLM2's 3 blocks, as without the thread). A
+# mutex puts the waiting thread to sleep. Set before the UCX backend reads its config;
+# an operator's own UCX_USE_MT_MUTEX wins.
+UCX_ENV_DEFAULTS = {"UCX_USE_MT_MUTEX": "y"}
 INSTALL_HINT = (
     "the nixl transport needs NIXL: pip install 'kvrelay[nixl]' (nixl-cu12, installed "
     "with --no-deps so that it keeps the pinned torch)"
@@ -160,11 +171,15 @@ class NixlAgent:
         cfg.useListenThread = False
         cfg.pthrDelay = PROGRESS_DELAY_US
         cfg.syncMode = b.NIXL_THREAD_SYNC_NONE
+        if hasattr(cfg, "captureTelemetry"):  # NIXL's own clock of each READ (own_seconds)
+            cfg.captureTelemetry = True
         self.name = name
         self.lock = threading.Lock()
         self.agent = b.nixlAgent(name, cfg)
         if "UCX" not in self.agent.getAvailPlugins():
             raise NixlUnavailable("NIXL has no UCX plugin here")
+        for key, value in UCX_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
         self.agent.createBackend("UCX", {})
         self.mems = {"DRAM": b.DRAM_SEG, "VRAM": b.VRAM_SEG}
         self._regs: list[Any] = []
@@ -200,11 +215,12 @@ class NixlAgent:
             self.agent.invalidateRemoteMD(name)
 
     def read(self, remote_agent: str, local: np.ndarray, remote: np.ndarray, mem: str,
-             remote_mem: str) -> tuple[int, str]:
+             remote_mem: str) -> tuple[int, str, bool]:
         """Create and post one READ of ``remote`` rows into ``local`` rows (N x 3 uint64:
-        address, bytes, device). Returns the transfer handle and '' or, when posting
-        failed, why: a post that failed may have posted some parts (NIXL posts one
-        request per part), so the handle is kept and polled like any other."""
+        address, bytes, device). Returns the transfer handle, '' or, when posting
+        failed, why (a post that failed may have posted some parts: NIXL posts one
+        request per part, so the handle is kept and polled like any other), and whether
+        the READ completed within the post (UCX over cma copies inside it)."""
         b = self.b
         ldl = b.nixlXferDList(self.mems[mem], local)
         rdl = b.nixlXferDList(self.mems[remote_mem], remote)
@@ -215,10 +231,19 @@ class NixlAgent:
             with self._call("posting the READ"):
                 status = self.agent.postXferReq(handle, b"")
         except NixlError as e:
-            return handle, str(e)
+            return handle, str(e), False
         if status not in (b.NIXL_SUCCESS, b.NIXL_IN_PROG):
-            return handle, f"NIXL refused the READ (status {status})"
-        return handle, ""
+            return handle, f"NIXL refused the READ (status {status})", False
+        return handle, "", status == b.NIXL_SUCCESS
+
+    def own_seconds(self, handle: int) -> float:
+        """The READ by NIXL's clock (its telemetry: posted to seen complete in NIXL);
+        0.0 where NIXL keeps none."""
+        with self.lock:
+            try:
+                return float(self.agent.getXferTelemetry(handle).xferDuration) / 1e6
+            except Exception:
+                return 0.0
 
     def state(self, handle: int) -> tuple[TransferState, str]:
         """DONE only when NIXL says the whole READ completed. An error (a status, or
@@ -268,6 +293,7 @@ class NixlHandle:
     cancelled: bool = False
     status: TransferStatus | None = None  # final once set
     descriptors: int = 0
+    own_seconds: float = 0.0  # NIXL's clock of the READ, once it ended
     error: str = ""  # the READ failed, but may still write until NIXL says it ended
 
 
@@ -353,9 +379,16 @@ class NixlTransport:
             # over UCX tcp: NIXL accepted the release and bytes kept landing for tens of
             # ms), so a cancelled or failed READ is drained to its end, never cut short.
             return TransferStatus(TransferState.PENDING, error=h.error)
-        if h.xfer is not None and not self.agent.release(h.xfer):
-            return TransferStatus(TransferState.PENDING, error=h.error)
-        h.xfer = None
+        return self._ended(h)
+
+    def _ended(self, h: NixlHandle) -> TransferStatus:
+        """NIXL said the whole READ completed: release it, then the final status."""
+        assert self.agent is not None
+        if h.xfer is not None:
+            own = self.agent.own_seconds(h.xfer)
+            if not self.agent.release(h.xfer):
+                return TransferStatus(TransferState.PENDING, error=h.error)
+            h.own_seconds, h.xfer = own, None
         if h.cancelled:
             return self._end(h, TransferState.FAILED, "nixl transfer cancelled")
         if h.error:
@@ -433,17 +466,20 @@ class NixlTransport:
             return
         h.started = time.perf_counter()
         try:
-            h.xfer, err = self.agent.read(h.remote_agent, h.local, h.remote, self.local.mem,
-                                          h.remote_mem)
+            h.xfer, err, complete = self.agent.read(h.remote_agent, h.local, h.remote,
+                                                    self.local.mem, h.remote_mem)
         except (ConnectionError, RuntimeError, ValueError) as e:  # nothing was posted
             h.status = TransferStatus(TransferState.FAILED, error=f"nixl transfer failed: {e}")
             return
         if err:  # some parts may have been posted: polled until NIXL says they ended
             h.error = f"nixl transfer failed: {err}"
+        elif complete:  # copied within the post: nothing left to write, no status to ask
+            self._ended(h)
 
     def _end(self, h: NixlHandle, state: TransferState, error: str = "") -> TransferStatus:
         h.status = TransferStatus(
             state, error=error,
             nbytes=h.nbytes if state is TransferState.DONE else 0,
-            seconds=time.perf_counter() - h.started, ended_at=time.monotonic())
+            seconds=time.perf_counter() - h.started, ended_at=time.monotonic(),
+            own_seconds=h.own_seconds if state is TransferState.DONE else 0.0)
         return h.status
