@@ -125,8 +125,12 @@ def test_a_cancelled_read_in_flight_is_failed_only_once_it_stopped_writing(
     try:
         peer = PeerInfo("p:1", "p", hello_roundtrip(p.register(src)))
         assert wait(d, d.read(peer, "L", "d", [0], [0])).state is TransferState.DONE
-        ended_early = 0
-        for _ in range(2):
+        # A READ can end inside its post or before the first poll (more often since
+        # UCX_USE_MT_MUTEX made copies faster): try until two were cancelled in flight.
+        in_flight_seen = 0
+        for _ in range(20):
+            if in_flight_seen == 2:
+                break
             dst.zero_()
             h = d.read(peer, "L", "d", list(range(1, 256)), list(range(1, 256)))
             in_flight = d.poll(h).state is TransferState.PENDING
@@ -139,8 +143,8 @@ def test_a_cancelled_read_in_flight_is_failed_only_once_it_stopped_writing(
             snapshot = dst.clone()
             time.sleep(0.05)
             assert torch.equal(snapshot, dst), "the READ wrote after poll said FAILED"
-            ended_early += not in_flight
-        assert ended_early < 2, "the READ was never in flight: nothing was tested"
+            in_flight_seen += in_flight
+        assert in_flight_seen, "the READ was never in flight: nothing was tested"
     finally:
         d.close()
         p.close()
