@@ -161,8 +161,9 @@ class LlamaModel:
             if gguf is not None:
                 served = gguf.pack(names)
                 if served is not None:
-                    # the codes serve every call (AVX2): no oneDNN copy of the float weight
-                    every = served[0].max_rows >= native.GGUF_GEMM_ROWS_AVX2
+                    # the codes serve every call (AVX2; VNNI in float32): no oneDNN
+                    # copy of the float weight
+                    every = served[0].max_rows >= native.GGUF_GEMM_ROWS_EVERY
                     return Linear(weight, bias, pack and not every, served[0], arena, served[1])
             return Linear(weight, bias, pack, small, arena)
 

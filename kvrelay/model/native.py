@@ -84,11 +84,14 @@ def _self_check(mod: Any, dtype: torch.dtype) -> str | None:
 # "Decode GEMMs"): bfloat16 up to 128 rows, float32 on par at 32 and behind from 64.
 BF16_GEMM_ROWS = 128
 F32_GEMM_ROWS = 32
-# The quantized GEMM: under AVX2 for every call, prefill chunks too (on the AVX2-only
-# EPYC 1.7-3.4x oneDNN's float32 GEMM per layer at 32-256 rows, and a row's result then
-# never depends on the batch it ran in); with AVX-512 VNNI, where oneDNN may have AMX or
-# AVX-512 BF16 for prefill (not measured yet), up to F32_GEMM_ROWS.
-GGUF_GEMM_ROWS_AVX2 = 1 << 30
+# The quantized GEMM serves every call, prefill chunks too (GGUF_GEMM_ROWS_EVERY), under
+# AVX2 (on the AVX2-only EPYC 1.7-3.4x oneDNN's float32 GEMM per layer at 32-256 rows)
+# and with AVX-512 VNNI for float32 activations (8 x 128-token prefills 0.76-0.99 s
+# against 1.07-1.39 s on oneDNN's float32 GEMM, a Xeon without AMX; oneDNN's float32
+# GEMM takes no AMX either): a row's result then never depends on the batch it ran in,
+# nor on the CPU's oneDNN kernels. With VNNI and bfloat16 activations, where oneDNN has
+# AMX or AVX-512 BF16 for prefill (not measured against it), up to F32_GEMM_ROWS.
+GGUF_GEMM_ROWS_EVERY = 1 << 30
 
 
 class NativeSmallGemm:
@@ -136,9 +139,10 @@ class NativeGgufGemm:
     bfloat16) is quantized to 8 bits per 32 values and multiplied in integers (AVX-512
     VNNI or AVX2), llama.cpp's route; the result in x's dtype."""
 
-    def __init__(self, mod: Any, qtype: int, label: str) -> None:
+    def __init__(self, mod: Any, qtype: int, label: str, dtype: torch.dtype) -> None:
         self._mod, self.qtype, self.label = mod, qtype, label
-        self.max_rows = GGUF_GEMM_ROWS_AVX2 if mod.gguf_isa() == "avx2" else F32_GEMM_ROWS
+        every = mod.gguf_isa() == "avx2" or dtype is torch.float32
+        self.max_rows = GGUF_GEMM_ROWS_EVERY if every else F32_GEMM_ROWS
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
         return None  # its weights come packed from the file's codes (pack_raw)
@@ -157,9 +161,10 @@ class GgufGemms:
     """The quantized GEMMs of one model: ``pack(names)`` gives a (fused) Linear's kernel
     and packed codes when all its parts are stored in one served type, else None."""
 
-    def __init__(self, mod: Any, quantized: Mapping[str, QuantWeight]) -> None:
+    def __init__(self, mod: Any, quantized: Mapping[str, QuantWeight],
+                 dtype: torch.dtype) -> None:
         self.label = f"native-gguf-{mod.gguf_isa()}"
-        self._mod, self._quantized = mod, quantized
+        self._mod, self._quantized, self._dtype = mod, quantized, dtype
         self._kernels: dict[int, NativeGgufGemm] = {}
 
     def pack(self, names: Sequence[str]) -> tuple[NativeGgufGemm, torch.Tensor] | None:
@@ -170,7 +175,8 @@ class GgufGemms:
         if len({(q.qtype, q.k) for q in qws}) != 1:
             return None
         qtype, k = qws[0].qtype, qws[0].k
-        kernel = self._kernels.setdefault(qtype, NativeGgufGemm(self._mod, qtype, self.label))
+        kernel = self._kernels.setdefault(
+            qtype, NativeGgufGemm(self._mod, qtype, self.label, self._dtype))
         raw = qws[0].raw if len(qws) == 1 else torch.cat([q.raw for q in qws])
         return kernel, kernel.pack_raw(raw, k)
 
@@ -182,7 +188,7 @@ def gguf_gemms(backend: Any, quantized: Mapping[str, QuantWeight]) -> GgufGemms:
         why = load_error() or f"the {backend.name} kernels were chosen"
         raise ValueError(f"--quantization gguf needs the native kernels (AVX2 + FMA or "
                          f"AVX-512) and cannot use them: {why}")
-    return GgufGemms(backend._ops, quantized)
+    return GgufGemms(backend._ops, quantized, backend.dtype)
 
 
 class NativeStep:

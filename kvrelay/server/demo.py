@@ -25,12 +25,15 @@ from typing import Any
 
 from kvrelay.cli import EXIT_FAILURE
 
-# "Which city ...": the 135M model's answer to "What is the capital of France?" hangs on
-# a near tie of its first token ('The' -1.88 against 'L' -1.97 nats, dequantized), which
-# the 8-bit activations of the default --quantization (gguf) flip to "L'Étoile, ..."; the
-# dequantized model itself garbles "What is the capital city of France?" (docs/model.md).
+# "Name the capital city ...": the 135M model's answer to "What is the capital of
+# France?" hangs on a near tie of its first token ('The' -1.88 against 'L' -1.97 nats,
+# dequantized), which the 8-bit activations of the default --quantization (gguf) flip to
+# "L'Étoile, ..."; "Which city is the capital of France?" flips the same way once the
+# codes serve prefill with AVX-512 VNNI ("Le Grand Château, ..."), and in bfloat16 there.
+# This phrasing answers "The capital city of France is Paris." in float32 and bfloat16,
+# dequantized and served as stored, AVX-512 and AVX2 (docs/model.md).
 QUESTIONS = (
-    "Which city is the capital of France?",
+    "Name the capital city of France.",
     "Name three primary colors.",
     "Write one sentence about the sea.",
 )

@@ -58,7 +58,7 @@ def test_france_question_answers_paris(server: ServerProcess) -> None:
     model = client.models.list().data[0].id
     # (not "What is the capital of France?": a near tie of its first token, kvrelay/server/demo.py)
     r = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        model=model, messages=[{"role": "user", "content": "Name the capital city of France."}],
         max_tokens=24, temperature=0,
     )
     assert "Paris" in (r.choices[0].message.content or "")

@@ -583,8 +583,8 @@ def test_quantization_auto_serves_the_codes_where_it_can(
 ) -> None:
     """The default, ``auto``: a GGUF's Q8_0/Q4_1 codes when the native kernels run; the
     float weights for an HF directory, and (not an error, as ``gguf`` is) where the
-    native kernels were not chosen. Under AVX2 the codes serve prefill-sized calls too,
-    without oneDNN's copy of the float weight."""
+    native kernels were not chosen. In float32 (and under AVX2 in any dtype) the codes
+    serve prefill-sized calls too, without oneDNN's copy of the float weight."""
     from kvrelay.model.llm import LLM
     from kvrelay.model.testing import write_tiny_gguf, write_tiny_hf_model
 
@@ -593,14 +593,16 @@ def test_quantization_auto_serves_the_codes_where_it_can(
     assert kernel_choice.info()["gemm"] == f"native-gguf-{_mod.gguf_isa()}"
     down = model.layers[0].down
     assert isinstance(down.small.__self__, native.NativeGgufGemm)
-    if _mod.gguf_isa() == "avx2":
-        assert down.small_rows >= native.GGUF_GEMM_ROWS_AVX2 and down.packed is None
-        # a 64-row call (prefill-sized) runs on the codes: equal to the rows one by one
-        x = torch.randn(64, down.weight.shape[1])
-        whole = down(x)
-        assert torch.equal(whole, torch.cat([down(x[i : i + 1]) for i in range(64)]))
-    else:
-        assert down.small_rows == native.F32_GEMM_ROWS
+    assert down.small_rows >= native.GGUF_GEMM_ROWS_EVERY and down.packed is None
+    # a 64-row call (prefill-sized) runs on the codes: equal to the rows one by one
+    x = torch.randn(64, down.weight.shape[1])
+    whole = down(x)
+    assert torch.equal(whole, torch.cat([down(x[i : i + 1]) for i in range(64)]))
+    if _mod.gguf_isa() != "avx2" and _mod.has_bf16_gemm():
+        # bfloat16 with VNNI: prefill keeps oneDNN (AMX or AVX-512 BF16 there)
+        bf16 = LLM(path, dtype="bfloat16").model.runner.model  # type: ignore[attr-defined]
+        down = bf16.layers[0].down
+        assert down.small_rows == native.F32_GEMM_ROWS and down.packed is not None
     LLM(str(write_tiny_hf_model(tmp_path / "hf")), dtype="float32")
     assert not kernel_choice.info()["gemm"].startswith("native-gguf")
     monkeypatch.setenv("KVRELAY_KERNELS", "torch")
