@@ -157,9 +157,10 @@ def _run(args: argparse.Namespace) -> int:
     print(f"read bandwidth {bw / 1e9:.1f} GB/s (torch.sum over {nbytes / 1e6:.0f} MB) -> "
           f"weight-streaming floor {floor_ms:.1f} ms ({nbytes / 1e6:.0f} MB of weights)")
     # the measured steps run from prompt_len + 1 to prompt_len + steps tokens of context
-    kv_token = kv_bytes_per_token(llms[mine].model.runner) * (args.prompt_len + (args.steps + 1) / 2)
+    mean_ctx = args.prompt_len + (args.steps + 1) / 2
+    kv_token = kv_bytes_per_token(llms[mine].model.runner) * mean_ctx
     print(f"KV cache read per step: {kv_token / 1e6:.2f} MB per request (mean context "
-          f"{args.prompt_len + (args.steps + 1) / 2:.0f} tokens)")
+          f"{mean_ctx:.0f} tokens)")
     print(f"{'batch':>5}{ref + ' p50 ms':>15}{mine + ' p50 ms':>15}{ref + '/' + mine:>15}"
           f"{mine + '/floor':>14}{'/(w+KV) floor':>15}")
     for batch in args.batch:
