@@ -132,13 +132,14 @@ def client(proc: Proc) -> openai.OpenAI:
     return openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def cases(model: str, n: int, offset: int = 0) -> list[tuple]:
-    """Hashable request cases: (kind, stream, prompt, max_tokens, temperature, seed)."""
+def cases(model: str, n: int, offset: int = 0, tag: str = "") -> list[tuple]:
+    """Hashable request cases: (kind, stream, prompt, max_tokens, temperature, seed).
+    ``tag`` starts every prompt: prompts no engine has cached yet."""
     out = []
     for i in range(offset, offset + n):
         temp, seed = (0.0, None) if i % 2 == 0 else (0.8, 500 + i)
         out.append(("chat" if i % 3 == 1 else "completion", i % 4 in (0, 3),
-                    PROMPTS[i % len(PROMPTS)], 4 + (i % 5) * 2, temp, seed, model))
+                    tag + PROMPTS[i % len(PROMPTS)], 4 + (i % 5) * 2, temp, seed, model))
     return out
 
 
@@ -203,7 +204,11 @@ def test_1p1d_across_namespaces_equals_colocated(dep: Deployment, model_dir: Pat
 
 
 def test_2p2d_across_namespaces_equals_colocated(dep: Deployment, model_dir: Path) -> None:
-    batch = cases(model_dir.name, 16, offset=3)
+    # Prompts new to both decode engines: the 1p1d tests left each D with the untagged
+    # ones cached, and a D holding a prompt's whole prefix pulls nothing, so whether
+    # d_nixl pulled at all depended on which cached prompts the proxy happened to send it
+    # (it once pulled nothing in a full run).
+    batch = cases(model_dir.name, 16, offset=3, tag="Two by two. ")
     before = {k: counters(dep, k) for k in ("p1", "p2", "d_tcp", "d_nixl")}
     assert not run_through(dep, "proxy_2p2d", batch, workers=4)
     settled(dep, ["d_tcp", "d_nixl"], ["p1", "p2"])
