@@ -91,13 +91,6 @@ def weight_bytes(model: Any) -> int:
     return total
 
 
-def kv_bytes_per_token(runner: Any) -> int:
-    """Bytes of K and V one token keeps in the cache, every layer."""
-    cfg = runner.model.cfg
-    return (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-            * runner.kv_cache.element_size())
-
-
 def read_bandwidth(nbytes: int) -> float:
     """Bytes/s of ``torch.sum`` over a float32 buffer of ``nbytes``, best of 5 passes."""
     import torch
@@ -158,7 +151,8 @@ def _run(args: argparse.Namespace) -> int:
           f"weight-streaming floor {floor_ms:.1f} ms ({nbytes / 1e6:.0f} MB of weights)")
     # the measured steps run from prompt_len + 1 to prompt_len + steps tokens of context
     mean_ctx = args.prompt_len + (args.steps + 1) / 2
-    kv_token = kv_bytes_per_token(llms[mine].model.runner) * mean_ctx
+    geom = llms[mine].model.kv_geometry  # K and V of a block, every layer
+    kv_token = geom.block_bytes / geom.block_size * mean_ctx
     print(f"KV cache read per step: {kv_token / 1e6:.2f} MB per request (mean context "
           f"{mean_ctx:.0f} tokens)")
     print(f"{'batch':>5}{ref + ' p50 ms':>15}{mine + ' p50 ms':>15}{ref + '/' + mine:>15}"

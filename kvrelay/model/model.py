@@ -121,8 +121,8 @@ class LlamaModel:
     ) -> None:
         """``state`` uses Hugging Face parameter names and layout; ``kernels``: see
         backend.select_backend; ``quantized``: GGUF weights to serve as stored
-        (``--quantization gguf``; every call under AVX2, decode-sized ones with AVX-512
-        VNNI), the native backend's job; with
+        (``--quantization gguf``; every call under AVX2 and with AVX-512 VNNI in float32,
+        decode-sized ones with VNNI in bfloat16), the native backend's job; with
         ``quantized_optional`` (``auto``) the float weights where that backend is not
         the one chosen."""
         self.cfg = cfg
