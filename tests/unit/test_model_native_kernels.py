@@ -384,14 +384,15 @@ def test_a_bfloat16_prefill_chunk_that_samples_nothing(tmp_path: Path) -> None:
     assert len(outputs[0]) == 3 and outputs[1] == outputs[0]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 17, 21, 32, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 12, 13, 16, 17, 21, 32, 33])
 @pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 95), (832, 576), (576, 1536), (7, 3)])
 def test_f32_gemm_matches_torch(isa: str, rows: int, n: int, k: int) -> None:
     """The float32 small-M GEMM on each ISA path against torch's float32 GEMM: within
     the float32 tolerance the native layer kernels are held to, and on average within
     2.5x torch's distance from a float64 reference (both at float32 rounding: torch's
     one-row GEMV keeps more partial sums at K = 64), over odd K, N not a multiple of
-    16 and more rows than one tile (16 under AVX-512, 6 under AVX2)."""
+    16, two passes of a tile (7-12 rows under AVX2) and more rows than one tile (16
+    under AVX-512, 12 under AVX2)."""
     assert _mod is not None and _mod.has_f32_gemm()
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g)

@@ -13,6 +13,7 @@
 #error "define KVR_F32_LANES (16 or 8) before including gemm_f32_impl.h"
 #endif
 #include <immintrin.h>
+#include <vector>
 
 namespace kvr {
 namespace KVR_ISA {
@@ -38,8 +39,11 @@ static inline vf vzero() { return _mm256_setzero_ps(); }
 static inline vf vset1(float x) { return _mm256_set1_ps(x); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-// 16 ymm: MR * NB * 2 accumulators + NB * 2 weights + one broadcast, at most 15.
-constexpr int kTileRows = 6;
+// 16 ymm: up to 6 rows, MR * NB * 2 accumulators + NB * 2 weights + one broadcast,
+// at most 15. 7-12 rows: two passes of up to 6 rows over each chunk of k
+// (F32::passes_tile).
+constexpr int kTileRows = 12;
+constexpr int kFullRows = 6;
 constexpr int blocks_per_tile(int mr) { return mr <= 2 ? 2 : 1; }
 #else
 #error "KVR_F32_LANES must be 16 or 8"
@@ -116,28 +120,29 @@ static void walk(const typename Kern::Args& a, int64_t M, int64_t K, int64_t blk
     rows_of<Kern>(int(M), a, blk0, blk1, none);
     return;
   }
-  // Row groups of kTileRows (the widest tile; under AVX2, 6 + 2 rows for 8 beat 4 + 4,
-  // whose 8 accumulators are too few FMA chains) inside spans of ~192 KiB of weights
-  // (at least one block), which stay in L2 (256 KiB on the oldest AVX2 cores) while
-  // every group passes over them: the first group streams the span from memory, the
-  // later ones read it from L2 and meanwhile fetch the next span into L2 a few lines
-  // per step, so the memory stream overlaps all of the arithmetic.
+  // Row groups of at most kTileRows (the widest tile) inside spans of ~192 KiB of
+  // weights (at least one block), which stay in L2 while every group passes over
+  // them. While the groups compute over one span, every group, the first included,
+  // fetches the next span into L2 a few lines per step, so the memory stream runs
+  // under all of the arithmetic.
   int64_t span = (192 << 10) / block_bytes;
   span = span < 1 ? 1 : span;
-  int64_t later_steps = 0;  // ahead steps of the later groups' tiles over one span
-  for (int64_t m = TR; m < M; m += TR) {
-    const int nb = Kern::blocks_per_tile(M - m < TR ? int(M - m) : int(TR));
-    later_steps += (span + nb - 1) / nb * (K / Kern::kStepK);
+  // Groups of equal size (16 rows under AVX2: 8 + 8, not 12 + 4).
+  const int64_t groups = (M + TR - 1) / TR, GR = (M + groups - 1) / groups;
+  int64_t steps = 0;  // ahead steps of all the groups' tiles over one span
+  for (int64_t m = 0; m < M; m += GR) {
+    const int nb = Kern::blocks_per_tile(M - m < GR ? int(M - m) : int(GR));
+    steps += (span + nb - 1) / nb * (K / Kern::kStepK);
   }
-  const int per_step = int((span * block_bytes / 64 + later_steps - 1) / later_steps);
+  const int per_step = int((span * block_bytes / 64 + steps - 1) / steps);
   const char* wp = (const char*)a.wp;
   for (int64_t b = blk0; b < blk1; b += span) {
     const int64_t e = blk1 - b < span ? blk1 : b + span;
     const int64_t e2 = blk1 - e < span ? blk1 : e + span;
     Ahead ahead{wp + e * block_bytes, wp + e2 * block_bytes, per_step};
-    for (int64_t m = 0; m < M; m += TR) {
-      const int64_t mr = M - m < TR ? M - m : TR;
-      rows_of<Kern>(int(mr), a.at_row(m), b, e, m == 0 ? none : ahead);
+    for (int64_t m = 0; m < M; m += GR) {
+      const int64_t mr = M - m < GR ? M - m : GR;
+      rows_of<Kern>(int(mr), a.at_row(m), b, e, ahead);
     }
   }
 }
@@ -150,26 +155,86 @@ static inline void ahead_step(Ahead& ahead) {
 struct F32 {
   struct Args {
     const float* x;
-    int64_t ldx;
+    int64_t ldk;  // x is (K, rows) transposed: x[k * ldk + m], see gemm
     const float* wp;
     int64_t K;
     const float* bias;
     float* y;
     int64_t ldy, N;
-    Args at_row(int64_t m) const { return {x + m * ldx, ldx, wp, K, bias, y + m * ldy, ldy, N}; }
+    Args at_row(int64_t m) const { return {x + m, ldk, wp, K, bias, y + m * ldy, ldy, N}; }
   };
   static constexpr int kTileRows = f32::kTileRows;
   static constexpr int kStepK = 1;
   static constexpr int blocks_per_tile(int mr) { return f32::blocks_per_tile(mr); }
 
+#if KVR_F32_LANES == 8
+  // AVX2, 7-12 rows: a full-width tile would need 2 * MR accumulators, more than the
+  // 16 ymm hold, and 6 + 2-row groups (the second from L2) kept the memory stream idle
+  // while the first group computed. Here each chunk of k runs in passes of at most
+  // kFullRows rows (8 rows: 4 + 4), the first pass bringing the chunk's weight lines
+  // into L1 and the later ones reading them there.
+  template <int PR>
+  static inline void pass(const float* __restrict x, int64_t ldk, const float* w,
+                          int64_t k0, int64_t k1, float (*total)[kVecs][KVR_F32_LANES],
+                          Ahead* ahead) {
+    vf acc[PR][kVecs];
+    for (int m = 0; m < PR; ++m)
+      for (int v = 0; v < kVecs; ++v) acc[m][v] = vzero();
+    for (int64_t k = k0; k < k1; ++k) {
+      if (ahead != nullptr) {
+        ahead_step(*ahead);
+        _mm_prefetch((const char*)(w + (k + kAhead) * kCols), _MM_HINT_T0);
+      }
+      vf wv[kVecs];
+      for (int v = 0; v < kVecs; ++v) wv[v] = vload(w + k * kCols + v * KVR_F32_LANES);
+      for (int m = 0; m < PR; ++m) {
+        const vf xb = vset1(x[k * ldk + m]);
+        for (int v = 0; v < kVecs; ++v) acc[m][v] = vfma(wv[v], xb, acc[m][v]);
+      }
+    }
+    for (int m = 0; m < PR; ++m)
+      for (int v = 0; v < kVecs; ++v)
+        vstore(total[m][v], vadd(vload(total[m][v]), acc[m][v]));
+  }
+
+  template <int MR>
+  static inline void passes_tile(const Args& a, int64_t blk, Ahead& ahead) {
+    constexpr int kPasses = (MR + kFullRows - 1) / kFullRows;
+    constexpr int P = (MR + kPasses - 1) / kPasses;  // rows of every pass but the last
+    constexpr int kLast = MR - (kPasses - 1) * P;
+    static_assert(kPasses <= 2 && kLast >= 1, "up to two passes");
+    alignas(64) float total[MR][kVecs][KVR_F32_LANES] = {};
+    const float* w = a.wp + blk * a.K * kCols;
+    for (int64_t k0 = 0; k0 < a.K; k0 += kChunkK) {
+      const int64_t k1 = a.K - k0 < kChunkK ? a.K : k0 + kChunkK;
+      pass<P>(a.x, a.ldk, w, k0, k1, total, &ahead);
+      if constexpr (kPasses == 2) pass<kLast>(a.x + P, a.ldk, w, k0, k1, total + P, nullptr);
+      asm volatile("" : "+m"(total));  // the totals stay in memory (see tile)
+    }
+    vf sum[MR][kVecs];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < kVecs; ++v) sum[m][v] = vload(total[m][v]);
+    store_tile<MR, 1>(sum, blk, a.bias, a.y, a.ldy, a.N);
+  }
+#endif
+
   template <int MR, int NB>
   static inline void tile(const Args& a, int64_t blk, Ahead& ahead) {
+#if KVR_F32_LANES == 8
+    if constexpr (MR > kFullRows) {
+      static_assert(NB == 1, "the two-pass tiles take one block");
+      return passes_tile<MR>(a, blk, ahead);
+    }
+#endif
     constexpr int NV = NB * kVecs;
     const float* __restrict x = a.x;
-    const int64_t K = a.K, ldx = a.ldx;
-    vf sum[MR][NV];
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NV; ++j) sum[m][j] = vzero();
+    const int64_t K = a.K, ldk = a.ldk;
+    // The chunk totals live in memory, touched once per chunk (the asm below keeps
+    // them there): held in registers beside the chunk's accumulators they left gcc
+    // more live vectors than the 16 ymm, and it spilled an accumulator inside the k
+    // loop, a store and a load on its FMA chain every k (2-3.6x slower tiles at 2, 4,
+    // 8 and 12 rows under AVX2).
+    alignas(64) float total[MR][NV][KVR_F32_LANES] = {};
     const float* w[NB];
     for (int j = 0; j < NB; ++j) w[j] = a.wp + (blk + j) * K * kCols;
     for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
@@ -186,22 +251,34 @@ struct F32 {
             wv[j * kVecs + v] = vload(w[j] + k * kCols + v * KVR_F32_LANES);
         }
         for (int m = 0; m < MR; ++m) {
-          const vf xb = vset1(x[m * ldx + k]);
+          const vf xb = vset1(x[k * ldk + m]);
           for (int j = 0; j < NV; ++j) acc[m][j] = vfma(wv[j], xb, acc[m][j]);
         }
       }
       for (int m = 0; m < MR; ++m)
-        for (int j = 0; j < NV; ++j) sum[m][j] = vadd(sum[m][j], acc[m][j]);
+        for (int j = 0; j < NV; ++j) vstore(total[m][j], vadd(vload(total[m][j]), acc[m][j]));
+      asm volatile("" : "+m"(total));  // keeps gcc from holding the totals in registers
     }
+    vf sum[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NV; ++j) sum[m][j] = vload(total[m][j]);
     store_tile<MR, NB>(sum, blk, a.bias, a.y, a.ldy, a.N);
   }
 };
 
-// Columns of blocks [blk0, blk1) for all M rows.
+// Columns of blocks [blk0, blk1) for all M rows. x is copied transposed, (K, M), into
+// a buffer of the thread's: a tile's broadcasts of x[m][k] are then at fixed offsets
+// from one pointer that moves by M each k. With one pointer a row, gcc ran out of
+// general registers at 8 rows and loaded each row's pointer from the stack before its
+// broadcast.
 static inline void gemm(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K,
                  int64_t blk0, int64_t blk1, const float* bias, float* y, int64_t ldy,
                  int64_t N) {
-  walk<F32>(F32::Args{x, ldx, wp, K, bias, y, ldy, N}, M, K, blk0, blk1,
+  thread_local std::vector<float> xt;
+  xt.resize(size_t(M * K));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[size_t(k * M + m)] = x[m * ldx + k];
+  walk<F32>(F32::Args{xt.data(), M, wp, K, bias, y, ldy, N}, M, K, blk0, blk1,
             K * kCols * int64_t(sizeof(float)));
 }
 
