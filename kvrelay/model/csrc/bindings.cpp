@@ -351,13 +351,19 @@ torch::Tensor f32_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t 
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;  // the row kernels take 1 or more rows
   auto* run = isa() == "avx512" ? gemm_f32_avx512 : gemm_f32_avx2;
+  // x transposed, (K, M), as the kernel takes it (gemm_f32_impl.h)
+  thread_local std::vector<float> xt;
+  xt.resize(size_t(M * K));
   const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[size_t(k * M + m)] = xp[m * ldx + k];
   const float* wpp = wp.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
+  const float* xtp = xt.data();  // this thread's buffer (in the lambda, `xt` is the worker's)
   over_blocks(nblk, N * K, [&](int64_t b0, int64_t b1) {
-    run(xp, ldx, M, wpp, K, b0, b1, bp, yp, N, N);
+    run(xtp, M, wpp, K, b0, b1, bp, yp, N, N);
   });
   return y;
 }

@@ -13,7 +13,6 @@
 #error "define KVR_F32_LANES (16 or 8) before including gemm_f32_impl.h"
 #endif
 #include <immintrin.h>
-#include <vector>
 
 namespace kvr {
 namespace KVR_ISA {
@@ -266,19 +265,13 @@ struct F32 {
   }
 };
 
-// Columns of blocks [blk0, blk1) for all M rows. x is copied transposed, (K, M), into
-// a buffer of the thread's: a tile's broadcasts of x[m][k] are then at fixed offsets
-// from one pointer that moves by M each k. With one pointer a row, gcc ran out of
-// general registers at 8 rows and loaded each row's pointer from the stack before its
-// broadcast.
-static inline void gemm(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K,
-                 int64_t blk0, int64_t blk1, const float* bias, float* y, int64_t ldy,
-                 int64_t N) {
-  thread_local std::vector<float> xt;
-  xt.resize(size_t(M * K));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xt[size_t(k * M + m)] = x[m * ldx + k];
-  walk<F32>(F32::Args{xt.data(), M, wp, K, bias, y, ldy, N}, M, K, blk0, blk1,
+// Columns of blocks [blk0, blk1) for all M rows; xt is x transposed, (K, M) (the
+// caller copies it): a tile's broadcasts of x[m][k] are then at fixed offsets from one
+// pointer that moves by M each k. With a pointer a row, gcc ran out of general
+// registers at 8 rows and loaded each row's pointer from the stack before its broadcast.
+static inline void gemm(const float* xt, int64_t M, const float* wp, int64_t K, int64_t blk0,
+                        int64_t blk1, const float* bias, float* y, int64_t ldy, int64_t N) {
+  walk<F32>(F32::Args{xt, M, wp, K, bias, y, ldy, N}, M, K, blk0, blk1,
             K * kCols * int64_t(sizeof(float)));
 }
 

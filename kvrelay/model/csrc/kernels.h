@@ -84,14 +84,12 @@ void gemm_q_avx2(int type, const int8_t* xq, const float* dx, const float* sx, i
 // float32 GEMM for decode-sized M (gemm_f32_impl.h, compiled per ISA). The weight
 // (N, K) is packed by pack_f32_blocks into ceil(N/16) * K * 16 values, one layout for
 // both ISAs; gemm_f32_<isa> computes the columns of blocks [blk0, blk1) (16 columns
-// each) for all M rows, bias optional.
+// each) for all M rows of x, given transposed: xt (K, M), bias optional.
 void pack_f32_blocks(const float* w, int64_t N, int64_t K, float* out);
-void gemm_f32_avx512(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K,
-                     int64_t blk0, int64_t blk1, const float* bias, float* y, int64_t ldy,
-                     int64_t N);
-void gemm_f32_avx2(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K,
-                   int64_t blk0, int64_t blk1, const float* bias, float* y, int64_t ldy,
-                   int64_t N);
+void gemm_f32_avx512(const float* xt, int64_t M, const float* wp, int64_t K, int64_t blk0,
+                     int64_t blk1, const float* bias, float* y, int64_t ldy, int64_t N);
+void gemm_f32_avx2(const float* xt, int64_t M, const float* wp, int64_t K, int64_t blk0,
+                   int64_t blk1, const float* bias, float* y, int64_t ldy, int64_t N);
 
 // Attention tiles over a bfloat16 cache with AVX-512 BF16 (attn_bf16.cpp); the caller
 // checks the CPU. False when it does not take the tile (head_dim other than 64 or 128,
