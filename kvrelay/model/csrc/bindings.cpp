@@ -232,6 +232,15 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
         tiles.push_back({tok0 + i, std::min(tile_tokens, n - i), pos0 + i, h, row_table});
   }
   const int64_t n_tiles = int64_t(tiles.size());
+  // With tiles enough for every thread to take a few sequences, each thread takes the
+  // KVH tiles of the same tokens together, the first fetching whole token rows ahead
+  // (every head's K or V: 16 tokens of a block are one contiguous run) for the others
+  // to find in cache: on the AVX2 EPYC, batch 8 at 128-248 tokens of context, attention
+  // 11.4-11.8 -> 10.4-10.9 ms a step (in-process A/B, alternating steps).
+  const bool group = n_tiles >= 2 * KVH * omp_get_max_threads();
+  if (group)
+    for (auto& tile : tiles) tile.whole_rows = tile.kvh == 0;
+  const int chunk = group ? int(KVH) : 1;
   const int64_t need = attend_scratch_floats(tile_tokens * G, max_ctx, int(D));
   // A bfloat16 cache: the AVX-512 BF16 kernels where the CPU has them.
   const bool bf16 = qkv.scalar_type() == torch::kBFloat16 && has_bf16_gemm();
@@ -248,7 +257,7 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
                           int(KVH), int(D), kd, kd + bs * row * es);
     }
     float* buf = scratch(need).data();
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t i = 0; i < n_tiles; ++i)
       if (!(bf16 && attend_bf16(qkv.data_ptr(), out.data_ptr(), cache.data_ptr(), g,
                                 tiles[i], buf)))

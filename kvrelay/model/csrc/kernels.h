@@ -24,6 +24,9 @@ struct AttnGeom {
 struct AttnTile {
   int tok0, n, pos0, kvh;
   const int64_t* table;
+  // Fetch ahead the next chunk's whole token rows (every KV head's K or V), not only
+  // this head's: the tiles of the same tokens' other heads follow on this thread.
+  bool whole_rows = false;
 };
 
 struct Kernels {

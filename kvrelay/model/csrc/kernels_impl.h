@@ -317,9 +317,10 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
         // The next chunk sits in another block whose address the hardware prefetcher
         // cannot guess: ask for its rows now, they arrive while this chunk computes.
         const int pn = p + nk, bn = pn / g.bs, offn = pn - bn * g.bs;
-        const char* nxt = (const char*)(cache + t.table[bn] * g.block_stride +
+        const T* head0 = t.whole_rows ? cache - int64_t(t.kvh) * D : cache;
+        const char* nxt = (const char*)(head0 + t.table[bn] * g.block_stride +
                                         (pass ? v_off : 0) + offn * row_elems);
-        const int lines = int(D * sizeof(T) + 63) / 64;
+        const int lines = int((t.whole_rows ? row_elems : D) * int64_t(sizeof(T)) + 63) / 64;
         for (int j = 0; j < kChunk && pn + j < ctx && offn + j < g.bs; ++j)
           for (int l = 0; l < lines; ++l)
             __builtin_prefetch(nxt + (j * row_elems) * int64_t(sizeof(T)) + l * 64);
