@@ -168,10 +168,10 @@ struct F32 {
 
 #if KVR_F32_LANES == 8
   // AVX2, 7-12 rows: a full-width tile would need 2 * MR accumulators, more than the
-  // 16 ymm hold, and 6 + 2-row groups (the second from L2) kept the memory stream idle
-  // while the first group computed. Here each chunk of k runs in passes of at most
-  // kFullRows rows (8 rows: 4 + 4), the first pass bringing the chunk's weight lines
-  // into L1 and the later ones reading them there.
+  // 16 ymm hold; as row groups of 6 + 2 over L2 spans, 8 rows took 1.3-1.6x the time
+  // of 6. Here each chunk of k runs in passes of at most kFullRows rows (8 rows:
+  // 4 + 4), the first pass bringing the chunk's weight lines into L1 and the second
+  // reading them there.
   template <int PR>
   static inline void pass(const float* __restrict x, int64_t ldk, const float* w,
                           int64_t k0, int64_t k1, float (*total)[kVecs][KVR_F32_LANES],
@@ -231,8 +231,8 @@ struct F32 {
     // The chunk totals live in memory, touched once per chunk (the asm below keeps
     // them there): held in registers beside the chunk's accumulators they left gcc
     // more live vectors than the 16 ymm, and it spilled an accumulator inside the k
-    // loop, a store and a load on its FMA chain every k (2-3.6x slower tiles at 2, 4,
-    // 8 and 12 rows under AVX2).
+    // loop, a store and a load on its FMA chain every k (under AVX2 the 2- and 4-row
+    // tiles ran at half the FMA rate of the 6-row one).
     alignas(64) float total[MR][NV][KVR_F32_LANES] = {};
     const float* w[NB];
     for (int j = 0; j < NB; ++j) w[j] = a.wp + (blk + j) * K * kCols;
