@@ -29,6 +29,7 @@ static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 // Rows per tile and column blocks per tile of mr rows: the MR * NB accumulators (one
 // zmm per block) take at most 16 of the 32 registers, leaving room for NB weights.
 constexpr int kTileRows = 16;
+constexpr int kPassRows = 16;  // every tile in one pass
 constexpr int blocks_per_tile(int mr) { return mr <= 4 ? 4 : mr <= 8 ? 2 : 1; }
 #elif KVR_F32_LANES == 8
 typedef __m256 vf;
@@ -39,10 +40,9 @@ static inline vf vset1(float x) { return _mm256_set1_ps(x); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 // 16 ymm: up to 6 rows, MR * NB * 2 accumulators + NB * 2 weights + one broadcast,
-// at most 15. 7-12 rows: two passes of up to 6 rows over each chunk of k
-// (F32::passes_tile).
+// at most 15. 7-12 rows: two passes of up to 6 rows over each chunk of k (F32::tile).
 constexpr int kTileRows = 12;
-constexpr int kFullRows = 6;
+constexpr int kPassRows = 6;
 constexpr int blocks_per_tile(int mr) { return mr <= 2 ? 2 : 1; }
 #else
 #error "KVR_F32_LANES must be 16 or 8"
@@ -166,68 +166,46 @@ struct F32 {
   static constexpr int kStepK = 1;
   static constexpr int blocks_per_tile(int mr) { return f32::blocks_per_tile(mr); }
 
-#if KVR_F32_LANES == 8
-  // AVX2, 7-12 rows: a full-width tile would need 2 * MR accumulators, more than the
-  // 16 ymm hold; as row groups of 6 + 2 over L2 spans, 8 rows took 1.3-1.6x the time
-  // of 6. Here each chunk of k runs in passes of at most kFullRows rows (8 rows:
-  // 4 + 4), the first pass bringing the chunk's weight lines into L1 and the second
-  // reading them there.
-  template <int PR>
-  static inline void pass(const float* __restrict x, int64_t ldk, const float* w,
-                          int64_t k0, int64_t k1, float (*total)[kVecs][KVR_F32_LANES],
-                          Ahead* ahead) {
-    vf acc[PR][kVecs];
-    for (int m = 0; m < PR; ++m)
-      for (int v = 0; v < kVecs; ++v) acc[m][v] = vzero();
+  // One chunk of k, [k0, k1), for R rows of x (R accumulators per vector of the NB
+  // blocks), added to their totals; `ahead`: the pass that fetches ahead (the first).
+  template <int R, int NB>
+  static inline void chunk(const float* __restrict x, int64_t ldk, const float* const w[NB],
+                           int64_t k0, int64_t k1,
+                           float (*total)[NB * kVecs][KVR_F32_LANES], Ahead* ahead) {
+    constexpr int NV = NB * kVecs;
+    vf acc[R][NV];
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < NV; ++j) acc[m][j] = vzero();
     for (int64_t k = k0; k < k1; ++k) {
-      if (ahead != nullptr) {
-        ahead_step(*ahead);
-        _mm_prefetch((const char*)(w + (k + kAhead) * kCols), _MM_HINT_T0);
+      if (ahead != nullptr) ahead_step(*ahead);
+      vf wv[NV];
+      for (int j = 0; j < NB; ++j) {
+        if (ahead != nullptr)
+          _mm_prefetch((const char*)(w[j] + (k + kAhead) * kCols), _MM_HINT_T0);
+        for (int v = 0; v < kVecs; ++v)
+          wv[j * kVecs + v] = vload(w[j] + k * kCols + v * KVR_F32_LANES);
       }
-      vf wv[kVecs];
-      for (int v = 0; v < kVecs; ++v) wv[v] = vload(w + k * kCols + v * KVR_F32_LANES);
-      for (int m = 0; m < PR; ++m) {
+      for (int m = 0; m < R; ++m) {
         const vf xb = vset1(x[k * ldk + m]);
-        for (int v = 0; v < kVecs; ++v) acc[m][v] = vfma(wv[v], xb, acc[m][v]);
+        for (int j = 0; j < NV; ++j) acc[m][j] = vfma(wv[j], xb, acc[m][j]);
       }
     }
-    for (int m = 0; m < PR; ++m)
-      for (int v = 0; v < kVecs; ++v)
-        vstore(total[m][v], vadd(vload(total[m][v]), acc[m][v]));
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < NV; ++j) vstore(total[m][j], vadd(vload(total[m][j]), acc[m][j]));
   }
-
-  template <int MR>
-  static inline void passes_tile(const Args& a, int64_t blk, Ahead& ahead) {
-    constexpr int kPasses = (MR + kFullRows - 1) / kFullRows;
-    constexpr int P = (MR + kPasses - 1) / kPasses;  // rows of every pass but the last
-    constexpr int kLast = MR - (kPasses - 1) * P;
-    static_assert(kPasses <= 2 && kLast >= 1, "up to two passes");
-    alignas(64) float total[MR][kVecs][KVR_F32_LANES] = {};
-    const float* w = a.wp + blk * a.K * kCols;
-    for (int64_t k0 = 0; k0 < a.K; k0 += kChunkK) {
-      const int64_t k1 = a.K - k0 < kChunkK ? a.K : k0 + kChunkK;
-      pass<P>(a.x, a.ldk, w, k0, k1, total, &ahead);
-      if constexpr (kPasses == 2) pass<kLast>(a.x + P, a.ldk, w, k0, k1, total + P, nullptr);
-      asm volatile("" : "+m"(total));  // the totals stay in memory (see tile)
-    }
-    vf sum[MR][kVecs];
-    for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < kVecs; ++v) sum[m][v] = vload(total[m][v]);
-    store_tile<MR, 1>(sum, blk, a.bias, a.y, a.ldy, a.N);
-  }
-#endif
 
   template <int MR, int NB>
   static inline void tile(const Args& a, int64_t blk, Ahead& ahead) {
-#if KVR_F32_LANES == 8
-    if constexpr (MR > kFullRows) {
-      static_assert(NB == 1, "the two-pass tiles take one block");
-      return passes_tile<MR>(a, blk, ahead);
-    }
-#endif
     constexpr int NV = NB * kVecs;
-    const float* __restrict x = a.x;
-    const int64_t K = a.K, ldk = a.ldk;
+    // More rows than kPassRows (AVX2, 7-12 rows): a full-width tile would need 2 * MR
+    // accumulators, more than the 16 ymm hold; as row groups of 6 + 2 over L2 spans, 8
+    // rows took 1.3-1.6x the time of 6. Each chunk of k then runs in two passes (8
+    // rows: 4 + 4), the first bringing the chunk's weight lines into L1 and the second
+    // reading them there.
+    constexpr int kPasses = (MR + kPassRows - 1) / kPassRows;
+    constexpr int P = (MR + kPasses - 1) / kPasses;  // rows of every pass but the last
+    constexpr int kLast = MR - (kPasses - 1) * P;
+    static_assert(kPasses <= 2 && kLast >= 1, "up to two passes");
     // The chunk totals live in memory, touched once per chunk (the asm below keeps
     // them there): held in registers beside the chunk's accumulators they left gcc
     // more live vectors than the 16 ymm, and it spilled an accumulator inside the k
@@ -235,27 +213,12 @@ struct F32 {
     // tiles ran at half the FMA rate of the 6-row one).
     alignas(64) float total[MR][NV][KVR_F32_LANES] = {};
     const float* w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = a.wp + (blk + j) * K * kCols;
-    for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
-      const int64_t k1 = K - k0 < kChunkK ? K : k0 + kChunkK;
-      vf acc[MR][NV];
-      for (int m = 0; m < MR; ++m)
-        for (int j = 0; j < NV; ++j) acc[m][j] = vzero();
-      for (int64_t k = k0; k < k1; ++k) {
-        ahead_step(ahead);
-        vf wv[NV];
-        for (int j = 0; j < NB; ++j) {
-          _mm_prefetch((const char*)(w[j] + (k + kAhead) * kCols), _MM_HINT_T0);
-          for (int v = 0; v < kVecs; ++v)
-            wv[j * kVecs + v] = vload(w[j] + k * kCols + v * KVR_F32_LANES);
-        }
-        for (int m = 0; m < MR; ++m) {
-          const vf xb = vset1(x[k * ldk + m]);
-          for (int j = 0; j < NV; ++j) acc[m][j] = vfma(wv[j], xb, acc[m][j]);
-        }
-      }
-      for (int m = 0; m < MR; ++m)
-        for (int j = 0; j < NV; ++j) vstore(total[m][j], vadd(vload(total[m][j]), acc[m][j]));
+    for (int j = 0; j < NB; ++j) w[j] = a.wp + (blk + j) * a.K * kCols;
+    for (int64_t k0 = 0; k0 < a.K; k0 += kChunkK) {
+      const int64_t k1 = a.K - k0 < kChunkK ? a.K : k0 + kChunkK;
+      chunk<P, NB>(a.x, a.ldk, w, k0, k1, total, &ahead);
+      if constexpr (kPasses == 2)
+        chunk<kLast, NB>(a.x + P, a.ldk, w, k0, k1, total + P, nullptr);
       asm volatile("" : "+m"(total));  // keeps gcc from holding the totals in registers
     }
     vf sum[MR][NV];
