@@ -352,6 +352,8 @@ class StallingRelay:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.nbytes = nbytes
         self.conns: list[socket.socket] = []
+        self.stalled = threading.Event()  # READ answered and half the bytes sent
+        self.error: BaseException | None = None
         threading.Thread(target=self._serve, daemon=True).start()
 
     @property
@@ -359,12 +361,16 @@ class StallingRelay:
         return f"127.0.0.1:{self.sock.getsockname()[1]}"
 
     def _serve(self) -> None:
-        conn, _ = self.sock.accept()
-        self.conns.append(conn)
-        msg = P.recv_frame(conn)
-        assert isinstance(msg, P.Read)
-        conn.sendall(P.encode(P.Reply(msg.seq, "ok", nbytes=self.nbytes)))
-        conn.sendall(b"\x01" * (self.nbytes // 2))
+        try:
+            conn, _ = self.sock.accept()
+            self.conns.append(conn)
+            msg = P.recv_frame(conn)
+            assert isinstance(msg, P.Read)
+            conn.sendall(P.encode(P.Reply(msg.seq, "ok", nbytes=self.nbytes)))
+            conn.sendall(b"\x01" * (self.nbytes // 2))
+            self.stalled.set()
+        except BaseException as e:  # reported by the test, not lost in this thread
+            self.error = e
 
 
 def test_race11_abort_while_the_peer_writes_into_our_blocks() -> None:
@@ -400,9 +406,9 @@ def test_race11_abort_while_the_peer_writes_into_our_blocks() -> None:
                         num_tokens=9, first_token=5,
                         prompt_digest=P.prompt_digest(list(range(9)))), 0.0)
     load = rx.loads["r"]
-    deadline = time.monotonic() + 5
-    while not relay.conns and time.monotonic() < deadline:
-        time.sleep(0.005)
+    # abort only once the peer is writing into D's blocks (not before it got the READ)
+    assert relay.stalled.wait(10), relay.error
+    deadline = time.monotonic() + 10
     rx.abort("r", 0.0)
     assert engine.requests["r"].state is RequestState.DRAINING
     assert pool.num_free == NBLOCKS - 3
