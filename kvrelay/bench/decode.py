@@ -48,6 +48,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="both engines' KV cache dtype (auto: --dtype)")
     p.add_argument("--quantization", default="none", choices=sorted(_SETTINGS),
                    help="none: the float weights, native GEMM against oneDNN; gguf: the "
                    "GGUF's codes as stored against the float weights (default: %(default)s)")
@@ -67,7 +69,7 @@ def _load(args: argparse.Namespace, gemm_env: str, quantization: str) -> Any:
     try:
         per_seq = -(-(args.prompt_len + args.steps + 2) // 16)
         return LLM(args.model, dtype=args.dtype, num_blocks=max(args.batch) * per_seq + 16,
-                   quantization=quantization)
+                   quantization=quantization, kv_cache_dtype=args.kv_cache_dtype)
     finally:
         if previous is None:
             os.environ.pop("KVRELAY_NATIVE_GEMM", None)
@@ -144,7 +146,8 @@ def _run(args: argparse.Namespace) -> int:
                 n += batch
                 best[name, batch] = min(best.get((name, batch), float("inf")), p50)
     floor_ms = nbytes / bw * 1e3
-    print(f"model {llms[mine].model.name}; {args.dtype}; {args.threads} threads; "
+    print(f"model {llms[mine].model.name}; {args.dtype}, KV cache "
+          f"{llms[mine].model.kv_geometry.dtype}; {args.threads} threads; "
           f"native GEMM {kernel_choice.info()['gemm']}; prompts of {args.prompt_len} tokens, "
           f"{args.steps} decode steps each; best of {args.rounds} alternating rounds")
     print(f"read bandwidth {bw / 1e9:.1f} GB/s (torch.sum over {nbytes / 1e6:.0f} MB) -> "

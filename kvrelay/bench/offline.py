@@ -169,7 +169,7 @@ def _transformers_run(
     import torch
 
     # The dtype the engine runs (auto resolved), so both sides compute alike.
-    model = reference_model(llm.model.path, llm.model.config, llm.model.kv_geometry.dtype,
+    model = reference_model(llm.model.path, llm.model.config, llm.model.dtype,
                             args.device)
     ids = torch.tensor(prompts, device=args.device)
     kwargs: dict[str, Any] = dict(do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -204,12 +204,19 @@ def paged_attention(
     meta: AttnMetadata,
 ) -> torch.Tensor:
     """q: (T, H, D); k, v: (T, KVH, D); kv_rows: the whole cache viewed as
-    (rows, KVH * D). Writes k/v into ``layer``, returns attention output (T, H * D)."""
+    (rows, KVH * D). Writes k/v into ``layer``, returns attention output (T, H * D).
+    A cache of another dtype (--kv-cache-dtype) holds k/v rounded to it; every read,
+    the new tokens' own k/v included, sees those rounded values in q's dtype (as the
+    native kernels, which read everything back from the cache)."""
     T, H, D = q.shape
     shift = layer * meta.layer_stride
+    kv_new = torch.cat([k, v]).reshape(2 * T, -1)
+    if kv_rows.dtype != q.dtype:
+        kv_new = kv_new.to(kv_rows.dtype)
+        k, v = kv_new.to(q.dtype).view(2, T, -1, D).unbind(0)
     # The layer's rows are the layer-0 rows of a view starting `shift` rows in: no
     # per-layer addition over the index tensors.
-    kv_rows[shift:].index_copy_(0, meta.write_rows, torch.cat([k, v]).reshape(2 * T, -1))
+    kv_rows[shift:].index_copy_(0, meta.write_rows, kv_new)
     if meta.all_decode:
         return _decode(q, kv_rows, layer, meta).reshape(T, H * D)
     out = q.new_empty(T, H, D)
@@ -231,7 +238,7 @@ def _decode(q: torch.Tensor, kv_rows: torch.Tensor, layer: int, meta: AttnMetada
     g, ctx = H // kvh, meta.decode_ctx
     shift = layer * meta.layer_stride * kvh
     kv = kv_rows.view(-1, D)[shift:].index_select(0, meta.decode_head_rows)
-    kv = kv.view(2, B * kvh, ctx, D)
+    kv = kv.view(2, B * kvh, ctx, D).to(q.dtype)
     qg = q.reshape(B * kvh, g, D)
     # One op for scores, scale and mask. The softmax stays in float32: bfloat16's own
     # softmax kernel rounds differently and flipped a greedy token in the benchmark.
@@ -255,7 +262,7 @@ def _prefill(
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
         return o.transpose(1, 2).reshape(n, H, D)
     qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
-    kv = kv_rows[shift:].index_select(0, p.kv_rows).view(2, p.ctx_len, -1, D)
+    kv = kv_rows[shift:].index_select(0, p.kv_rows).view(2, p.ctx_len, -1, D).to(q.dtype)
     kh = kv[0].transpose(0, 1).unsqueeze(0)
     vh = kv[1].transpose(0, 1).unsqueeze(0)
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=p.mask, enable_gqa=True)

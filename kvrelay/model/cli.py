@@ -41,6 +41,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["auto", "none", "gguf"], default="auto",
                    help="gguf: serve a GGUF's Q8_0/Q4_1 weights as stored (native kernels); "
                    "none: dequantize at load; auto: gguf where it can run, else none")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="KV cache dtype; auto: the model's (--dtype). bfloat16 under a float32 "
+                   "model halves the cache's memory and the bytes a decode step reads")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--enforce-eager", action="store_true",
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, num_blocks=None,
-                  enforce_eager=args.enforce_eager, quantization=args.quantization)
+                  enforce_eager=args.enforce_eager, quantization=args.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype)
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: bad --device
         print(f"kvrelay generate: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -69,6 +69,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
         quantization: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """``model``: a GGUF file or Hugging Face directory; None = the embedded default."""
         self.model: Model = load_model(
@@ -82,6 +83,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             enforce_eager=enforce_eager,
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.tokenizer = self.model.tokenizer
         config = SchedulerConfig(

@@ -33,6 +33,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 DTYPE_CHOICES = ("auto", *_DTYPES)
 # none: every weight dequantized at load; gguf: Q8_0/Q4_1 served as stored (vLLM's name)
 QUANTIZATION_CHOICES = ("auto", "none", "gguf")
+# --kv-cache-dtype (vLLM's flag): auto keeps the model's dtype; bfloat16 under a float32
+# model halves the bytes a decode step reads from the cache (and the cache's memory).
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Model:
     max_model_len: int
     config: ModelConfig
     path: Path
+    dtype: str  # weights and activations (auto resolved); the KV cache's is kv_geometry's
 
 
 def default_model_path() -> Path:
@@ -77,13 +81,17 @@ def load_model(
     max_num_seqs: int = 256,
     enforce_eager: bool = False,
     quantization: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> Model:
     """``enforce_eager``: no CUDA graphs for decode steps (they are used on CUDA
     devices only, for batches up to ``max_num_seqs``; graphs.py). ``quantization``:
     ``gguf`` serves a GGUF's Q8_0 and Q4_1 weights as stored (the native kernels' job;
     on AVX-512 VNNI prefill-sized GEMMs keep the dequantized weights), ``none``
     dequantizes every weight at load, ``auto`` is ``gguf`` for a GGUF file with such
-    weights where the native kernels run, else ``none`` (docs/model.md)."""
+    weights where the native kernels run, else ``none`` (docs/model.md).
+    ``kv_cache_dtype``: the KV cache's dtype, ``auto`` the model's; K and V are rounded
+    to it when written and read back into the model's dtype (engines exchange KV only
+    when theirs are equal: it is part of the geometry)."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization {quantization!r} is not supported; supported: "
                          f"{', '.join(QUANTIZATION_CHOICES)}")
@@ -91,6 +99,9 @@ def load_model(
         raise ValueError(
             f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPE_CHOICES)}"
         )
+    if kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; supported: "
+                         f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
     if block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size}")
     model_path = Path(path) if path is not None else default_model_path()
@@ -98,6 +109,11 @@ def load_model(
         dtype = auto_dtype(model_path, device)
     elif dtype == "bfloat16" and torch.device(device).type == "cpu":
         refuse_slow_bfloat16()
+    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    if kv_dtype != dtype and not (dtype == "float32" and kv_dtype == "bfloat16"):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} under dtype {dtype!r} is not "
+                         f"supported: the cache takes the model's dtype (auto) or, under "
+                         f"float32, bfloat16")
     cfg, state, tokenizer, freq_factors = _read(model_path)
     quantized = None
     if quantization == "gguf":
@@ -105,6 +121,7 @@ def load_model(
     elif quantization == "auto" and model_path.suffix.lower() == ".gguf":
         quantized = _quantized(model_path, required=False)
     torch_dtype = _DTYPES[dtype]
+    kv_torch_dtype = _DTYPES[kv_dtype]
     dev = torch.device(device)
     limit = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
     max_len = min(max_model_len or limit, limit)
@@ -120,7 +137,7 @@ def load_model(
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         block_size=block_size,
-        dtype=dtype,
+        dtype=kv_dtype,
     )
     n_blocks = _num_blocks(geometry, num_blocks, kv_cache_memory_gb, max_len)
     graphs = graphs_wanted(dev, enforce_eager, model.backend)
@@ -128,18 +145,18 @@ def load_model(
     # block that padded decode rows write into, which no request can ever own.
     shape = (n_blocks + graphs, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
     if kv_cache_factory is not None:
-        kv_cache = kv_cache_factory(shape, torch_dtype)
+        kv_cache = kv_cache_factory(shape, kv_torch_dtype)
         if (
             tuple(kv_cache.shape) != shape
-            or kv_cache.dtype != torch_dtype
+            or kv_cache.dtype != kv_torch_dtype
             or not kv_cache.is_contiguous()
         ):
             raise ValueError(
                 f"kv_cache_factory returned {tuple(kv_cache.shape)} {kv_cache.dtype}; "
-                f"expected a contiguous {shape} {torch_dtype} tensor"
+                f"expected a contiguous {shape} {kv_torch_dtype} tensor"
             )
     else:
-        kv_cache = _zeros(shape, torch_dtype, dev)
+        kv_cache = _zeros(shape, kv_torch_dtype, dev)
     runner = ModelRunner(model, kv_cache, block_size)
     if graphs:
         enable_decode_graphs(runner, max_num_seqs=max_num_seqs, max_len=max_len,
@@ -158,6 +175,7 @@ def load_model(
         max_model_len=max_len,
         config=cfg,
         path=model_path,
+        dtype=dtype,
     )
 
 

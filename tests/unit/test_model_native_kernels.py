@@ -82,12 +82,13 @@ def _random_step(
 
 def _attend_both(
     cfg: ModelConfig, dtype: torch.dtype, chunks: list[ChunkSpec], block_size: int,
-    num_blocks: int, layer: int, seed: int,
+    num_blocks: int, layer: int, seed: int, cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both backends on one step, with the same history in the cache."""
+    """Both backends on one step, with the same history in the cache (of dtype
+    ``cache_dtype``, default ``dtype``)."""
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-    cache = torch.randn(shape, generator=g).to(dtype)
+    cache = torch.randn(shape, generator=g).to(cache_dtype or dtype)
     T = sum(c.length for c in chunks)
     width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     qkv = torch.randn(T, width, generator=g).to(dtype)
@@ -125,6 +126,29 @@ def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...]) -> No
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * scale)
     # The fused rope + KV write put the same rotated K and the same V in the same slots.
     torch.testing.assert_close(nat_cache, ref_cache, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-h{}-kv{}-bs{}-b{}".format(*s))
+def test_attention_float32_over_a_bfloat16_cache_matches_torch(
+    isa: str, shape: tuple[int, ...]
+) -> None:
+    """--kv-cache-dtype bfloat16 under float32: the native kernels write the rotated K
+    and V rounded to bfloat16 and attend over them in float32, prefill and decode tiles
+    alike, as the torch path does."""
+    D, H, KVH, bs, batch = shape
+    cfg = _cfg(H, KVH, D)
+    rng = random.Random(hash(shape) % 1000 + 1)
+    nb = batch * (-(-200 // bs)) + 1
+    chunks = _random_step(rng, batch, bs, nb)
+    ref, out, ref_cache, nat_cache = _attend_both(cfg, torch.float32, chunks, bs, nb, 1, 9,
+                                                  cache_dtype=torch.bfloat16)
+    assert nat_cache.dtype is torch.bfloat16 and out.dtype is torch.float32
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * scale)
+    # The same slots hold the same values: within one bfloat16 rounding (the two
+    # backends' float32 rotations may differ in the last bit, which a rounding to
+    # bfloat16 can carry to the next bfloat16 value).
+    torch.testing.assert_close(nat_cache.float(), ref_cache.float(), rtol=2**-7, atol=1e-6)
 
 
 # (head_dim, heads, kv_heads, block_size): the AVX-512 BF16 kernels (attn_bf16.cpp)
@@ -262,6 +286,12 @@ def test_attention_refuses_block_ids_outside_the_cache() -> None:
     with pytest.raises(RuntimeError, match="outside the cache"):
         nat.attention(qkv, cache, 0, meta)
     assert cache.abs().sum() == 0  # nothing written
+    # a cache wider than the activations (float32 under bfloat16) is refused
+    _, nat16 = _backends(cfg, torch.bfloat16)
+    meta = nat16.build_metadata([ChunkSpec(0, 2, [1])], pos, 4)
+    with pytest.raises(RuntimeError, match="bfloat16 under float32"):
+        nat16.attention(qkv.bfloat16(), cache, 0, meta)
+    assert cache.abs().sum() == 0
 
 
 def _tiny_model(dtype: torch.dtype, kernels: str | None = None) -> LlamaModel:

@@ -91,18 +91,19 @@ bool set_isa(const std::string& name) {
   return ok;
 }
 
-const Kernels* kernels_for(const torch::Tensor& t) {
-  DType dt;
-  if (t.scalar_type() == torch::kFloat32) {
-    dt = DType::F32;
-  } else if (t.scalar_type() == torch::kBFloat16) {
-    dt = DType::BF16;
-  } else {
-    TORCH_CHECK(false, "kvrelay native kernels take float32 or bfloat16, got ", t.scalar_type());
-  }
-  if (isa() == "avx512") return kernels_avx512(dt);
+DType dtype_of(const torch::Tensor& t) {
+  if (t.scalar_type() == torch::kFloat32) return DType::F32;
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16,
+              "kvrelay native kernels take float32 or bfloat16, got ", t.scalar_type());
+  return DType::BF16;
+}
+
+// The kernels for activations like t and, for attention, a KV cache like cache.
+const Kernels* kernels_for(const torch::Tensor& t, const torch::Tensor* cache = nullptr) {
+  const DType dt = dtype_of(t), ct = cache != nullptr ? dtype_of(*cache) : dt;
+  if (isa() == "avx512") return kernels_avx512(dt, ct);
   TORCH_CHECK(isa() == "avx2", "kvrelay native kernels need AVX2 or AVX-512");
-  return kernels_avx2(dt);
+  return kernels_avx2(dt, ct);
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -184,7 +185,10 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv width must be (H + 2 KVH) * D");
   TORCH_CHECK(H % KVH == 0 && D % 16 == 0 && D <= 512,
               "native attention needs head_dim a multiple of 16, at most 512");
-  TORCH_CHECK(cache.is_contiguous() && cache.dtype() == qkv.dtype(), "cache: contiguous, qkv's dtype");
+  TORCH_CHECK(cache.is_contiguous() && (cache.dtype() == qkv.dtype() ||
+                                         (qkv.scalar_type() == torch::kFloat32 &&
+                                          cache.scalar_type() == torch::kBFloat16)),
+              "cache: contiguous, qkv's dtype or bfloat16 under float32");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == torch::kFloat32 &&
                   sin.dtype() == torch::kFloat32 && cos.size(1) == D,
               "cos/sin: contiguous float32 (max_len, D)");
@@ -194,9 +198,9 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   TORCH_CHECK(positions.is_contiguous() && k_rows.is_contiguous() && seqs.is_contiguous() &&
                   tables.is_contiguous() && positions.numel() == T && k_rows.numel() >= T,
               "positions, k_rows, seqs, tables: contiguous, one position and row per token");
-  const Kernels* k = kernels_for(qkv);
+  const Kernels* k = kernels_for(qkv, &cache);
   auto out = torch::empty({T, H * D}, qkv.options());
-  const int64_t es = qkv.element_size(), row = KVH * D;
+  const int64_t es = qkv.element_size(), ces = cache.element_size(), row = KVH * D;
   AttnGeom g{int(H), int(KVH), int(D), int(bs), qkv.stride(0), H * D,
              layers * 2 * bs * row, layer * 2 * bs * row, float(1.0 / std::sqrt(double(D)))};
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -243,7 +247,8 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   const int chunk = group ? int(KVH) : 1;
   const int64_t need = attend_scratch_floats(tile_tokens * G, max_ctx, int(D));
   // A bfloat16 cache: the AVX-512 BF16 kernels where the CPU has them.
-  const bool bf16 = qkv.scalar_type() == torch::kBFloat16 && has_bf16_gemm();
+  const bool bf16 = qkv.scalar_type() == torch::kBFloat16 &&
+                    cache.scalar_type() == torch::kBFloat16 && has_bf16_gemm();
   char* qp = (char*)qkv.data_ptr();
   char* cp = (char*)cache.data_ptr();
   const float* cs = cos.data_ptr<float>();
@@ -252,9 +257,9 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   {
 #pragma omp for
     for (int64_t t = 0; t < T; ++t) {
-      char* kd = cp + ((kr[t] + layer * 2 * bs) * row) * es;
+      char* kd = cp + ((kr[t] + layer * 2 * bs) * row) * ces;
       k->rope_write_token(qp + t * qkv.stride(0) * es, cs + pos[t] * D, sn + pos[t] * D, int(H),
-                          int(KVH), int(D), kd, kd + bs * row * es);
+                          int(KVH), int(D), kd, kd + bs * row * ces);
     }
     float* buf = scratch(need).data();
 #pragma omp for schedule(dynamic, chunk)

@@ -48,7 +48,9 @@ inline int64_t attend_scratch_floats(int rows, int ctx, int D) {
   return int64_t(rows) * (ctx + 2 * D) + 32 * D + 64;
 }
 
-const Kernels* kernels_avx512(DType dt);
+// dt: the activations' dtype; cache: the KV cache's (rope_write_token and attend
+// convert between them).
+const Kernels* kernels_avx512(DType dt, DType cache);
 
 // bfloat16 GEMM for decode-sized M with AVX-512 BF16 (gemm_bf16.cpp). The weight
 // (N, K) is packed by pack_bf16_pairs into ceil(N/16) * ceil(K/2) * 32 values;
@@ -59,7 +61,7 @@ void pack_bf16_pairs(const uint16_t* w, int64_t N, int64_t K, uint16_t* out);
 void gemm_bf16_pairs(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp, int64_t K,
                      int64_t blk0, int64_t blk1, const float* bias, uint16_t* y, int64_t ldy,
                      int64_t N);
-const Kernels* kernels_avx2(DType dt);
+const Kernels* kernels_avx2(DType dt, DType cache);
 
 // GGUF block types the quantized decode GEMM takes (their ggml type codes).
 enum class QType : int { Q4_1 = 3, Q8_0 = 8 };

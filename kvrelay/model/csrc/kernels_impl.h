@@ -83,9 +83,10 @@ static void silu_mul_row(const void* xv, void* outv, int n) {
   }
 }
 
-// x * cos + swap_halves(x) * signed_sin, as RotaryTable.apply (sin arrives signed).
-template <typename T>
-static void rotate(const T* x, T* out, const float* __restrict cos,
+// x * cos + swap_halves(x) * signed_sin, as RotaryTable.apply (sin arrives signed):
+// rounded to T, then stored as O (the KV cache's dtype for k: as torch's .to()).
+template <typename T, typename O = T>
+static void rotate(const T* x, O* out, const float* __restrict cos,
                    const float* __restrict sin, int D) {
   const int h = D / 2;
   float tmp[512];
@@ -96,17 +97,25 @@ static void rotate(const T* x, T* out, const float* __restrict cos,
     tmp[i + h] = round_t<T>(b * cos[i + h]) + round_t<T>(a * sin[i + h]);
   }
 #pragma omp simd
-  for (int i = 0; i < D; ++i) out[i] = from_f<T>(tmp[i]);
+  for (int i = 0; i < D; ++i) out[i] = from_f<O>(round_t<T>(tmp[i]));
 }
 
-template <typename T>
+// T: qkv's dtype, C: the KV cache's (kd and vd rows).
+template <typename T, typename C>
 static void rope_write_token(void* qkvv, const float* cos, const float* sin, int H, int KVH,
                              int D, void* kd, void* vd) {
   T* qkv = (T*)qkvv;
   for (int h = 0; h < H; ++h) rotate(qkv + h * D, qkv + h * D, cos, sin, D);
   T* k = qkv + H * D;
-  for (int h = 0; h < KVH; ++h) rotate(k + h * D, (T*)kd + h * D, cos, sin, D);
-  __builtin_memcpy(vd, k + KVH * D, sizeof(T) * KVH * D);
+  for (int h = 0; h < KVH; ++h) rotate(k + h * D, (C*)kd + h * D, cos, sin, D);
+  const T* v = k + KVH * D;
+  if constexpr (sizeof(T) == sizeof(C)) {
+    __builtin_memcpy(vd, v, sizeof(T) * KVH * D);
+  } else {
+    C* out = (C*)vd;
+#pragma omp simd
+    for (int i = 0; i < KVH * D; ++i) out[i] = from_f<C>(to_f(v[i]));
+  }
 }
 
 // Vectors of one register: 16 floats (zmm) or, under AVX2 (KVR_ATTN_LANES 8), 8 (ymm).
@@ -286,7 +295,7 @@ constexpr int kChunk = 16;  // key/value rows converted to float32 at a time
 // positions within a block (scores of every row, then V); each K or V row is read
 // from the cache once (bfloat16 converted to float32 once; float32 read in place) and
 // used by all query rows of the tile that see it.
-template <typename T, int DT>
+template <typename T, typename C, int DT>
 static void attend_d(const void* qv, void* outv, const void* cachev, const AttnGeom& g,
                      const AttnTile& t, float* scratch) {
   const int G = g.H / g.KVH, D = DT ? DT : g.D, rows = t.n * G;
@@ -305,30 +314,30 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
 #pragma omp simd
       for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]) * g.scale;
     }
-  const T* cache = (const T*)cachev + g.layer_off + int64_t(t.kvh) * D;
+  const C* cache = (const C*)cachev + g.layer_off + int64_t(t.kvh) * D;
   const int64_t v_off = int64_t(g.bs) * row_elems;
   for (int pass = 0; pass < 2; ++pass) {
     for (int p = 0; p < ctx;) {
       const int b = p / g.bs, off = p - b * g.bs;
       int nk = g.bs - off < kChunk ? g.bs - off : kChunk;
       nk = ctx - p < nk ? ctx - p : nk;
-      const T* src = cache + t.table[b] * g.block_stride + (pass ? v_off : 0) + off * row_elems;
+      const C* src = cache + t.table[b] * g.block_stride + (pass ? v_off : 0) + off * row_elems;
       if (p + nk < ctx) {
         // The next chunk sits in another block whose address the hardware prefetcher
         // cannot guess: ask for its rows now, they arrive while this chunk computes.
         const int pn = p + nk, bn = pn / g.bs, offn = pn - bn * g.bs;
-        const T* head0 = t.whole_rows ? cache - int64_t(t.kvh) * D : cache;
+        const C* head0 = t.whole_rows ? cache - int64_t(t.kvh) * D : cache;
         const char* nxt = (const char*)(head0 + t.table[bn] * g.block_stride +
                                         (pass ? v_off : 0) + offn * row_elems);
-        const int lines = int((t.whole_rows ? row_elems : D) * int64_t(sizeof(T)) + 63) / 64;
+        const int lines = int((t.whole_rows ? row_elems : D) * int64_t(sizeof(C)) + 63) / 64;
         for (int j = 0; j < kChunk && pn + j < ctx && offn + j < g.bs; ++j)
           for (int l = 0; l < lines; ++l)
-            __builtin_prefetch(nxt + (j * row_elems) * int64_t(sizeof(T)) + l * 64);
+            __builtin_prefetch(nxt + (j * row_elems) * int64_t(sizeof(C)) + l * 64);
       }
       // float32 rows are read where they lie; bfloat16 ones converted once, to kf
       const float* rows_f = kf;
       int64_t stride = D;
-      if constexpr (sizeof(T) == sizeof(float)) {
+      if constexpr (sizeof(C) == sizeof(float)) {
         rows_f = (const float*)src;
         stride = row_elems;
       } else {
@@ -359,23 +368,26 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
     }
 }
 
-template <typename T>
+template <typename T, typename C>
 static void attend(const void* q, void* out, const void* cache, const AttnGeom& g,
                    const AttnTile& t, float* scratch) {
-  if (g.D == 64) return attend_d<T, 64>(q, out, cache, g, t, scratch);
-  if (g.D == 128) return attend_d<T, 128>(q, out, cache, g, t, scratch);
-  attend_d<T, 0>(q, out, cache, g, t, scratch);
+  if (g.D == 64) return attend_d<T, C, 64>(q, out, cache, g, t, scratch);
+  if (g.D == 128) return attend_d<T, C, 128>(q, out, cache, g, t, scratch);
+  attend_d<T, C, 0>(q, out, cache, g, t, scratch);
 }
 
-template <typename T>
+template <typename T, typename C>
 static const Kernels* make_table() {
   static const Kernels k = {rms_norm_row<T>, add_rms_norm_row<T>, silu_mul_row<T>,
-                            rope_write_token<T>, attend<T>};
+                            rope_write_token<T, C>, attend<T, C>};
   return &k;
 }
 
-static const Kernels* table(DType dt) {
-  return dt == DType::BF16 ? make_table<bf16>() : make_table<float>();
+// dt: the activations' dtype, cache: the KV cache's (--kv-cache-dtype: the model's,
+// or bfloat16 under float32; bindings.cpp checks).
+static const Kernels* table(DType dt, DType cache) {
+  if (dt == DType::BF16) return make_table<bf16, bf16>();
+  return cache == DType::BF16 ? make_table<float, bf16>() : make_table<float, float>();
 }
 
 }  // namespace KVR_ISA
