@@ -77,7 +77,8 @@ static void silu_mul_row(const void* xv, void* outv, int n) {
     for (int i = 0; i < m; ++i) e[i] = exp_neg(-__builtin_fabsf(a[i]));
 #pragma omp simd
     for (int i = 0; i < m; ++i) {
-      float s = a[i] > 0 ? a[i] / (1.0f + e[i]) : a[i] * e[i] / (1.0f + e[i]);
+      // one division (the two quotients of a select cost two): the same values
+      float s = (a[i] > 0 ? a[i] : a[i] * e[i]) / (1.0f + e[i]);
       out[i0 + i] = from_f<T>(round_t<T>(s) * to_f(u[i0 + i]));
     }
   }
