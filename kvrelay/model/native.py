@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from kvrelay.model.attention import ChunkSpec
 from kvrelay.model.backend import StepMetadata
@@ -194,16 +195,45 @@ def gguf_gemms(backend: Any, quantized: Mapping[str, QuantWeight]) -> GgufGemms:
 class NativeStep:
     """Per-step inputs of the attention kernel, built once for every layer."""
 
-    __slots__ = ("k_rows", "positions", "seqs", "tables")
+    __slots__ = ("fresh", "k_rows", "positions", "seqs", "tables")
 
     def __init__(
         self, positions: torch.Tensor, k_rows: torch.Tensor, seqs: torch.Tensor,
-        tables: torch.Tensor,
+        tables: torch.Tensor, fresh: Sequence[FreshPrompts] = (),
     ) -> None:
         self.positions = positions
         self.k_rows = k_rows  # (T,) layer-0 K rows (of KVH * D values) of each token's slot
         self.seqs = seqs  # (S, 3): first token in the step, token count, first position
         self.tables = tables  # (S, W) block ids, padded with 0
+        self.fresh = fresh  # prompts' first chunks whose attention SDPA computes
+
+
+class FreshPrompts:
+    """The first chunks (no cached context) of ``count`` prompts of ``length`` tokens in
+    one step: their token indices in the step and the layer-0 K rows of their slots."""
+
+    __slots__ = ("count", "k_rows", "length", "tokens")
+
+    def __init__(self, length: int, tokens: list[int], k_rows: list[int]) -> None:
+        self.length, self.count = length, len(tokens) // length
+        self.tokens = torch.tensor(tokens, dtype=torch.long)
+        self.k_rows = torch.tensor(k_rows, dtype=torch.long)
+
+
+def prefill_sdpa_wanted() -> bool:
+    """Whether a prompt's first chunk attends through torch's SDPA instead of the native
+    tiles (KVRELAY_PREFILL_SDPA=1/0; default: where the CPU has AMX). On an AMX Xeon,
+    8 prompts of 128 tokens, 30 layers, 2 threads: SDPA 17 ms in bfloat16 (48 in
+    float32) against the native tiles' 60 (72), measured alone (docs/model.md)."""
+    env = os.environ.get("KVRELAY_PREFILL_SDPA")
+    if env in ("0", "1"):
+        return env == "1"
+    from kvrelay.model.loader import CPUINFO
+
+    try:
+        return "amx_bf16" in CPUINFO.read_text().split()
+    except OSError:
+        return False
 
 
 class NativeBackend:
@@ -219,6 +249,7 @@ class NativeBackend:
         self.cos, self.sin = rope.float32_tables()
         self.eps = cfg.rms_norm_eps
         self.gemm_off = small_gemm_unavailable(mod, dtype)
+        self.prefill_sdpa = prefill_sdpa_wanted()
 
     def small_gemm(self) -> NativeSmallGemm | None:
         return NativeSmallGemm(self._ops, self.dtype) if self.gemm_off is None else None
@@ -230,14 +261,20 @@ class NativeBackend:
         k_rows: list[int] = []
         seqs: list[tuple[int, int, int]] = []
         tables: list[Sequence[int]] = []
+        fresh: dict[int, tuple[list[int], list[int]]] = {}  # by length: tokens, K rows
         t = 0
         for c in chunks:
             bt = c.block_ids
             end = c.start + c.length
-            k_rows.extend(bt[p // block_size] * block_rows + p % block_size
-                          for p in range(c.start, end))
+            rows = [bt[p // block_size] * block_rows + p % block_size
+                    for p in range(c.start, end)]
+            k_rows.extend(rows)
             seqs.append((t, c.length, c.start))
             tables.append(bt[: -(-end // block_size)])
+            if self.prefill_sdpa and c.start == 0 and c.length > 1:  # as skip_fresh
+                toks, krs = fresh.setdefault(c.length, ([], []))
+                toks.extend(range(t, t + c.length))
+                krs.extend(rows)
             t += c.length
         width = max(len(b) for b in tables)
         padded = [list(b) + [0] * (width - len(b)) for b in tables]
@@ -246,6 +283,7 @@ class NativeBackend:
             torch.tensor(k_rows, dtype=torch.long),
             torch.tensor(seqs, dtype=torch.long).view(-1, 3),
             torch.tensor(padded, dtype=torch.long),
+            [FreshPrompts(n, toks, krs) for n, (toks, krs) in fresh.items()],
         )
 
     def attention(
@@ -253,11 +291,22 @@ class NativeBackend:
     ) -> torch.Tensor:
         assert isinstance(meta, NativeStep)
         cfg = self.cfg
+        bs = kv_cache.shape[3]
         out: torch.Tensor = self._ops.attention(
             qkv, meta.positions, self.cos, self.sin, meta.k_rows, meta.seqs, meta.tables,
             kv_cache, layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            kv_cache.shape[3], cfg.num_layers,
+            bs, cfg.num_layers, bool(meta.fresh),
         )
+        for f in meta.fresh:  # q rotated in qkv, K and V as written to the cache
+            H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            rows = kv_cache.view(-1, KVH * D)
+            k_rows = f.k_rows + layer * 2 * bs
+            shape = (f.count, f.length, -1, D)
+            q = qkv.index_select(0, f.tokens)[:, : H * D].reshape(shape).transpose(1, 2)
+            k, v = (rows.index_select(0, k_rows + off).to(qkv.dtype).view(shape).transpose(1, 2)
+                    for off in (0, bs))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out.index_copy_(0, f.tokens, o.transpose(1, 2).reshape(-1, H * D))
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -83,9 +83,11 @@ def _random_step(
 def _attend_both(
     cfg: ModelConfig, dtype: torch.dtype, chunks: list[ChunkSpec], block_size: int,
     num_blocks: int, layer: int, seed: int, cache_dtype: torch.dtype | None = None,
+    prefill_sdpa: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both backends on one step, with the same history in the cache (of dtype
-    ``cache_dtype``, default ``dtype``)."""
+    ``cache_dtype``, default ``dtype``); ``prefill_sdpa``: the native backend hands
+    prompts' first chunks to SDPA (native.prefill_sdpa_wanted)."""
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
     cache = torch.randn(shape, generator=g).to(cache_dtype or dtype)
@@ -94,6 +96,7 @@ def _attend_both(
     qkv = torch.randn(T, width, generator=g).to(dtype)
     pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
     ref_b, nat_b = _backends(cfg, dtype)
+    nat_b.prefill_sdpa = prefill_sdpa
     ref_cache, nat_cache = cache.clone(), cache.clone()
     ref = ref_b.attention(qkv.clone(), ref_cache, layer,
                           ref_b.build_metadata(chunks, pos, block_size))
@@ -114,14 +117,21 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("prefill", ["tiles", "sdpa"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-h{}-kv{}-bs{}-b{}".format(*s))
-def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...]) -> None:
+def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...], prefill: str) -> None:
+    """Native against torch on a mixed step; prompts' first chunks by the native tiles
+    or by SDPA (the default on AMX CPUs), the rest by the tiles either way."""
     D, H, KVH, bs, batch = shape
     cfg = _cfg(H, KVH, D)
     rng = random.Random(hash(shape) % 1000)
     nb = batch * (-(-200 // bs)) + 1
     chunks = _random_step(rng, batch, bs, nb)
-    ref, out, ref_cache, nat_cache = _attend_both(cfg, torch.float32, chunks, bs, nb, 1, 7)
+    if prefill == "sdpa":  # two prompts' first chunks of one length: one batched call
+        free = sorted(set(range(nb)) - {b for c in chunks for b in c.block_ids})
+        chunks += [ChunkSpec(0, 9, free[i * 3 : i * 3 + -(-9 // bs)]) for i in range(2)]
+    ref, out, ref_cache, nat_cache = _attend_both(cfg, torch.float32, chunks, bs, nb, 1, 7,
+                                                  prefill_sdpa=prefill == "sdpa")
     scale = ref.abs().max().item()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * scale)
     # The fused rope + KV write put the same rotated K and the same V in the same slots.

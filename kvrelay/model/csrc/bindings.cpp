@@ -179,7 +179,8 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
                         const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& k_rows, const torch::Tensor& seqs,
                         const torch::Tensor& tables, torch::Tensor& cache, int64_t layer,
-                        int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t layers) {
+                        int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t layers,
+                        bool skip_fresh) {
   check_rows(qkv, "qkv");
   const int64_t T = qkv.size(0);
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv width must be (H + 2 KVH) * D");
@@ -220,7 +221,7 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   const int G = int(H / KVH), tile_tokens = G >= 64 ? 1 : 64 / G;
   std::vector<AttnTile> tiles;
   int max_ctx = 1;
-  double work = 0;
+  double work = double(T) * (H + KVH) * D;  // rope (alone where skip_fresh takes the rest)
   for (int64_t s = 0; s < S; ++s) {
     const int tok0 = int(sq[3 * s]), n = int(sq[3 * s + 1]), pos0 = int(sq[3 * s + 2]);
     TORCH_CHECK(tok0 >= 0 && n >= 1 && tok0 + n <= T && pos0 >= 0 && (pos0 + n + bs - 1) / bs <= W,
@@ -230,6 +231,9 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
     for (int64_t b = 0; b < (pos0 + n + bs - 1) / bs; ++b)
       TORCH_CHECK(row_table[b] >= 0 && row_table[b] < n_blocks, "block id ", row_table[b],
                   " of seqs row ", s, " is outside the cache (", n_blocks, " blocks)");
+    // skip_fresh: the attention of a prompt's first chunk (no cached context) is the
+    // caller's (native.NativeBackend: torch's SDPA); its rope and KV write stay here.
+    if (skip_fresh && pos0 == 0 && n > 1) continue;
     work += double(n) * (pos0 + n) * H * D;
     for (int i = 0; i < n; i += tile_tokens)
       for (int h = 0; h < KVH; ++h)
