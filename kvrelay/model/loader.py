@@ -251,10 +251,13 @@ def refuse_slow_bfloat16() -> None:
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    # Zeroed pages from a fresh mapping, so a 1 GiB cache costs nothing until used
+    # Zeroed pages from a fresh mapping, so a 1 GiB cache costs nothing at load
     # (torch.zeros writes every byte at load, about 2 s per GiB here), advised for
-    # 2 MiB pages before the first write.
-    return hugepages.zeros(shape, dtype)
+    # 2 MiB pages before the first write, then faulted in on a background thread, not
+    # by the steps that first write them.
+    cache = hugepages.zeros(shape, dtype)
+    hugepages.populate_in_background(cache)
+    return cache
 
 
 def _read(

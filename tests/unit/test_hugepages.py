@@ -75,3 +75,30 @@ def test_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not hugepages.enabled()
     t = hugepages.zeros((8 << 20,), torch.uint8)
     assert "hg" not in _mapping_of(t.data_ptr())["VmFlags"].split()
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    import platform
+
+    try:
+        got = tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return got >= (major, minor)
+
+
+@pytest.mark.skipif(not _kernel_at_least(5, 14), reason="MADV_POPULATE_WRITE needs Linux 5.14")
+def test_populate_faults_the_cache_in_without_changing_a_byte() -> None:
+    """The KV cache's pages are faulted in on a background thread (the steps that first
+    write them paid for it), while the engine may write the same memory: nothing it
+    wrote before or meanwhile changes, and afterwards the mapping is resident."""
+    t = hugepages.zeros((64 << 20,), torch.uint8)
+    t[: 1 << 20 : 65536] = 7  # written before (the first 2 MiB page only)
+    assert int(_mapping_of(t.data_ptr())["Rss"].split()[0]) <= 4 << 10  # kB
+    th = hugepages.populate_in_background(t, chunk_bytes=4 << 20)
+    t[12345] = 9  # written meanwhile
+    th.join(60)
+    assert not th.is_alive()
+    assert int(_mapping_of(t.data_ptr())["Rss"].split()[0]) >= 60 << 10  # kB
+    assert t[12345] == 9 and (t[: 1 << 20 : 65536] == 7).all()
+    assert int(t.sum()) == 7 * 16 + 9
