@@ -213,7 +213,8 @@ def paged_attention(
     kv_new = torch.cat([k, v]).reshape(2 * T, -1)
     if kv_rows.dtype != q.dtype:
         kv_new = kv_new.to(kv_rows.dtype)
-        k, v = kv_new.to(q.dtype).view(2, T, -1, D).unbind(0)
+        if not meta.all_decode:  # a prefill attends to the new k/v as the cache holds them
+            k, v = kv_new.to(q.dtype).view(2, T, -1, D).unbind(0)
     # The layer's rows are the layer-0 rows of a view starting `shift` rows in: no
     # per-layer addition over the index tensors.
     kv_rows[shift:].index_copy_(0, meta.write_rows, kv_new)

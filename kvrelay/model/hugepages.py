@@ -18,10 +18,12 @@ pages are huge anyway).
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import math
 import mmap
 import os
+import sys
 import threading
 
 import torch
@@ -82,6 +84,12 @@ class Arena:
 MADV_POPULATE_WRITE = 23  # Linux 5.14 on; Python's mmap module lacks the constant
 
 
+def populate_wanted() -> bool:
+    """``KVRELAY_KV_POPULATE=0`` leaves the KV cache to be committed as requests first
+    write it; Linux only (the advice is Linux's)."""
+    return sys.platform == "linux" and os.environ.get("KVRELAY_KV_POPULATE", "1") != "0"
+
+
 def populate_in_background(t: torch.Tensor, chunk_bytes: int = 32 << 20) -> threading.Thread:
     """Faults the pages of ``t`` (from ``fresh``: page-aligned) in from its start on a
     daemon thread, ``madvise(MADV_POPULATE_WRITE)`` a chunk at a time: as a write
@@ -89,8 +97,10 @@ def populate_in_background(t: torch.Tensor, chunk_bytes: int = 32 << 20) -> thre
     For the KV cache: its first write of a page otherwise costs the step that makes it
     (measured on an AMX Xeon VM: 2.3 s a GiB of 2 MiB pages, 30-40 ms of a 1,024-token
     prefill step while the pool, which hands out never-used blocks before evicting
-    cached ones, walks through the cache; docs/model.md). Stops quietly where the
-    kernel refuses (older than 5.14: EINVAL)."""
+    cached ones, walks through the cache; docs/model.md). Stops where the kernel
+    refuses: quietly for EINVAL (older than 5.14), with a warning otherwise (ENOMEM:
+    the cache is larger than the memory left; the engine then faults pages in itself,
+    as before)."""
     addr, size = t.data_ptr(), t.numel() * t.element_size()
 
     def run() -> None:
@@ -100,8 +110,10 @@ def populate_in_background(t: torch.Tensor, chunk_bytes: int = 32 << 20) -> thre
             for off in range(0, size, chunk_bytes):
                 n = min(chunk_bytes, size - off)
                 if madvise(addr + off, n, MADV_POPULATE_WRITE) != 0:
-                    log.debug("KV cache populate stopped at %d of %d bytes: errno %d",
-                              off, size, ctypes.get_errno())
+                    err = ctypes.get_errno()
+                    (log.debug if err == errno.EINVAL else log.warning)(
+                        "KV cache populate stopped at %d of %d bytes: %s", off, size,
+                        os.strerror(err))
                     return
         except Exception:  # an edge thread: its failure costs speed only
             log.exception("KV cache populate failed")

@@ -34,8 +34,11 @@ class KvGeometry:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # the KV cache's: "float32" | "bfloat16" | "float16"
     layout: str = "block_major"
+    # The model's dtype where the cache's differs (--kv-cache-dtype): KV a bfloat16
+    # model computed is not what a float32 one would have, even in the same bytes.
+    model_dtype: str = ""
 
     @property
     def block_bytes(self) -> int:
@@ -57,6 +60,8 @@ class KvGeometry:
                 model_id,
             )
         )
+        if self.model_dtype not in ("", self.dtype):  # hashes as before where equal
+            text += f"|model_dtype={self.model_dtype}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

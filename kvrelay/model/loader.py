@@ -138,6 +138,7 @@ def load_model(
         head_dim=cfg.head_dim,
         block_size=block_size,
         dtype=kv_dtype,
+        model_dtype=dtype,
     )
     n_blocks = _num_blocks(geometry, num_blocks, kv_cache_memory_gb, max_len)
     graphs = graphs_wanted(dev, enforce_eager, model.backend)
@@ -256,7 +257,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     # 2 MiB pages before the first write, then faulted in on a background thread, not
     # by the steps that first write them.
     cache = hugepages.zeros(shape, dtype)
-    hugepages.populate_in_background(cache)
+    if hugepages.populate_wanted():
+        hugepages.populate_in_background(cache)
     return cache
 
 

@@ -235,7 +235,8 @@ class Receiver:
                 raise RequestRejected(
                     "kv_transfer_params",
                     f"the prefill engine's KV (compat {kv.compat}) does not fit this "
-                    f"engine's model (compat {self.compat})",
+                    f"engine's model (compat {self.compat}): the two differ in model, "
+                    f"dtype, KV cache dtype, block size or layout",
                 )
             if kv.num_tokens != len(prompt_token_ids):
                 raise RequestRejected(

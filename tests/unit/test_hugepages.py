@@ -102,3 +102,11 @@ def test_populate_faults_the_cache_in_without_changing_a_byte() -> None:
     assert int(_mapping_of(t.data_ptr())["Rss"].split()[0]) >= 60 << 10  # kB
     assert t[12345] == 9 and (t[: 1 << 20 : 65536] == 7).all()
     assert int(t.sum()) == 7 * 16 + 9
+
+
+def test_populate_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    assert hugepages.populate_wanted() == (sys.platform == "linux")
+    monkeypatch.setenv("KVRELAY_KV_POPULATE", "0")
+    assert not hugepages.populate_wanted()

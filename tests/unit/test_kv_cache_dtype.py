@@ -74,3 +74,19 @@ def test_generate_takes_the_flag(tiny: str, capsys: pytest.CaptureFixture[str]) 
         main(["generate", "--model", tiny, "--kv-cache-dtype", "fp8", "hi"])
     assert e.value.code == 2
     assert "--kv-cache-dtype" in capsys.readouterr().err
+
+
+def test_the_compat_hash_tells_the_models_dtype_apart() -> None:
+    """A bfloat16 cache of a float32 model and that of a bfloat16 model hold the same
+    bytes but not the same KV: engines must not exchange them. Where the cache takes
+    the model's dtype the hash is what it was before the field existed."""
+    from kvrelay.model.interface import KvGeometry
+
+    def geom(dtype: str, model_dtype: str = "") -> KvGeometry:
+        return KvGeometry(architecture="llama", num_layers=2, num_kv_heads=2, head_dim=16,
+                          block_size=4, dtype=dtype, model_dtype=model_dtype)
+
+    plain = geom("bfloat16").compat_hash("m")
+    assert geom("bfloat16", "bfloat16").compat_hash("m") == plain
+    assert geom("bfloat16", "float32").compat_hash("m") != plain
+    assert geom("float32", "float32").compat_hash("m") == geom("float32").compat_hash("m")

@@ -100,9 +100,38 @@ def _attend_both(
     ref_cache, nat_cache = cache.clone(), cache.clone()
     ref = ref_b.attention(qkv.clone(), ref_cache, layer,
                           ref_b.build_metadata(chunks, pos, block_size))
-    out = nat_b.attention(qkv.clone(), nat_cache, layer,
-                          nat_b.build_metadata(chunks, pos, block_size))
+    meta = nat_b.build_metadata(chunks, pos, block_size)
+    assert bool(meta.fresh) == (prefill_sdpa and any(c.start == 0 and c.length > 1
+                                                     for c in chunks))
+    nat_qkv = qkv.clone()
+    out = nat_b.attention(nat_qkv, nat_cache, layer, meta)
+    _NATIVE_Q[:] = [nat_qkv]  # its q heads rotated in place, for _attend_over_cache
     return ref, out, ref_cache, nat_cache
+
+
+_NATIVE_Q: list[torch.Tensor] = []
+
+
+def _attend_over_cache(cfg: ModelConfig, chunks: list[ChunkSpec], qkv: torch.Tensor,
+                       cache: torch.Tensor, layer: int, block_size: int) -> torch.Tensor:
+    """Causal attention in float64 of every step token over the K/V the cache holds
+    for its context (its own included): what the native kernels must compute over
+    what they wrote."""
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    out, t = [], 0
+    for c in chunks:
+        pos = torch.arange(c.start + c.length)
+        blocks = torch.tensor(c.block_ids)[pos // block_size]
+        kv = cache[blocks, layer, :, pos % block_size].double()  # (ctx, 2, KVH, D)
+        k = kv[:, 0].repeat_interleave(H // KVH, dim=1)  # (ctx, H, D)
+        v = kv[:, 1].repeat_interleave(H // KVH, dim=1)
+        q = qkv[t : t + c.length, : H * D].double().view(c.length, H, D)
+        scores = torch.einsum("thd,chd->htc", q, k) * D**-0.5
+        mask = pos[None, :] > (c.start + torch.arange(c.length))[:, None]
+        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        out.append(torch.einsum("htc,chd->thd", probs, v).reshape(c.length, H * D))
+        t += c.length
+    return torch.cat(out)
 
 
 # (head_dim, heads, kv_heads, block_size, batch): head dims 64/128, GQA 1/3/4/8,
@@ -139,25 +168,33 @@ def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...], prefi
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-h{}-kv{}-bs{}-b{}".format(*s))
+@pytest.mark.parametrize("prefill", ["tiles", "sdpa"])
+@pytest.mark.parametrize("seed", [1, 4])
 def test_attention_float32_over_a_bfloat16_cache_matches_torch(
-    isa: str, shape: tuple[int, ...]
+    isa: str, shape: tuple[int, ...], seed: int, prefill: str
 ) -> None:
     """--kv-cache-dtype bfloat16 under float32: the native kernels write the rotated K
     and V rounded to bfloat16 and attend over them in float32, prefill and decode tiles
-    alike, as the torch path does."""
+    (or SDPA) alike. Exact to float32 rounding against float64 attention over what the
+    native cache holds; against the torch path within the bfloat16 rounding of K,
+    since the two float32 rotations may differ in the last bit, which a rounding to
+    bfloat16 can carry to the next bfloat16 value."""
     D, H, KVH, bs, batch = shape
     cfg = _cfg(H, KVH, D)
-    rng = random.Random(hash(shape) % 1000 + 1)
+    rng = random.Random(hash(shape) % 1000 + seed)
     nb = batch * (-(-200 // bs)) + 1
     chunks = _random_step(rng, batch, bs, nb)
-    ref, out, ref_cache, nat_cache = _attend_both(cfg, torch.float32, chunks, bs, nb, 1, 9,
-                                                  cache_dtype=torch.bfloat16)
+    if prefill == "sdpa":
+        free = sorted(set(range(nb)) - {b for c in chunks for b in c.block_ids})
+        chunks.append(ChunkSpec(0, 7, free[: -(-7 // bs)]))
+    ref, out, ref_cache, nat_cache = _attend_both(cfg, torch.float32, chunks, bs, nb, 1,
+                                                  seed, cache_dtype=torch.bfloat16,
+                                                  prefill_sdpa=prefill == "sdpa")
     assert nat_cache.dtype is torch.bfloat16 and out.dtype is torch.float32
-    scale = ref.abs().max().item()
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * scale)
-    # The same slots hold the same values: within one bfloat16 rounding (the two
-    # backends' float32 rotations may differ in the last bit, which a rounding to
-    # bfloat16 can carry to the next bfloat16 value).
+    exact = _attend_over_cache(cfg, chunks, _NATIVE_Q[0], nat_cache, 1, bs)
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(out, ref, rtol=2**-7, atol=2**-7 * scale)
     torch.testing.assert_close(nat_cache.float(), ref_cache.float(), rtol=2**-7, atol=1e-6)
 
 
@@ -169,11 +206,14 @@ BF16_SHAPES = [(64, 9, 3, 16), (128, 16, 2, 32), (128, 32, 4, 16), (64, 8, 8, 32
                (128, 6, 2, 16), (64, 32, 1, 16), (80, 4, 2, 16), (64, 6, 2, 8)]
 
 
+@pytest.mark.parametrize("prefill", ["tiles", "sdpa"])
 @pytest.mark.parametrize("shape", BF16_SHAPES, ids=lambda s: "d{}-h{}-kv{}-bs{}".format(*s))
-def test_attention_bfloat16_no_worse_than_torch(isa: str, shape: tuple[int, ...]) -> None:
+def test_attention_bfloat16_no_worse_than_torch(isa: str, shape: tuple[int, ...],
+                                                prefill: str) -> None:
     """bfloat16: against a float32 reference on the same (bf16-representable) inputs,
     the native error (mean and max over outputs) is no larger than the torch path's,
-    within one bfloat16 rounding of the output for the max."""
+    within one bfloat16 rounding of the output for the max; prompts' first chunks by
+    the native tiles or by SDPA."""
     D, H, KVH, bs = shape
     cfg = _cfg(H, KVH, D)
     nb = 24 * (-(-200 // bs)) + 1
@@ -189,7 +229,12 @@ def test_attention_bfloat16_no_worse_than_torch(isa: str, shape: tuple[int, ...]
     ref = ref_b.attention(qkv.float(), cache.float(), 0, ref_b.build_metadata(chunks, pos, bs))
     errs = []
     for b in _backends(cfg, torch.bfloat16):
-        out = b.attention(qkv.clone(), cache.clone(), 0, b.build_metadata(chunks, pos, bs))
+        if isinstance(b, native.NativeBackend):
+            b.prefill_sdpa = prefill == "sdpa"
+        meta = b.build_metadata(chunks, pos, bs)
+        if isinstance(meta, native.NativeStep):
+            assert bool(meta.fresh) == (prefill == "sdpa")
+        out = b.attention(qkv.clone(), cache.clone(), 0, meta)
         errs.append((out.float() - ref).abs())
     t_err, n_err = errs
     assert n_err.mean() <= t_err.mean(), (n_err.mean(), t_err.mean())

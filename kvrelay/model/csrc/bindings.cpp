@@ -226,7 +226,6 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
     const int tok0 = int(sq[3 * s]), n = int(sq[3 * s + 1]), pos0 = int(sq[3 * s + 2]);
     TORCH_CHECK(tok0 >= 0 && n >= 1 && tok0 + n <= T && pos0 >= 0 && (pos0 + n + bs - 1) / bs <= W,
                 "seqs row ", s, " does not fit the step or its block table");
-    max_ctx = std::max(max_ctx, pos0 + n);
     const int64_t* row_table = tables.data_ptr<int64_t>() + s * W;
     for (int64_t b = 0; b < (pos0 + n + bs - 1) / bs; ++b)
       TORCH_CHECK(row_table[b] >= 0 && row_table[b] < n_blocks, "block id ", row_table[b],
@@ -234,6 +233,7 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
     // skip_fresh: the attention of a prompt's first chunk (no cached context) is the
     // caller's (native.NativeBackend: torch's SDPA); its rope and KV write stay here.
     if (skip_fresh && pos0 == 0 && n > 1) continue;
+    max_ctx = std::max(max_ctx, pos0 + n);  // sizes the tiles' scratch
     work += double(n) * (pos0 + n) * H * D;
     for (int i = 0; i < n; i += tile_tokens)
       for (int h = 0; h < KVH; ++h)
