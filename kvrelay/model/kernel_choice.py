@@ -136,7 +136,8 @@ def run_in_own_thread(fn: Callable[[], T]) -> T:
 
 _wait: WaitChoice | None = None
 _spins_ours = False  # GOMP_SPINCOUNT was set by apply_wait_policy, not the environment
-_kernels: dict[str, str] = {"backend": "unset", "isa": "", "reason": "", "gemm": ""}
+_kernels: dict[str, str] = {"backend": "unset", "isa": "", "reason": "", "gemm": "",
+                            "prefill_gemm": ""}
 
 
 def apply_wait_policy(requested: str | None = None, threads: int | None = None) -> WaitChoice:
@@ -193,18 +194,22 @@ def record_kernels(backend: str, isa: str, reason: str) -> None:
              _wait.reason if _wait else "not chosen by kvrelay")
 
 
-def record_gemm(gemm: str, why: str) -> None:
+def record_gemm(gemm: str, why: str, prefill: str = "") -> None:
     """The GEMM of decode-sized steps: ``native-bf16`` (native.BF16_GEMM_ROWS rows or
-    fewer), ``native-f32-avx512`` or ``native-f32-avx2`` (native.F32_GEMM_ROWS; the ISA
-    the kernels run with, ``KVRELAY_NATIVE_ISA=avx2`` forcing AVX2 on an AVX-512 CPU),
-    ``onednn`` or ``torch``; ``why``: why not the native one (``KVRELAY_NATIVE_GEMM=0``
-    turns it off)."""
-    _kernels.update(gemm=gemm)
-    log.info("decode GEMMs: %s%s", gemm, f" ({why})" if why else "")
+    fewer), ``native-bf16-amx`` (every call: AMX tiles from native.AMX_GEMM_ROWS rows),
+    ``native-f32-avx512`` or ``native-f32-avx2`` (native.F32_GEMM_ROWS; the ISA the
+    kernels run with, ``KVRELAY_NATIVE_ISA=avx2`` forcing AVX2 on an AVX-512 CPU),
+    ``native-gguf-*`` (the GGUF codes), ``onednn`` or ``torch``; ``why``: why not the
+    native one (``KVRELAY_NATIVE_GEMM=0`` turns it off); ``prefill``: the GEMM of the
+    calls above the decode one's rows (the same label where it takes every call)."""
+    _kernels.update(gemm=gemm, prefill_gemm=prefill)
+    log.info("decode GEMMs: %s%s; prefill GEMMs: %s", gemm, f" ({why})" if why else "",
+             prefill or "-")
 
 
 def info() -> dict[str, str]:
     """Labels for the /metrics info gauge."""
     wait = _wait.policy if _wait else os.environ.get("OMP_WAIT_POLICY", "")
     return {"backend": _kernels["backend"], "isa": _kernels["isa"], "omp_wait_policy": wait,
-            "omp_spincount": os.environ.get("GOMP_SPINCOUNT", ""), "gemm": _kernels["gemm"]}
+            "omp_spincount": os.environ.get("GOMP_SPINCOUNT", ""), "gemm": _kernels["gemm"],
+            "prefill_gemm": _kernels["prefill_gemm"]}

@@ -38,36 +38,51 @@ class Linear:
     on every call; packed is 1.3-2.5x faster at decode batch sizes (docs/model.md).
     With ``small`` (native.NativeSmallGemm: bfloat16 on an AVX-512 BF16 CPU, float32
     with AVX-512 or AVX2) calls of at most ``small.max_rows`` rows go to the native
-    kernel instead."""
+    kernel instead; with ``large`` (the native AMX bfloat16 GEMM beside the GGUF codes)
+    the calls above them go to that one. oneDNN's copy is made only where some calls
+    are left to it."""
 
-    __slots__ = ("bias", "packed", "small", "small_rows", "small_w", "weight")
+    __slots__ = ("bias", "large", "large_w", "packed", "small", "small_rows", "small_w",
+                 "weight")
     small: Callable[..., torch.Tensor] | None
+    large: Callable[..., torch.Tensor] | None
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
         small: SmallGemm | None = None,
         arena: hugepages.Arena | None = None,
         small_w: torch.Tensor | None = None,
+        large: SmallGemm | None = None,
     ) -> None:
-        """``arena``: where the small GEMM's packed weight goes (2 MiB pages);
-        ``small_w``: that weight already packed (the GGUF codes as stored)."""
+        """``arena``: where the native GEMMs' packed weights go (2 MiB pages);
+        ``small_w``: small's weight already packed (the GGUF codes as stored)."""
         self.weight = weight
         self.bias = bias
-        self.packed: torch.Tensor | None = None
-        if pack:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
         if small_w is None and small is not None:
             small_w = small.pack(weight)
         self.small_w = small_w
         if arena is not None and self.small_w is not None:
             self.small_w = arena.copy(self.small_w)
         self.small = small.run if small is not None and self.small_w is not None else None
-        self.small_rows = small.max_rows if small is not None else 0
+        self.small_rows = small.max_rows if small is not None and self.small is not None else 0
+        self.large = self.large_w = None
+        if large is not None and self.small_rows < native.EVERY_ROWS:
+            self.large_w = large.pack(weight)
+            if arena is not None and self.large_w is not None:
+                self.large_w = arena.copy(self.large_w)
+            self.large = large.run if self.large_w is not None else None
+        self.packed: torch.Tensor | None = None
+        if pack and self.large is None and self.small_rows < native.EVERY_ROWS:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # (0 rows: a chunked prefill step that samples nothing gives lm_head no rows)
-        if self.small is not None and 0 < x.shape[0] <= self.small_rows:
+        rows = x.shape[0]
+        if self.small is not None and 0 < rows <= self.small_rows:
             y: torch.Tensor = self.small(x, self.small_w, self.weight.shape[0], self.bias)
+            return y
+        if self.large is not None and rows > 0:
+            y = self.large(x, self.large_w, self.weight.shape[0], self.bias)
             return y
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -146,25 +161,31 @@ class LlamaModel:
         if quantized and (not quantized_optional
                           or isinstance(self.backend, native.NativeBackend)):
             gguf = native.gguf_gemms(self.backend, quantized)
+        # Beside the codes: the AMX GEMM for the calls above theirs, where there is one.
+        large = (self.backend.amx_gemm()
+                 if gguf is not None and isinstance(self.backend, native.NativeBackend)
+                 else None)
         self.small_gemm = small is not None or gguf is not None  # a native small-M GEMM
+        decode = gguf.label if gguf else small.label if small else "onednn" if pack else "torch"
+        every = (gguf.every if gguf is not None
+                 else small is not None and small.max_rows >= native.EVERY_ROWS)
         kernel_choice.record_gemm(
-            gguf.label if gguf else small.label if small else "onednn" if pack else "torch",
+            decode,
             "" if small or gguf
             else getattr(self.backend, "gemm_off", None) or "not the native backend",
+            prefill=large.label if large else decode if every else "onednn" if pack else "torch",
         )
         # The decode GEMMs' packed weights on 2 MiB pages (hugepages), copied as packed.
         arena = hugepages.Arena() if self.small_gemm and hugepages.enabled() else None
 
         def linear(names: Sequence[str], weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
             """One (fused) Linear: the GGUF codes as stored when every part has them in
-            one type, else the float weight (packed for ``small`` if there is one)."""
+            one type (with ``large`` for the calls above theirs), else the float weight
+            (packed for ``small`` if there is one)."""
             if gguf is not None:
                 served = gguf.pack(names)
                 if served is not None:
-                    # the codes serve every call (AVX2; VNNI in float32): no oneDNN
-                    # copy of the float weight
-                    every = served[0].max_rows >= native.GGUF_GEMM_ROWS_EVERY
-                    return Linear(weight, bias, pack and not every, served[0], arena, served[1])
+                    return Linear(weight, bias, pack, served[0], arena, served[1], large)
             return Linear(weight, bias, pack, small, arena)
 
         self.embed = get("model.embed_tokens.weight")

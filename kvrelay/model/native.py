@@ -85,6 +85,13 @@ def _self_check(mod: Any, dtype: torch.dtype) -> str | None:
 # "Decode GEMMs"): bfloat16 up to 128 rows, float32 on par at 32 and behind from 64.
 BF16_GEMM_ROWS = 128
 F32_GEMM_ROWS = 32
+# Where the CPU has AMX-BF16, bfloat16 calls of AMX_GEMM_ROWS rows or more run on AMX
+# tiles (csrc/gemm_bf16_amx.cpp), fewer on vdpbf16ps; between them they take every call.
+# Beside a GGUF's codes (VNNI), AMX takes the calls above GGUF_AMX_ROWS rows, where it
+# streams the bfloat16 weights faster than VNNI computes on the codes (docs/model.md,
+# "AMX GEMM"). KVRELAY_AMX_GEMM=0 turns the AMX kernel off.
+AMX_GEMM_ROWS = 5
+GGUF_AMX_ROWS = 16
 # The quantized GEMM serves every call, prefill chunks too (GGUF_GEMM_ROWS_EVERY), under
 # AVX2 (on the AVX2-only EPYC 1.7-3.4x oneDNN's float32 GEMM per layer at 32-256 rows)
 # and with AVX-512 VNNI for float32 activations (8 x 128-token prefills 0.76-0.99 s
@@ -93,6 +100,7 @@ F32_GEMM_ROWS = 32
 # nor on the CPU's oneDNN kernels. With VNNI and bfloat16 activations, where oneDNN has
 # AMX or AVX-512 BF16 for prefill (not measured against it), up to F32_GEMM_ROWS.
 GGUF_GEMM_ROWS_EVERY = 1 << 30
+EVERY_ROWS = GGUF_GEMM_ROWS_EVERY  # a kernel with this max_rows takes every call
 
 
 class NativeSmallGemm:
@@ -102,11 +110,15 @@ class NativeSmallGemm:
     AVX-512 or AVX2 + FMA, whichever the kernels run with (``KVRELAY_NATIVE_ISA=avx2``
     forces AVX2)."""
 
-    def __init__(self, mod: Any, dtype: torch.dtype) -> None:
+    def __init__(self, mod: Any, dtype: torch.dtype, amx: bool = False) -> None:
         self.dtype = dtype
         if dtype is torch.bfloat16:
             self._pack, self.run = mod.pack_bf16_gemm, mod.bf16_gemm
             self.label, self.max_rows = "native-bf16", BF16_GEMM_ROWS
+            if amx:  # every call: AMX tiles from AMX_GEMM_ROWS rows on (K % 32 == 0)
+                self._small, self._amx = mod.bf16_gemm, mod.bf16_gemm_amx
+                self.run = self._run_amx
+                self.label, self.max_rows = "native-bf16-amx", EVERY_ROWS
         else:
             self._pack, self.run = mod.pack_f32_gemm, mod.f32_gemm
             self.label, self.max_rows = f"native-f32-{mod.isa()}", F32_GEMM_ROWS
@@ -118,6 +130,23 @@ class NativeSmallGemm:
             return None  # vdpbf16ps takes k in pairs
         packed: torch.Tensor = self._pack(weight.contiguous())
         return packed
+
+    def _run_amx(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        amx = x.shape[0] >= AMX_GEMM_ROWS and x.shape[1] % 32 == 0
+        y: torch.Tensor = (self._amx if amx else self._small)(x, packed, n, bias)
+        return y
+
+
+def amx_gemm_unavailable(mod: Any, dtype: torch.dtype) -> str | None:
+    """Why bfloat16 GEMMs do not run on the native AMX kernel, or None when they do."""
+    if dtype is not torch.bfloat16:
+        return f"{dtype} (it takes bfloat16)"
+    if os.environ.get("KVRELAY_AMX_GEMM", "1") == "0":
+        return "KVRELAY_AMX_GEMM=0"
+    if not mod.has_amx_bf16_gemm():
+        return "the CPU lacks AMX-BF16 (or the kernels run as AVX2)"
+    return None
 
 
 def small_gemm_unavailable(mod: Any, dtype: torch.dtype) -> str | None:
@@ -140,10 +169,13 @@ class NativeGgufGemm:
     bfloat16) is quantized to 8 bits per 32 values and multiplied in integers (AVX-512
     VNNI or AVX2), llama.cpp's route; the result in x's dtype."""
 
-    def __init__(self, mod: Any, qtype: int, label: str, dtype: torch.dtype) -> None:
+    def __init__(self, mod: Any, qtype: int, label: str, dtype: torch.dtype,
+                 amx: bool = False) -> None:
+        """``amx``: the AMX GEMM takes the calls above this one's rows."""
         self._mod, self.qtype, self.label = mod, qtype, label
         every = mod.gguf_isa() == "avx2" or dtype is torch.float32
-        self.max_rows = GGUF_GEMM_ROWS_EVERY if every else F32_GEMM_ROWS
+        self.max_rows = (GGUF_GEMM_ROWS_EVERY if every
+                         else GGUF_AMX_ROWS if amx else F32_GEMM_ROWS)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
         return None  # its weights come packed from the file's codes (pack_raw)
@@ -163,9 +195,10 @@ class GgufGemms:
     and packed codes when all its parts are stored in one served type, else None."""
 
     def __init__(self, mod: Any, quantized: Mapping[str, QuantWeight],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, amx: bool = False) -> None:
         self.label = f"native-gguf-{mod.gguf_isa()}"
-        self._mod, self._quantized, self._dtype = mod, quantized, dtype
+        self._mod, self._quantized, self._dtype, self._amx = mod, quantized, dtype, amx
+        self.every = mod.gguf_isa() == "avx2" or dtype is torch.float32  # serve every call
         self._kernels: dict[int, NativeGgufGemm] = {}
 
     def pack(self, names: Sequence[str]) -> tuple[NativeGgufGemm, torch.Tensor] | None:
@@ -177,7 +210,7 @@ class GgufGemms:
             return None
         qtype, k = qws[0].qtype, qws[0].k
         kernel = self._kernels.setdefault(
-            qtype, NativeGgufGemm(self._mod, qtype, self.label, self._dtype))
+            qtype, NativeGgufGemm(self._mod, qtype, self.label, self._dtype, self._amx))
         raw = qws[0].raw if len(qws) == 1 else torch.cat([q.raw for q in qws])
         return kernel, kernel.pack_raw(raw, k)
 
@@ -189,7 +222,7 @@ def gguf_gemms(backend: Any, quantized: Mapping[str, QuantWeight]) -> GgufGemms:
         why = load_error() or f"the {backend.name} kernels were chosen"
         raise ValueError(f"--quantization gguf needs the native kernels (AVX2 + FMA or "
                          f"AVX-512) and cannot use them: {why}")
-    return GgufGemms(backend._ops, quantized, backend.dtype)
+    return GgufGemms(backend._ops, quantized, backend.dtype, amx=backend.amx_off is None)
 
 
 class NativeStep:
@@ -249,10 +282,18 @@ class NativeBackend:
         self.cos, self.sin = rope.float32_tables()
         self.eps = cfg.rms_norm_eps
         self.gemm_off = small_gemm_unavailable(mod, dtype)
+        self.amx_off = self.gemm_off or amx_gemm_unavailable(mod, dtype)
         self.prefill_sdpa = prefill_sdpa_wanted()
 
     def small_gemm(self) -> NativeSmallGemm | None:
-        return NativeSmallGemm(self._ops, self.dtype) if self.gemm_off is None else None
+        if self.gemm_off is not None:
+            return None
+        return NativeSmallGemm(self._ops, self.dtype, amx=self.amx_off is None)
+
+    def amx_gemm(self) -> NativeSmallGemm | None:
+        """The bfloat16 GEMM on AMX tiles for every row count, or None (amx_off says
+        why): beside the GGUF codes, it takes the calls above theirs."""
+        return NativeSmallGemm(self._ops, self.dtype, amx=True) if self.amx_off is None else None
 
     def build_metadata(
         self, chunks: Sequence[ChunkSpec], positions: torch.Tensor, block_size: int

@@ -311,9 +311,8 @@ def test_select_backend_follows_request_and_env(monkeypatch: pytest.MonkeyPatch)
     assert kernel_choice.info()["backend"] == "torch"
     monkeypatch.delenv("KVRELAY_KERNELS")
     assert select_backend(cfg, rope, torch.float32, cpu).name == "native"
-    assert kernel_choice.info() | {"omp_wait_policy": "", "omp_spincount": "", "gemm": ""} == {
-        "backend": "native", "isa": _best, "omp_wait_policy": "", "omp_spincount": "",
-        "gemm": ""}
+    blank = {"omp_wait_policy": "", "omp_spincount": "", "gemm": "", "prefill_gemm": ""}
+    assert kernel_choice.info() | blank == {"backend": "native", "isa": _best} | blank
     # float16 and head dims that are not multiples of 16 fall back, never fail.
     assert select_backend(cfg, rope, torch.float16, cpu).name == "torch"
     assert select_backend(_cfg(4, 2, 8), rope, torch.float32, cpu, "native").name == "torch"
@@ -395,6 +394,96 @@ def test_bf16_gemm_no_worse_than_torch(rows: int, n: int, k: int) -> None:
         assert err <= torch_err * 1.05 + 1e-6
 
 
+_amx = _mod is not None and _mod.has_amx_bf16_gemm()
+needs_amx = pytest.mark.skipif(not _amx, reason="the CPU lacks AMX-BF16")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 130, 300])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (40, 96), (960, 576), (576, 1536)])
+def test_amx_bf16_gemm_no_worse_than_torch(rows: int, n: int, k: int) -> None:
+    """The AMX GEMM against a float32 reference, as the small-M one: within bfloat16
+    rounding and on average no further from it than torch's bfloat16 GEMM. Rows cover
+    one and two partial tiles, whole 32-row groups and a tail; N a column block not
+    filled and an odd number of blocks; strided x (a view of wider rows)."""
+    assert _mod is not None
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    wide = torch.randn(rows, k + 32, generator=g).bfloat16()
+    x = wide[:, 16 : 16 + k]  # rows k + 32 apart
+    bias = torch.randn(n, generator=g).bfloat16()
+    packed = _mod.pack_bf16_gemm(w)
+    for b in (None, bias):
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        out = _mod.bf16_gemm_amx(x, packed, n, b)
+        theirs = torch.nn.functional.linear(x, w, b)
+        assert out.dtype is torch.bfloat16 and out.shape == (rows, n)
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * k**0.5)
+        err, torch_err = (out.float() - ref).abs().mean(), (theirs.float() - ref).abs().mean()
+        assert err <= torch_err * 1.05 + 1e-6
+
+
+@needs_amx
+def test_amx_bf16_gemm_rejects_bad_input() -> None:
+    assert _mod is not None
+    w = torch.randn(32, 64).bfloat16()
+    packed = _mod.pack_bf16_gemm(w)
+    with pytest.raises(RuntimeError, match="does not match"):
+        _mod.bf16_gemm_amx(torch.randn(2, 64).bfloat16(), packed, 48)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        odd = _mod.pack_bf16_gemm(w[:, :48].contiguous())
+        _mod.bf16_gemm_amx(torch.randn(2, 48).bfloat16(), odd, 32)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        _mod.bf16_gemm_amx(torch.randn(2, 64), packed, 32)
+    with pytest.raises(RuntimeError, match="bias"):
+        _mod.bf16_gemm_amx(torch.randn(2, 64).bfloat16(), packed, 32, torch.ones(3).bfloat16())
+    assert _mod.bf16_gemm_amx(torch.empty(0, 64).bfloat16(), packed, 32).shape == (0, 32)
+
+
+@needs_amx
+def test_model_runs_every_bf16_gemm_natively_on_amx(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an AMX CPU a bfloat16 model's GEMMs are all native: one row on vdpbf16ps,
+    from native.AMX_GEMM_ROWS rows on AMX tiles (the same results as calling the kernels
+    directly), with no oneDNN copy of the weights. Beside a GGUF's codes, the calls
+    above theirs go to AMX over the float weight. KVRELAY_AMX_GEMM=0 gives oneDNN
+    back its calls."""
+    from kvrelay.model.llm import LLM
+    from kvrelay.model.testing import write_tiny_gguf
+
+    assert _mod is not None
+    m = _tiny_model(torch.bfloat16)
+    assert kernel_choice.info()["gemm"] == kernel_choice.info()["prefill_gemm"] == (
+        "native-bf16-amx")
+    for lin in (m.layers[0].qkv, m.layers[0].gate_up, m.layers[1].down, m.lm_head):
+        assert lin.packed is None and lin.small_rows >= native.EVERY_ROWS
+        packed, n = _mod.pack_bf16_gemm(lin.weight), lin.weight.shape[0]
+        one = torch.randn(1, lin.weight.shape[1]).bfloat16()
+        assert torch.equal(lin(one), _mod.bf16_gemm(one, packed, n))
+        for rows in (native.AMX_GEMM_ROWS, 40, 300):
+            x = torch.randn(rows, lin.weight.shape[1]).bfloat16()
+            assert torch.equal(lin(x), _mod.bf16_gemm_amx(x, packed, n))
+
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", seed=4))
+    model = LLM(path, dtype="bfloat16").model.runner.model  # type: ignore[attr-defined]
+    assert kernel_choice.info()["prefill_gemm"] == "native-bf16-amx"
+    down = model.layers[0].down
+    assert isinstance(down.small.__self__, native.NativeGgufGemm)
+    assert down.small_rows == native.GGUF_AMX_ROWS and down.packed is None
+    x = torch.randn(native.GGUF_AMX_ROWS + 1, down.weight.shape[1]).bfloat16()
+    direct = _mod.bf16_gemm_amx(x, _mod.pack_bf16_gemm(down.weight), down.weight.shape[0])
+    assert torch.equal(down(x), direct)
+
+    monkeypatch.setenv("KVRELAY_AMX_GEMM", "0")
+    m = _tiny_model(torch.bfloat16)
+    assert kernel_choice.info()["gemm"] == "native-bf16"
+    assert kernel_choice.info()["prefill_gemm"] == "onednn"
+    assert m.layers[0].down.packed is not None
+    model = LLM(path, dtype="bfloat16").model.runner.model  # type: ignore[attr-defined]
+    assert model.layers[0].down.large is None and model.layers[0].down.packed is not None
+
+
 @needs_bf16_gemm
 def test_bf16_gemm_rejects_bad_input() -> None:
     assert _mod is not None
@@ -413,14 +502,16 @@ def test_bf16_gemm_rejects_bad_input() -> None:
 
 @needs_bf16_gemm
 def test_model_uses_the_small_gemm_only_where_it_may(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bfloat16 on the native backend: decode-sized calls go to the native GEMM (same
-    result as calling it directly), larger ones to oneDNN; the torch backend and
-    KVRELAY_NATIVE_GEMM=0 keep oneDNN (float32: test_float32_model_uses_...)."""
+    """bfloat16 on the native backend without AMX (KVRELAY_AMX_GEMM=0 on an AMX CPU):
+    decode-sized calls go to the native GEMM (same result as calling it directly),
+    larger ones to oneDNN; the torch backend and KVRELAY_NATIVE_GEMM=0 keep oneDNN
+    (float32: test_float32_model_uses_...; AMX: test_model_runs_every_bf16_gemm_...)."""
     from kvrelay.model.model import SMALL_GEMM_ROWS
 
     def build(dtype: torch.dtype, kernels: str | None = None) -> LlamaModel:
         return _tiny_model(dtype, kernels)
 
+    monkeypatch.setenv("KVRELAY_AMX_GEMM", "0")
     m = build(torch.bfloat16)
     assert m.small_gemm and kernel_choice.info()["gemm"] == "native-bf16"
     lin = m.layers[0].gate_up
@@ -628,7 +719,7 @@ def test_gguf_gemm_rejects_bad_input() -> None:
 def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str) -> None:
     """--quantization gguf on a GGUF with mixed tensor types: the Q8_0 ones (ffn_down, the
     lm_head) go to the quantized GEMM, the fused q/k/v and gate/up, whose parts differ
-    in type, keep the dequantized weights; the logits of 24 positions (decode-sized
+    in type, keep the dequantized weights; the logits of 16 positions (decode-sized
     GEMMs) are within the 8-bit activations' error of the dequantized model's (mean
     under 2% of the logits' mean size; a random tiny model's near-ties can flip greedy
     tokens, so the SmolLM2 agreement is measured by `kvrelay bench quant`). An HF
@@ -639,7 +730,7 @@ def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str)
     from kvrelay.sampling_params import SamplingParams
 
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", seed=4))
-    ids = list(range(40, 64))
+    ids = list(range(40, 40 + native.GGUF_AMX_ROWS))  # rows the codes take on every CPU
     logits = {}
     for quant in ("gguf", "none"):
         llm = LLM(path, dtype=dtype, quantization=quant)
@@ -685,10 +776,12 @@ def test_quantization_auto_serves_the_codes_where_it_can(
     whole = down(x)
     assert torch.equal(whole, torch.cat([down(x[i : i + 1]) for i in range(64)]))
     if _mod.gguf_isa() != "avx2" and _mod.has_bf16_gemm():
-        # bfloat16 with VNNI: prefill keeps oneDNN (AMX or AVX-512 BF16 there)
+        # bfloat16 with VNNI: prefill keeps oneDNN (AVX-512 BF16 there), or the native
+        # AMX GEMM where the CPU has AMX (test_model_runs_every_bf16_gemm_natively_on_amx)
         bf16 = LLM(path, dtype="bfloat16").model.runner.model  # type: ignore[attr-defined]
         down = bf16.layers[0].down
-        assert down.small_rows == native.F32_GEMM_ROWS and down.packed is not None
+        assert down.small_rows == (native.GGUF_AMX_ROWS if _amx else native.F32_GEMM_ROWS)
+        assert (down.large is not None) == _amx and (down.packed is not None) == (not _amx)
     LLM(str(write_tiny_hf_model(tmp_path / "hf")), dtype="float32")
     assert not kernel_choice.info()["gemm"].startswith("native-gguf")
     monkeypatch.setenv("KVRELAY_KERNELS", "torch")
