@@ -42,8 +42,8 @@ class Linear:
     the calls above them go to that one. oneDNN's copy is made only where some calls
     are left to it."""
 
-    __slots__ = ("bias", "large", "large_w", "packed", "small", "small_rows", "small_w",
-                 "weight")
+    __slots__ = ("bias", "large", "large_k", "large_w", "packed", "small", "small_k",
+                 "small_rows", "small_w", "weight")
     small: Callable[..., torch.Tensor] | None
     large: Callable[..., torch.Tensor] | None
 
@@ -64,13 +64,15 @@ class Linear:
         if arena is not None and self.small_w is not None:
             self.small_w = arena.copy(self.small_w)
         self.small = small.run if small is not None and self.small_w is not None else None
+        self.small_k = small if self.small is not None else None
         self.small_rows = small.max_rows if small is not None and self.small is not None else 0
-        self.large = self.large_w = None
+        self.large = self.large_w = self.large_k = None
         if large is not None and self.small_rows < native.EVERY_ROWS:
             self.large_w = large.pack(weight)
             if arena is not None and self.large_w is not None:
                 self.large_w = arena.copy(self.large_w)
             self.large = large.run if self.large_w is not None else None
+            self.large_k = large if self.large is not None else None
         self.packed: torch.Tensor | None = None
         if pack and self.large is None and self.small_rows < native.EVERY_ROWS:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
@@ -87,6 +89,22 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def silu_mul(
+        self, x: torch.Tensor, unfused: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """silu(gate) * up of this fused (gate, up) Linear: in the AMX GEMM's epilogue
+        where the call goes to AMX (the same values, one pass over memory less), else
+        ``unfused(self(x))``."""
+        rows = x.shape[0]
+        kernel, w = ((self.small_k, self.small_w) if 0 < rows <= self.small_rows
+                     else (self.large_k, self.large_w) if rows > 0 else (None, None))
+        fused = getattr(kernel, "run_silu", None)
+        if fused is not None:
+            y: torch.Tensor | None = fused(x, w, self.weight.shape[0], self.bias)
+            if y is not None:
+                return y
+        return unfused(self(x))
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -244,7 +262,7 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             o = k.attention(layer.qkv(x), kv_cache, i, meta)
             x = k.add_rms_norm(h, layer.o(o), layer.ffn_norm)
-            mlp = layer.down(k.silu_mul(layer.gate_up(x)))
+            mlp = layer.down(layer.gate_up.silu_mul(x, k.silu_mul))
             if i < last:
                 x = k.add_rms_norm(h, mlp, self.layers[i + 1].attn_norm)
             else:

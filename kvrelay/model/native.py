@@ -137,6 +137,17 @@ class NativeSmallGemm:
         y: torch.Tensor = (self._amx if amx else self._small)(x, packed, n, bias)
         return y
 
+    def run_silu(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
+        """silu(gate) * up of a fused (gate, up) weight of n = 2I rows, from the AMX
+        tiles' epilogue: the values silu_mul gives of run's output, without writing
+        and reading back the (rows, 2I) product. None where run would not use AMX."""
+        if (self.run != self._run_amx or x.shape[0] < AMX_GEMM_ROWS or x.shape[1] % 32
+                or n % 32):
+            return None
+        y: torch.Tensor = self._amx(x, packed, n, bias, True)
+        return y
+
 
 def amx_gemm_unavailable(mod: Any, dtype: torch.dtype) -> str | None:
     """Why bfloat16 GEMMs do not run on the native AMX kernel, or None when they do."""

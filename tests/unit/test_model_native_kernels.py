@@ -424,6 +424,27 @@ def test_amx_bf16_gemm_no_worse_than_torch(rows: int, n: int, k: int) -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 100, 300])
+@pytest.mark.parametrize(("i", "k"), [(16, 32), (48, 96), (1536, 576)])
+def test_amx_gate_up_silu_equals_the_unfused_path(rows: int, i: int, k: int) -> None:
+    """silu=True (silu(gate) * up in the tiles' epilogue) gives exactly the values of
+    silu_mul over the same GEMM's (rows, 2I) output, with and without a bias: the
+    same roundings in the same order. One gate block per thread and an odd count
+    included."""
+    assert _mod is not None
+    g = torch.Generator().manual_seed(rows * 100 + i + k)
+    w = torch.randn(2 * i, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    packed = _mod.pack_bf16_gemm(w)
+    for b in (None, torch.randn(2 * i, generator=g).bfloat16()):
+        unfused = _mod.silu_mul(_mod.bf16_gemm_amx(x, packed, 2 * i, b))
+        fused = _mod.bf16_gemm_amx(x, packed, 2 * i, b, True)
+        assert fused.shape == (rows, i) and torch.equal(fused, unfused)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        _mod.bf16_gemm_amx(x, _mod.pack_bf16_gemm(w[:48].contiguous()), 48, None, True)
+
+
+@needs_amx
 def test_amx_bf16_gemm_rejects_bad_input() -> None:
     assert _mod is not None
     w = torch.randn(32, 64).bfloat16()
@@ -464,6 +485,19 @@ def test_model_runs_every_bf16_gemm_natively_on_amx(
         for rows in (native.AMX_GEMM_ROWS, 40, 300):
             x = torch.randn(rows, lin.weight.shape[1]).bfloat16()
             assert torch.equal(lin(x), _mod.bf16_gemm_amx(x, packed, n))
+    # the MLP's silu * up: fused where the rows go to AMX, unfused below; the same values
+    gate_up = m.layers[0].gate_up
+    for rows in (1, native.AMX_GEMM_ROWS, 300):
+        x = torch.randn(rows, gate_up.weight.shape[1]).bfloat16()
+        calls: list[int] = []
+
+        def unfused(y: torch.Tensor, calls: list[int] = calls) -> torch.Tensor:
+            calls.append(y.shape[0])
+            out: torch.Tensor = _mod.silu_mul(y)
+            return out
+
+        assert torch.equal(gate_up.silu_mul(x, unfused), _mod.silu_mul(gate_up(x)))
+        assert calls == ([rows] if rows < native.AMX_GEMM_ROWS else [])
 
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", seed=4))
     model = LLM(path, dtype="bfloat16").model.runner.model  # type: ignore[attr-defined]

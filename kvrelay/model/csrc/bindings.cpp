@@ -349,27 +349,35 @@ bool has_amx_bf16_gemm() { return has_bf16_gemm() && amx_bf16_usable(); }
 
 // bf16_gemm with AMX tiles; K a multiple of 32. The column blocks go to the threads in
 // pairs (a pair is one tile step's two B tiles), as evenly as pairs allow.
+//
+// silu: the fused gate/up projection (N = 2I, gate rows then up rows, I a multiple of
+// 16), returning silu(gate) * up (M, I) with the same values as silu_mul of this GEMM's
+// output, without writing and reading back the (M, 2I) product.
 torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
-                            const c10::optional<torch::Tensor>& bias) {
+                            const c10::optional<torch::Tensor>& bias, bool silu) {
   TORCH_CHECK(has_amx_bf16_gemm(), "bf16_gemm_amx needs AMX-BF16");
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "bf16_gemm_amx takes bfloat16 x and weight");
   const int64_t M = x.size(0), K = x.size(1), nblk = (N + 15) / 16;
   TORCH_CHECK(K % 32 == 0, "bf16_gemm_amx needs K a multiple of 32, got ", K);
+  TORCH_CHECK(!silu || N % 32 == 0, "bf16_gemm_amx silu needs N a multiple of 32, got ", N);
   check_packed(wp, torch::kBFloat16, {nblk, K / 2, 32}, N, K);
   const torch::Tensor b = bias_f32(bias, N);
-  auto y = torch::empty({M, N}, x.options());
+  const int64_t out_n = silu ? N / 2 : N, up = silu ? nblk / 2 : 0;
+  auto y = torch::empty({M, out_n}, x.options());
   if (M == 0 || N == 0) return y;
   const uint16_t* xp = (const uint16_t*)x.data_ptr();
   const uint16_t* wpp = (const uint16_t*)wp.data_ptr();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   uint16_t* yp = (uint16_t*)y.data_ptr();
-  const int64_t ldx = x.stride(0), pairs = (nblk + 1) / 2;
+  // work units: pairs of column blocks (silu: gate blocks, each with its up block)
+  const int64_t ldx = x.stride(0), step = silu ? 1 : 2, units = silu ? up : (nblk + 1) / 2;
+  const int64_t end = silu ? up : nblk;
 #pragma omp parallel if (M * N * K >= 64 * kParallelElems)
   {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t b0 = 2 * (pairs * t / nt), b1 = std::min(nblk, 2 * (pairs * (t + 1) / nt));
-    if (b0 < b1) gemm_bf16_amx(xp, ldx, M, wpp, K, b0, b1, bp, yp, N, N);
+    const int64_t b0 = step * (units * t / nt), b1 = std::min(end, step * (units * (t + 1) / nt));
+    if (b0 < b1) gemm_bf16_amx(xp, ldx, M, wpp, K, b0, b1, bp, yp, out_n, out_n, up);
   }
   return y;
 }
@@ -496,7 +504,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), nogil());
   m.def("has_amx_bf16_gemm", &kvr::has_amx_bf16_gemm, "AMX-BF16 prefill GEMM available");
   m.def("bf16_gemm_amx", &kvr::bf16_gemm_amx, pybind11::arg("x"), pybind11::arg("packed"),
-        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), nogil());
+        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("silu") = false, nogil());
   m.def("pack_gguf_gemm", &kvr::pack_gguf_gemm, nogil());
   m.def("gguf_gemm", &kvr::gguf_gemm, pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("type"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),

@@ -24,6 +24,8 @@
 namespace kvr {
 namespace {
 
+#include "softmax.h"  // exp_neg, compiled for this file's target
+
 constexpr int kLanes = 16;
 constexpr int64_t kChunkBytes = 256 << 10;  // x rows per chunk: this much of x, in L2
 constexpr int64_t kSpanBytes = 1 << 20;  // weights per span of column blocks, in L2
@@ -55,16 +57,53 @@ struct Pending {
   int64_t blk = 0;
   int r0 = 0, r1 = 0, nb = 0;
   int done = 0, units = 0;  // rows written, of r0 + r1
+  bool silu = false;        // C0 is gate, C1 up: y = silu(gate) * up, 16 columns
 };
 
 struct Out {
   const float* bias;
   int64_t ldy, N;
+  int64_t up;  // silu: the up half's first block (bias: gate's N values, then up's)
 };
+
+// x rounded to bfloat16 and back, as the unfused path stores and reloads it.
+inline __m512 round_bf16(__m512 x) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// silu(g) * u for one row of 16 columns, op for op as the gate/up GEMM's bfloat16
+// output followed by silu_mul_row (kernels_impl.h): g and u rounded to bfloat16,
+// silu(g) rounded, the product rounded once by the store.
+inline __m256bh silu_mul16(__m512 g, __m512 u) {
+  alignas(64) float a[kLanes], out[kLanes];
+  _mm512_store_ps(a, round_bf16(g));
+#pragma omp simd
+  for (int i = 0; i < kLanes; ++i) {
+    const float e = exp_neg(-__builtin_fabsf(a[i]));
+    out[i] = (a[i] > 0 ? a[i] : a[i] * e) / (1.0f + e);
+  }
+  return _mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(_mm512_load_ps(out)), round_bf16(u)));
+}
 
 // y = C (+ bias), rounded to bfloat16, for p's rows [p.done, upto): a row's 32 columns
 // (both blocks) with one store, so its cache line is written whole at once.
 inline void drain(Pending& p, int upto, const Out& o) {
+  if (p.silu) {
+    const int64_t col = p.blk * kLanes, left = o.N - col;
+    const __mmask16 mask = left >= kLanes ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+    const bool b = o.bias != nullptr;
+    const __m512 bg = b ? _mm512_maskz_loadu_ps(mask, o.bias + col) : _mm512_setzero_ps();
+    const __m512 bu = b ? _mm512_maskz_loadu_ps(mask, o.bias + o.N + col) : _mm512_setzero_ps();
+    for (; p.done < upto && p.done < p.units; ++p.done) {
+      const int r = p.done;
+      const float* c = p.c + (r < kLanes ? 0 : 512) + (r % kLanes) * kLanes;
+      const __m256bh v = silu_mul16(_mm512_add_ps(_mm512_load_ps(c), bg),
+                                    _mm512_add_ps(_mm512_load_ps(c + 256), bu));
+      _mm256_mask_storeu_epi16(p.y + r * o.ldy + col, mask, (__m256i)v);
+    }
+    return;
+  }
   const int64_t col = p.blk * kLanes, left = o.N - col;
   const int64_t width = left < p.nb * kLanes ? left : p.nb * kLanes;
   const __mmask32 mask = width >= 32 ? __mmask32(~0u) : __mmask32((1u << width) - 1);
@@ -90,7 +129,10 @@ inline void drain(Pending& p, int upto, const Out& o) {
 // With `end` (the first rows to take these blocks), the next pair's weights, up to end,
 // are fetched into L2 meanwhile, a step's share per step: at a few rows the tile
 // multiplies are short, and the weights come from memory (decode-sized calls).
-template <bool TWO, int NB>
+//
+// SILU: B1 is the up half's block blk + o.up beside gate block blk, and the pending
+// write gives silu(gate) * up (bindings' gate/up fusion).
+template <bool TWO, int NB, bool SILU = false>
 void block(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kpairs, int64_t blk,
            int r0, int r1, uint16_t* y, const Out& o, float* cbuf, Pending& pending,
            const char* end) {
@@ -100,17 +142,22 @@ void block(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kpairs, i
     _tile_zero(6);
     if constexpr (NB > 1) _tile_zero(7);
   }
-  const uint16_t* b0 = wp + blk * kpairs * 2 * kLanes;
-  const uint16_t* b1 = b0 + kpairs * 2 * kLanes;
+  const int64_t bsize = kpairs * 2 * kLanes;  // one column block's weights
+  const uint16_t* b0 = wp + blk * bsize;
+  const uint16_t* b1 = b0 + (SILU ? o.up : 1) * bsize;
   const uint16_t* x1 = x + kLanes * ldx;
   const int64_t stride = ldx * 2, steps = kpairs / kLanes;
   const int per_step = int((pending.units + steps - 1) / steps);
   int upto = 0;
-  const char* ahead = (const char*)(b0 + NB * kpairs * 2 * kLanes);  // the next pair
+  // the next pair (SILU: the next gate block, and the up block beside it)
+  const char* ahead = (const char*)(b0 + (SILU ? 1 : NB) * bsize);
+  const char* ahead_up = (const char*)(b1 + bsize);
   asm volatile("" ::: "memory");  // tileloadd (an asm without a memory clobber) reads x
   for (int64_t kp = 0; kp < kpairs; kp += kLanes) {
-    for (int i = 0; i < NB * 16 && ahead < end; ++i, ahead += 64)
+    for (int i = 0; i < (SILU ? 1 : NB) * 16 && ahead < end; ++i, ahead += 64) {
       _mm_prefetch(ahead, _MM_HINT_T1);
+      if constexpr (SILU) _mm_prefetch(ahead_up + 64 * i + 1024 * (kp / kLanes), _MM_HINT_T1);
+    }
     _tile_loadd(0, x + 2 * kp, stride);
     _tile_loadd(2, b0 + kp * 2 * kLanes, 64);
     if constexpr (NB > 1) _tile_loadd(3, b1 + kp * 2 * kLanes, 64);
@@ -133,7 +180,7 @@ void block(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kpairs, i
     if constexpr (NB > 1) _tile_stored(7, cbuf + 768, 64);
   }
   asm volatile("" ::: "memory");  // drain's vector loads read what tilestored wrote
-  pending = Pending{cbuf, y, blk, r0, r1, NB, 0, r0 + r1};
+  pending = Pending{cbuf, y, blk, r0, r1, NB, 0, r0 + r1, SILU};
 }
 
 // Rows [0, r0 + r1) x the column blocks [blk0, blk1), in pairs; the C buffers alternate.
@@ -141,6 +188,14 @@ void block(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kpairs, i
 void rows(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kpairs, int64_t blk0,
           int64_t blk1, int r0, int r1, uint16_t* y, const Out& o, float* cbufs,
           Pending& pending, const char* end) {
+  if (o.up > 0) {  // gate blocks one at a time, each with its up block
+    for (int64_t b = blk0; b < blk1; ++b) {
+      float* c = pending.c == cbufs ? cbufs + 1024 : cbufs;
+      r1 > 0 ? block<true, 2, true>(x, ldx, wp, kpairs, b, r0, r1, y, o, c, pending, end)
+             : block<false, 2, true>(x, ldx, wp, kpairs, b, r0, r1, y, o, c, pending, end);
+    }
+    return;
+  }
   for (int64_t b = blk0; b < blk1; b += 2) {
     float* c = pending.c == cbufs ? cbufs + 1024 : cbufs;
     if (r1 > 0)
@@ -175,12 +230,16 @@ bool amx_bf16_usable() {
 // the last whole 32 go in a last pass, under their own tile configuration. The
 // configuration is loaded by each call on the calling thread (oneDNN's AMX kernels
 // configure tiles their own way).
+//
+// up > 0: the fused gate/up projection, y (M, N) = silu(x G^T) * (x U^T), where the
+// packed weight's blocks [0, up) are G's and [up, 2 up) U's (N = 16 up; bias, if any,
+// 2N values); [blk0, blk1) are then gate blocks.
 void gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp, int64_t K,
                    int64_t blk0, int64_t blk1, const float* bias, uint16_t* y, int64_t ldy,
-                   int64_t N) {
+                   int64_t N, int64_t up) {
   alignas(64) float cbufs[2 * 1024];  // two blocks' C tiles: one stored, one written out
   Pending pending;
-  const Out o{bias, ldy, N};
+  const Out o{bias, ldy, N, up};
   const int64_t kpairs = K / 2;
   const int64_t full = M / 32 * 32;  // rows in whole 32-row groups; the rest after
   int64_t chunk = kChunkBytes / (K * 2) / 32 * 32;

@@ -62,12 +62,13 @@ void gemm_bf16_pairs(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* 
                      int64_t blk0, int64_t blk1, const float* bias, uint16_t* y, int64_t ldy,
                      int64_t N);
 // The same GEMM for prefill-sized M with AMX tiles (gemm_bf16_amx.cpp), over the same
-// packed weight; K a multiple of 32. amx_bf16_usable: the CPU has AMX-BF16 and Linux
-// granted the tile state.
+// packed weight; K a multiple of 32. up > 0: a fused gate/up weight whose up half
+// starts at block `up`, y = silu(gate) * up (N = 16 up columns). amx_bf16_usable: the
+// CPU has AMX-BF16 and Linux granted the tile state.
 bool amx_bf16_usable();
 void gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp, int64_t K,
                    int64_t blk0, int64_t blk1, const float* bias, uint16_t* y, int64_t ldy,
-                   int64_t N);
+                   int64_t N, int64_t up);
 const Kernels* kernels_avx2(DType dt, DType cache);
 
 // GGUF block types the quantized decode GEMM takes (their ggml type codes).
