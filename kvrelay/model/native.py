@@ -131,6 +131,13 @@ class NativeSmallGemm:
         packed: torch.Tensor = self._pack(weight.contiguous())
         return packed
 
+    def rows_for(self, weight: torch.Tensor) -> int:
+        """max_rows for this weight: the AMX tiles take K in 32s; with another K the
+        vdpbf16ps kernel keeps its own limit and oneDNN the calls above it."""
+        if self.run == self._run_amx and weight.shape[1] % 32:
+            return BF16_GEMM_ROWS
+        return self.max_rows
+
     def _run_amx(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
         amx = x.shape[0] >= AMX_GEMM_ROWS and x.shape[1] % 32 == 0

@@ -23,7 +23,7 @@ from kvrelay.model import kernel_choice, native
 from kvrelay.model.attention import ChunkSpec
 from kvrelay.model.backend import TorchBackend, select_backend
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.model import LlamaModel
+from kvrelay.model.model import Linear, LlamaModel
 from kvrelay.model.rope import RotaryTable
 
 _mod = native.load()
@@ -498,6 +498,15 @@ def test_model_runs_every_bf16_gemm_natively_on_amx(
 
         assert torch.equal(gate_up.silu_mul(x, unfused), _mod.silu_mul(gate_up(x)))
         assert calls == ([rows] if rows < native.AMX_GEMM_ROWS else [])
+
+    # K not a multiple of 32: the tiles cannot take it; vdpbf16ps up to its own limit,
+    # oneDNN above, as without AMX
+    odd = Linear(torch.randn(64, 48).bfloat16(), None, True,
+                 native.NativeSmallGemm(_mod, torch.bfloat16, amx=True))
+    assert odd.small_rows == native.BF16_GEMM_ROWS and odd.packed is not None
+    x = torch.randn(native.BF16_GEMM_ROWS + 1, 48).bfloat16()
+    onednn = torch.ops.mkldnn._linear_pointwise(x, odd.packed, None, "none", [], "")
+    assert torch.equal(odd(x), onednn)
 
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", seed=4))
     model = LLM(path, dtype="bfloat16").model.runner.model  # type: ignore[attr-defined]
