@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -382,13 +382,21 @@ def test_bf16_gemm_no_worse_than_torch(rows: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
-    bias = torch.randn(n, generator=g).bfloat16()
-    packed = _mod.pack_bf16_gemm(w)
+    _check_bf16_gemm(_mod.bf16_gemm, x, w, torch.randn(n, generator=g).bfloat16())
+
+
+def _check_bf16_gemm(
+    gemm: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
+) -> None:
+    """gemm(x, packed w, N, bias) within bfloat16 rounding of a float32 reference and on
+    average no further from it than torch's bfloat16 GEMM, with and without the bias."""
+    assert _mod is not None
+    packed, (n, k) = _mod.pack_bf16_gemm(w), w.shape
     for b in (None, bias):
         ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-        out = _mod.bf16_gemm(x, packed, n, b)
+        out = gemm(x, packed, n, b)
         theirs = torch.nn.functional.linear(x, w, b)
-        assert out.dtype is torch.bfloat16 and out.shape == (rows, n)
+        assert out.dtype is torch.bfloat16 and out.shape == (x.shape[0], n)
         torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * k**0.5)
         err, torch_err = (out.float() - ref).abs().mean(), (theirs.float() - ref).abs().mean()
         assert err <= torch_err * 1.05 + 1e-6
@@ -411,16 +419,7 @@ def test_amx_bf16_gemm_no_worse_than_torch(rows: int, n: int, k: int) -> None:
     w = torch.randn(n, k, generator=g).bfloat16()
     wide = torch.randn(rows, k + 32, generator=g).bfloat16()
     x = wide[:, 16 : 16 + k]  # rows k + 32 apart
-    bias = torch.randn(n, generator=g).bfloat16()
-    packed = _mod.pack_bf16_gemm(w)
-    for b in (None, bias):
-        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-        out = _mod.bf16_gemm_amx(x, packed, n, b)
-        theirs = torch.nn.functional.linear(x, w, b)
-        assert out.dtype is torch.bfloat16 and out.shape == (rows, n)
-        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * k**0.5)
-        err, torch_err = (out.float() - ref).abs().mean(), (theirs.float() - ref).abs().mean()
-        assert err <= torch_err * 1.05 + 1e-6
+    _check_bf16_gemm(_mod.bf16_gemm_amx, x, w, torch.randn(n, generator=g).bfloat16())
 
 
 @needs_amx
@@ -442,23 +441,6 @@ def test_amx_gate_up_silu_equals_the_unfused_path(rows: int, i: int, k: int) -> 
         assert fused.shape == (rows, i) and torch.equal(fused, unfused)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         _mod.bf16_gemm_amx(x, _mod.pack_bf16_gemm(w[:48].contiguous()), 48, None, True)
-
-
-@needs_amx
-def test_amx_bf16_gemm_rejects_bad_input() -> None:
-    assert _mod is not None
-    w = torch.randn(32, 64).bfloat16()
-    packed = _mod.pack_bf16_gemm(w)
-    with pytest.raises(RuntimeError, match="does not match"):
-        _mod.bf16_gemm_amx(torch.randn(2, 64).bfloat16(), packed, 48)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        odd = _mod.pack_bf16_gemm(w[:, :48].contiguous())
-        _mod.bf16_gemm_amx(torch.randn(2, 48).bfloat16(), odd, 32)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        _mod.bf16_gemm_amx(torch.randn(2, 64), packed, 32)
-    with pytest.raises(RuntimeError, match="bias"):
-        _mod.bf16_gemm_amx(torch.randn(2, 64).bfloat16(), packed, 32, torch.ones(3).bfloat16())
-    assert _mod.bf16_gemm_amx(torch.empty(0, 64).bfloat16(), packed, 32).shape == (0, 32)
 
 
 @needs_amx
@@ -528,19 +510,25 @@ def test_model_runs_every_bf16_gemm_natively_on_amx(
 
 
 @needs_bf16_gemm
-def test_bf16_gemm_rejects_bad_input() -> None:
+@pytest.mark.parametrize(("kernel", "odd_k", "why"), [
+    ("bf16_gemm", 63, "even K"),
+    pytest.param("bf16_gemm_amx", 48, "multiple of 32", marks=needs_amx),
+])
+def test_bf16_gemm_rejects_bad_input(kernel: str, odd_k: int, why: str) -> None:
     assert _mod is not None
+    gemm = getattr(_mod, kernel)
     w = torch.randn(32, 64).bfloat16()
     packed = _mod.pack_bf16_gemm(w)
     with pytest.raises(RuntimeError, match="does not match"):
-        _mod.bf16_gemm(torch.randn(2, 64).bfloat16(), packed, 48)
-    with pytest.raises(RuntimeError, match="even K"):
-        odd = _mod.pack_bf16_gemm(w[:, :63].contiguous())
-        _mod.bf16_gemm(torch.randn(2, 63).bfloat16(), odd, 32)
+        gemm(torch.randn(2, 64).bfloat16(), packed, 48)
+    with pytest.raises(RuntimeError, match=why):
+        odd = _mod.pack_bf16_gemm(w[:, :odd_k].contiguous())
+        gemm(torch.randn(2, odd_k).bfloat16(), odd, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        _mod.bf16_gemm(torch.randn(2, 64), packed, 32)
+        gemm(torch.randn(2, 64), packed, 32)
     with pytest.raises(RuntimeError, match="bias"):
-        _mod.bf16_gemm(torch.randn(2, 64).bfloat16(), packed, 32, torch.ones(3).bfloat16())
+        gemm(torch.randn(2, 64).bfloat16(), packed, 32, torch.ones(3).bfloat16())
+    assert gemm(torch.empty(0, 64).bfloat16(), packed, 32).shape == (0, 32)
 
 
 @needs_bf16_gemm
