@@ -56,24 +56,34 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+_handed_out: set[int] = set()  # free_port's answers so far in this process
+
+
 def free_port() -> int:
     """A port for a server this process starts. Picked below the kernel's ephemeral
     range: a socket that binds port 0 meanwhile (P's relay port, any connection) can
     then never take it between this check and the server's own bind (a demo once
-    failed with "address already in use" that way)."""
+    failed with "address already in use" that way). Never one it gave before: two
+    picks for servers not started yet (a prefill engine's HTTP and relay ports) were
+    both free, and once the same (a CI run failed on it)."""
     low = _ephemeral_low()
     rng = random.SystemRandom()
     for _ in range(64):
         port = rng.randrange(max(1024, low - 12000), low)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _handed_out.add(port)
+    return port
 
 
 def _ephemeral_low() -> int:

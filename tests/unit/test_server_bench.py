@@ -54,3 +54,20 @@ def test_bench_against_the_server(tmp_path: Path, mode: list[str]) -> None:
 def test_demo_stats_table() -> None:
     table = stats_table([Answer("q", "a", True, 10, 21, 0.1, 1.1)])
     assert "TTFT" in table and "20.0" in table  # 20 tokens after the first in 1 s
+
+
+def test_free_port_never_gives_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two picks before either server binds (a prefill engine's HTTP and relay ports)
+    were both free and, once, the same: the engine then failed to bind its second
+    server. With the random pick pinned to one free port, the second call must answer
+    another port (without the record of answers given, both calls return it)."""
+    import random
+
+    from kvrelay.server import demo
+
+    first = demo.free_port()  # a free port below the ephemeral range, now handed out
+    monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: first)
+    second = demo.free_port()
+    assert second != first
+    third = demo.free_port()
+    assert len({first, second, third}) == 3

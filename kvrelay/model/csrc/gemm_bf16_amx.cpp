@@ -7,8 +7,9 @@
 //
 // Why: oneDNN's packed GEMM (torch.ops.mkldnn._linear_pointwise) picks one thread for
 // some shapes on two: at M = 1,024 the SmolLM2 layers' qkv (N 960, K 576) and down
-// (N 576, K 1536) ran at one thread's speed, gate/up (N 3072) did so from 128 to 768
-// rows (docs/model.md). Here the column blocks are split evenly across the threads.
+// (N 576, K 1536) ran at one thread's speed, o (N 576) did so at 384-768 rows
+// (docs/model.md, "The AMX GEMM"). Here the column blocks are split evenly across the
+// threads. With up > 0 (gemm_bf16_amx) the gate/up GEMM also applies SiLU.
 //
 // Tiles: 0-1 A (two groups of up to 16 rows), 2-3 B (two column blocks), 4-7 C.
 #include "kernels.h"
