@@ -89,6 +89,16 @@ class SmallGemm(Protocol):
         """run(x (M, K), packed, N, bias or None) -> (M, N) in x's dtype."""
         ...
 
+    def rows_for(self, weight: torch.Tensor) -> int:
+        """max_rows for this weight (a kernel may take fewer rows of some shapes)."""
+        ...
+
+    def run_silu(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
+        """silu(gate) * up of a fused (gate, up) weight of n = 2I rows in one pass, or
+        None where the kernel does not fuse it (the caller then runs run and silu_mul)."""
+        ...
+
 
 class GraphableBackend(KernelBackend, Protocol):
     """A backend whose decode steps a CUDA graph can capture (graphs.py): its step

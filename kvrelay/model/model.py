@@ -65,10 +65,10 @@ class Linear:
             self.small_w = arena.copy(self.small_w)
         self.small = small.run if small is not None and self.small_w is not None else None
         self.small_k = small if self.small is not None else None
-        self.small_rows = _rows_for(small, weight) if small is not None and self.small else 0
+        self.small_rows = small.rows_for(weight) if small is not None and self.small else 0
         self.large = self.large_w = self.large_k = None
         if (large is not None and self.small_rows < native.EVERY_ROWS
-                and _rows_for(large, weight) >= native.EVERY_ROWS):
+                and large.rows_for(weight) >= native.EVERY_ROWS):
             self.large_w = large.pack(weight)
             if arena is not None and self.large_w is not None:
                 self.large_w = arena.copy(self.large_w)
@@ -98,21 +98,13 @@ class Linear:
         where the call goes to AMX (the same values, one pass over memory less), else
         ``unfused(self(x))``."""
         rows = x.shape[0]
-        kernel, w = ((self.small_k, self.small_w) if 0 < rows <= self.small_rows
-                     else (self.large_k, self.large_w) if rows > 0 else (None, None))
-        fused = getattr(kernel, "run_silu", None)
-        if fused is not None:
-            y: torch.Tensor | None = fused(x, w, self.weight.shape[0], self.bias)
+        kernel, w = ((self.small_k, self.small_w) if rows <= self.small_rows
+                     else (self.large_k, self.large_w))
+        if kernel is not None and w is not None and rows > 0:
+            y = kernel.run_silu(x, w, self.weight.shape[0], self.bias)
             if y is not None:
                 return y
         return unfused(self(x))
-
-
-def _rows_for(kernel: SmallGemm, weight: torch.Tensor) -> int:
-    """The most rows of a call the kernel takes for this weight (native.NativeSmallGemm
-    with AMX: every call where K is a multiple of 32)."""
-    rows_for = getattr(kernel, "rows_for", None)
-    return int(rows_for(weight)) if rows_for is not None else kernel.max_rows
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:

@@ -108,10 +108,11 @@ class NativeSmallGemm:
     weight packed once into the kernel's layout, each byte of it read once per call,
     columns split across the threads. bfloat16: AVX-512 BF16 ``vdpbf16ps``; float32:
     AVX-512 or AVX2 + FMA, whichever the kernels run with (``KVRELAY_NATIVE_ISA=avx2``
-    forces AVX2)."""
+    forces AVX2). ``amx`` (bfloat16): every call, on AMX tiles from AMX_GEMM_ROWS rows."""
 
     def __init__(self, mod: Any, dtype: torch.dtype, amx: bool = False) -> None:
         self.dtype = dtype
+        self.amx = amx and dtype is torch.bfloat16
         if dtype is torch.bfloat16:
             self._pack, self.run = mod.pack_bf16_gemm, mod.bf16_gemm
             self.label, self.max_rows = "native-bf16", BF16_GEMM_ROWS
@@ -134,7 +135,7 @@ class NativeSmallGemm:
     def rows_for(self, weight: torch.Tensor) -> int:
         """max_rows for this weight: the AMX tiles take K in 32s; with another K the
         vdpbf16ps kernel keeps its own limit and oneDNN the calls above it."""
-        if self.run == self._run_amx and weight.shape[1] % 32:
+        if self.amx and weight.shape[1] % 32:
             return BF16_GEMM_ROWS
         return self.max_rows
 
@@ -149,8 +150,7 @@ class NativeSmallGemm:
         """silu(gate) * up of a fused (gate, up) weight of n = 2I rows, from the AMX
         tiles' epilogue: the values silu_mul gives of run's output, without writing
         and reading back the (rows, 2I) product. None where run would not use AMX."""
-        if (self.run != self._run_amx or x.shape[0] < AMX_GEMM_ROWS or x.shape[1] % 32
-                or n % 32):
+        if not self.amx or x.shape[0] < AMX_GEMM_ROWS or x.shape[1] % 32 or n % 32:
             return None
         y: torch.Tensor = self._amx(x, packed, n, bias, True)
         return y
@@ -187,16 +187,19 @@ class NativeGgufGemm:
     bfloat16) is quantized to 8 bits per 32 values and multiplied in integers (AVX-512
     VNNI or AVX2), llama.cpp's route; the result in x's dtype."""
 
-    def __init__(self, mod: Any, qtype: int, label: str, dtype: torch.dtype,
-                 amx: bool = False) -> None:
-        """``amx``: the AMX GEMM takes the calls above this one's rows."""
-        self._mod, self.qtype, self.label = mod, qtype, label
-        every = mod.gguf_isa() == "avx2" or dtype is torch.float32
-        self.max_rows = (GGUF_GEMM_ROWS_EVERY if every
-                         else GGUF_AMX_ROWS if amx else F32_GEMM_ROWS)
+    def __init__(self, mod: Any, qtype: int, label: str, max_rows: int) -> None:
+        """``max_rows``: GgufGemms' choice for the model."""
+        self._mod, self.qtype, self.label, self.max_rows = mod, qtype, label, max_rows
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
         return None  # its weights come packed from the file's codes (pack_raw)
+
+    def rows_for(self, weight: torch.Tensor) -> int:
+        return self.max_rows
+
+    def run_silu(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
+        return None  # the codes' GEMM has no fused SiLU
 
     def pack_raw(self, raw: torch.Tensor, k: int) -> torch.Tensor:
         packed: torch.Tensor = self._mod.pack_gguf_gemm(raw, self.qtype, k)
@@ -214,9 +217,12 @@ class GgufGemms:
 
     def __init__(self, mod: Any, quantized: Mapping[str, QuantWeight],
                  dtype: torch.dtype, amx: bool = False) -> None:
+        """``amx``: the AMX GEMM takes the calls above the codes' rows."""
         self.label = f"native-gguf-{mod.gguf_isa()}"
-        self._mod, self._quantized, self._dtype, self._amx = mod, quantized, dtype, amx
+        self._mod, self._quantized = mod, quantized
         self.every = mod.gguf_isa() == "avx2" or dtype is torch.float32  # serve every call
+        self._max_rows = (GGUF_GEMM_ROWS_EVERY if self.every
+                          else GGUF_AMX_ROWS if amx else F32_GEMM_ROWS)
         self._kernels: dict[int, NativeGgufGemm] = {}
 
     def pack(self, names: Sequence[str]) -> tuple[NativeGgufGemm, torch.Tensor] | None:
@@ -228,7 +234,7 @@ class GgufGemms:
             return None
         qtype, k = qws[0].qtype, qws[0].k
         kernel = self._kernels.setdefault(
-            qtype, NativeGgufGemm(self._mod, qtype, self.label, self._dtype, self._amx))
+            qtype, NativeGgufGemm(self._mod, qtype, self.label, self._max_rows))
         raw = qws[0].raw if len(qws) == 1 else torch.cat([q.raw for q in qws])
         return kernel, kernel.pack_raw(raw, k)
 
