@@ -32,6 +32,19 @@ def test_greedy_is_argmax_for_the_whole_batch() -> None:
     assert [t.token_id for t in toks] == logits.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_maximum_on_ties_and_nan_as_argmax_does() -> None:
+    # whole-number logits in a small range: many rows hold their maximum twice or more
+    logits = torch.randint(-2, 2, (64, 1000), generator=torch.Generator().manual_seed(0)).float()
+    logits[3, 17] = float("nan")
+    logits[5] = float("-inf")
+    toks = [t.token_id for t in Sampler().sample(logits, [SP(temperature=0.0)] * 64, [0] * 64)]
+    assert toks == logits.argmax(-1).tolist()
+    assert toks[3] == 17 and toks[5] == 0
+    rows = [i for i in range(64) if i != 3]
+    first_max = [int((logits[i] == logits[i].max()).nonzero()[0]) for i in rows]
+    assert [toks[i] for i in rows] == first_max
+
+
 def test_temperature_sampling_follows_softmax() -> None:
     counts = _draws(SP(temperature=1.0), n=4000)
     probs = LOGITS.softmax(-1)[0]
