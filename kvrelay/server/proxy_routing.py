@@ -68,6 +68,11 @@ class _Unseen(Exception):
         self.error, self.busy = error, busy
 
 
+# A connection closed under a request (reset, or EOF before a status line). Not a
+# timeout: an engine that is slow to answer may hold the lease and be pulling it.
+_CLOSED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
 class Refused(Exception):
     """An engine refused the request itself (4xx): the client gets its answer."""
 
@@ -396,8 +401,9 @@ class Proxy:
 
     def _decode_order(self, leg: Leg) -> list[Upstream]:
         """The routed decode engine, then the others, least loaded first: an engine that
-        refuses a leg unseen (503: draining, or its loop down; connection refused) hands
-        it to the next, the lease untouched."""
+        refuses a leg unseen (503: draining, or its loop down; connection refused; a
+        stream's connection closed before its status line) hands it to the next, the
+        lease untouched."""
         if not self.decode.all:  # DNS names that resolve to nothing (now)
             return []
         # Routed already when the leg was placed (and still known), else now.
@@ -535,6 +541,9 @@ class Proxy:
                     r = _error(502, f"the decode engine {up.url} is unreachable: {exc}")
                     continue
                 except httpx.HTTPError as exc:
+                    # Not handed on, unlike a stream closed before its status line: a
+                    # whole answer comes at its end, so a close before it is as likely D
+                    # dying mid-decode, its lease consumed (the next D would answer 400).
                     self._release(leg)  # D may never have seen it; a second release is stale
                     raise Refused(_error(502, f"the decode engine {up.url} failed: "
                                          f"{type(exc).__name__}: {exc}")) from exc
@@ -645,11 +654,12 @@ class Proxy:
     ) -> dict[str, Any] | None:
         body = self._decode_body(leg, stream=True)
         kind = "d" if leg.first is not None and leg.tools is None else "c"
-        landed = False
+        landed = answered = False
         try:
             async with self._http().stream("POST", f"{up.url}{path}", json=body,
                                            headers=self._headers(),
                                            timeout=self.timeout) as r:
+                answered = True
                 if r.status_code != 200:
                     await r.aread()
                     if r.status_code in (429, 503):
@@ -678,6 +688,17 @@ class Proxy:
             raise _Unseen(merge.error_event(f"the decode engine {up.url} is unreachable: "
                                             f"{exc}")) from exc
         except httpx.HTTPError as exc:
+            if not answered and isinstance(exc, _CLOSED):
+                # Closed before its status line: a pooled connection the engine closed
+                # idle as the leg was sent (a drained engine's shutdown, its keep-alive
+                # timeout), the leg unread; uvicorn answers what it has read (503 while
+                # draining). Had D read it and died before answering, the lease may be
+                # D's: one attempt pulls a lease, so the next engine's ACQUIRE is refused
+                # (lease_busy, consumed: an error event) or finds it released (it falls
+                # back per its policy); never two pulls, never a second release.
+                raise _Unseen(merge.error_event(
+                    f"the decode engine {up.url} closed the connection before answering: "
+                    f"{type(exc).__name__}: {exc}")) from exc
             return merge.error_event(f"the decode engine {up.url} failed mid-stream: "
                                      f"{type(exc).__name__}: {exc}")
         return merge.error_event(f"the decode engine {up.url} ended the stream early")
