@@ -91,7 +91,7 @@ F32_GEMM_ROWS = 32
 # streams the bfloat16 weights faster than VNNI computes on the codes (docs/model.md,
 # "AMX GEMM"). KVRELAY_AMX_GEMM=0 turns the AMX kernel off.
 AMX_GEMM_ROWS = 5
-GGUF_AMX_ROWS = 16
+GGUF_AMX_ROWS = 12
 # The quantized GEMM serves every call, prefill chunks too (GGUF_GEMM_ROWS_EVERY), under
 # AVX2 (on the AVX2-only EPYC 1.7-3.4x oneDNN's float32 GEMM per layer at 32-256 rows)
 # and with AVX-512 VNNI for float32 activations (8 x 128-token prefills 0.76-0.99 s
