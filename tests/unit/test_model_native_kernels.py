@@ -61,14 +61,17 @@ def _backends(
 
 
 def _random_step(
-    rng: random.Random, batch: int, block_size: int, num_blocks: int
+    rng: random.Random, batch: int, block_size: int, num_blocks: int, decode: bool = False
 ) -> list[ChunkSpec]:
-    """A mixed step: decode rows at ragged contexts, fresh prompts, later chunks."""
+    """A mixed step: decode rows at ragged contexts, fresh prompts, later chunks; with
+    ``decode``, decode rows only (contexts of 1 to 151 positions): the step whose
+    sequences the threads take in fixed shares, each fetching its next sequence's K/V
+    ahead (csrc/bindings.cpp, attention)."""
     free = list(range(num_blocks))
     rng.shuffle(free)
     chunks = []
     for _ in range(batch):
-        kind = rng.random()
+        kind = 0.0 if decode else rng.random()
         if kind < 0.6:
             start, length = rng.randint(0, 150), 1  # a decode row
         elif kind < 0.8:
@@ -167,6 +170,27 @@ def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...], prefi
     torch.testing.assert_close(nat_cache, ref_cache, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 9, 3, 16, 8), (64, 32, 4, 16, 13), (128, 8, 1, 32, 4),
+                                   (128, 16, 2, 16, 64)],
+                         ids=lambda s: "d{}-h{}-kv{}-bs{}-b{}".format(*s))
+def test_attention_float32_decode_steps_match_float64(
+    isa: str, shape: tuple[int, ...], cache_dtype: torch.dtype
+) -> None:
+    """Decode-only steps (every thread a share of whole sequences, the next one's K/V
+    fetched while it computes): exact to float32 rounding against float64 attention
+    over what the native cache holds, at batches that split unevenly over the threads."""
+    D, H, KVH, bs, batch = shape
+    cfg = _cfg(H, KVH, D)
+    nb = batch * (-(-200 // bs)) + 1
+    chunks = _random_step(random.Random(batch), batch, bs, nb, decode=True)
+    _, out, _, nat_cache = _attend_both(cfg, torch.float32, chunks, bs, nb, 1, 9,
+                                        cache_dtype=cache_dtype)
+    exact = _attend_over_cache(cfg, chunks, _NATIVE_Q[0], nat_cache, 1, bs)
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-h{}-kv{}-bs{}-b{}".format(*s))
 @pytest.mark.parametrize("prefill", ["tiles", "sdpa"])
 @pytest.mark.parametrize("seed", [1, 4])
@@ -243,8 +267,10 @@ def test_attention_bfloat16_no_worse_than_torch(isa: str, shape: tuple[int, ...]
 
 @pytest.mark.skipif(_mod is None or not _mod.has_bf16_gemm(),
                     reason="the CPU lacks AVX-512 BF16")
+@pytest.mark.parametrize("step", ["mixed", "decode"])
 @pytest.mark.parametrize("shape", BF16_SHAPES[:6], ids=lambda s: "d{}-h{}-kv{}-bs{}".format(*s))
-def test_attention_bf16_kernels_match_the_generic_kernel(shape: tuple[int, ...]) -> None:
+def test_attention_bf16_kernels_match_the_generic_kernel(shape: tuple[int, ...],
+                                                         step: str) -> None:
     """The AVX-512 BF16 decode and prefill kernels against the generic tile kernel (the
     AVX2 path) on the same step: both keep scores and probabilities in float32, so they
     differ by summation order and the final rounding to bfloat16 only. A mask or row
@@ -254,7 +280,7 @@ def test_attention_bf16_kernels_match_the_generic_kernel(shape: tuple[int, ...])
     D, H, KVH, bs = shape
     cfg = _cfg(H, KVH, D)
     nb = 24 * (-(-200 // bs)) + 1
-    chunks = _random_step(random.Random(5), 24, bs, nb)
+    chunks = _random_step(random.Random(5), 24, bs, nb, decode=step == "decode")
     g = torch.Generator().manual_seed(13)
     cache = torch.randn((nb, cfg.num_layers, 2, bs, KVH, D), generator=g).to(torch.bfloat16)
     width = (H + 2 * KVH) * D

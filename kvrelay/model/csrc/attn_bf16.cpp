@@ -68,6 +68,7 @@ void decode(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const AttnG
       qv[v] = (__m512bh)_mm512_loadu_si512(q + int64_t(h * G + r) * D + v * 32);
     float* sr = s + r * ctx;
     for (int p = 0; p < ctx; p += 16) {
+      if (t.fetch) t.fetch->step();
       const int nk = ctx - p < 16 ? ctx - p : 16;
       const uint16_t* k = base + t.table[p / g.bs] * g.block_stride + (p % g.bs) * row;
       __m512 acc[16];
@@ -89,6 +90,7 @@ void decode(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const AttnG
     for (int i = 0; i < RB; ++i)
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
     for (int p = 0; p < ctx; ++p) {
+      if (t.fetch && p % 16 == 0) t.fetch->step();
       const uint16_t* vr =
           base + t.table[p / g.bs] * g.block_stride + v_off + (p % g.bs) * row;
       __m512 vf[NV];

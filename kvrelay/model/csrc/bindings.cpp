@@ -5,6 +5,7 @@
 #include <omp.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -249,6 +250,20 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   if (group)
     for (auto& tile : tiles) tile.whole_rows = tile.kvh == 0;
   const int chunk = group ? int(KVH) : 1;
+  // A decode step (one query token a sequence, sequences enough for every thread):
+  // each thread takes a fixed run of whole sequences, balanced by context, and fetches
+  // the next sequence's K/V of this layer into L2 a few lines at a time from inside the
+  // current one's loops (Fetch). The tiles alone wait on memory chunk by chunk, a
+  // thread's fill buffers then mostly idle; one burst of prefetches ahead of each
+  // sequence stalls the thread as long as the misses would (both measured: no gain).
+  // Spread thin, the fetch overlaps the compute: batch 8 at 140 tokens of context,
+  // attention 2.4 -> 1.9 ms a bfloat16 step (1.95 -> 1.7 beside the GGUF codes;
+  // 2.8 -> 2.5 for float32 over a bfloat16 cache, 3.4 -> 3.2 over float32).
+  bool decode = group;
+  for (const auto& tile : tiles) decode = decode && tile.n == 1;
+  std::vector<double> cum(1, 0.0);  // cum[i]: context positions of the first i sequences
+  if (decode)
+    for (int64_t i = 0; i < n_tiles; i += KVH) cum.push_back(cum.back() + tiles[i].pos0 + 1);
   const int64_t need = attend_scratch_floats(tile_tokens * G, max_ctx, int(D));
   // A bfloat16 cache: the AVX-512 BF16 kernels where the CPU has them.
   const bool bf16 = qkv.scalar_type() == torch::kBFloat16 &&
@@ -266,11 +281,63 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
                           int(KVH), int(D), kd, kd + bs * row * ces);
     }
     float* buf = scratch(need).data();
+    auto run = [&](const AttnTile& tile) {
+      if (!(bf16 && attend_bf16(qkv.data_ptr(), out.data_ptr(), cache.data_ptr(), g, tile,
+                                buf)))
+        k->attend(qkv.data_ptr(), out.data_ptr(), cache.data_ptr(), g, tile, buf);
+    };
+    if (decode) {
+      const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+      const auto at = [&](int t) {  // first sequence of thread t's share
+        return int64_t(std::lower_bound(cum.begin(), cum.end(), cum.back() * t / nt) -
+                       cum.begin());
+      };
+      const int64_t s0 = at(me), s1 = me + 1 == nt ? int64_t(cum.size()) - 1 : at(me + 1);
+      // The share's K and V runs (a block's rows of this layer), sequence by sequence:
+      // sequence s0 + j has runs [first[j], first[j + 1]), lines[j] lines in all.
+      thread_local std::vector<FetchRun> runs;
+      thread_local std::vector<int64_t> first, lines;
+      runs.clear(), first.assign(1, 0), lines.clear();
+      const int64_t run_bytes = int64_t(bs) * row * ces;  // K (or V) rows of a block
+      for (int64_t s = s0; s < s1; ++s) {
+        const AttnTile& t = tiles[s * KVH];
+        const int ctx = t.pos0 + 1;
+        int64_t n = 0;
+        for (int b = 0; b * bs < ctx; ++b) {
+          const char* kb = cp + (t.table[b] * g.block_stride + g.layer_off) * ces;
+          const int64_t l = (std::min<int64_t>(bs, ctx - b * bs) * row * ces + 63) / 64;
+          runs.push_back({kb, l});
+          runs.push_back({kb + run_bytes, l});
+          n += 2 * l;
+        }
+        first.push_back(int64_t(runs.size()));
+        lines.push_back(n);
+      }
+      Fetch f;
+      f.run = runs.data();
+      f.i = first.size() > 2 ? first[1] : int64_t(runs.size());
+      for (int64_t j = 0; j < s1 - s0; ++j) {
+        const int64_t s = s0 + j;
+        const bool last = j + 1 == s1 - s0;
+        f.n = last ? int64_t(runs.size()) : first[j + 2];
+        // the tile kernels call step() once a chunk of 16 positions and pass (generic:
+        // K and V; AVX-512 BF16: K once per query row, V once)
+        const int chunks = (tiles[s * KVH].pos0 + 1 + 15) / 16;
+        const int64_t calls = KVH * chunks * (bf16 ? G + 1 : 2);
+        f.per = last ? 0 : int(lines[j + 1] / calls) + 1;
+        // the generic kernel's own fetch of its next chunk: only where Fetch has not
+        // brought the rows (the share's first sequence)
+        f.own = j == 0;
+        for (int64_t i = s * KVH; i < (s + 1) * KVH; ++i) {
+          AttnTile tile = tiles[i];
+          tile.fetch = &f;
+          run(tile);
+        }
+      }
+    } else {
 #pragma omp for schedule(dynamic, chunk)
-    for (int64_t i = 0; i < n_tiles; ++i)
-      if (!(bf16 && attend_bf16(qkv.data_ptr(), out.data_ptr(), cache.data_ptr(), g,
-                                tiles[i], buf)))
-        k->attend(qkv.data_ptr(), out.data_ptr(), cache.data_ptr(), g, tiles[i], buf);
+      for (int64_t i = 0; i < n_tiles; ++i) run(tiles[i]);
+    }
   }
   return out;
 }

@@ -18,6 +18,27 @@ struct AttnGeom {
   float scale;
 };
 
+// Memory to bring into L2 a few lines at a time from inside the attention loops: runs
+// of 64-byte lines (a block's K or V rows of one layer), `per` lines a call to step()
+// (bindings.cpp, attention). `own`: the generic tile kernel still fetches its own next
+// chunk (rows Fetch did not bring).
+struct FetchRun {
+  const char* p;
+  int64_t lines;
+};
+struct Fetch {
+  const FetchRun* run = nullptr;
+  int64_t n = 0, i = 0, l = 0;  // runs [i, n) left, line l of run i next
+  int per = 0;
+  bool own = true;
+  inline void step() {
+    for (int k = 0; k < per && i < n; ++k) {
+      __builtin_prefetch(run[i].p + l * 64, 0, 2);
+      if (++l == run[i].lines) l = 0, ++i;
+    }
+  }
+};
+
 // One attention tile: `n` consecutive query tokens of one sequence (token index
 // tok0 in q/out, position pos0) against KV head `kvh`, reading K/V in place from
 // the blocks of `table`. Query i attends to positions [0, pos0 + i].
@@ -27,6 +48,8 @@ struct AttnTile {
   // Fetch ahead the next chunk's whole token rows (every KV head's K or V), not only
   // this head's: the tiles of the same tokens' other heads follow on this thread.
   bool whole_rows = false;
+  // The next sequence's K/V, fetched while this tile computes (a decode step's tiles).
+  Fetch* fetch = nullptr;
 };
 
 struct Kernels {

@@ -323,7 +323,7 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
       int nk = g.bs - off < kChunk ? g.bs - off : kChunk;
       nk = ctx - p < nk ? ctx - p : nk;
       const C* src = cache + t.table[b] * g.block_stride + (pass ? v_off : 0) + off * row_elems;
-      if (p + nk < ctx) {
+      if (p + nk < ctx && (!t.fetch || t.fetch->own)) {
         // The next chunk sits in another block whose address the hardware prefetcher
         // cannot guess: ask for its rows now, they arrive while this chunk computes.
         const int pn = p + nk, bn = pn / g.bs, offn = pn - bn * g.bs;
@@ -344,6 +344,7 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
       } else {
         for (int j = 0; j < nk; ++j) load_f32(src + j * row_elems, kf + j * D, D);
       }
+      if (t.fetch) t.fetch->step();
       const int rel = p - t.pos0;  // token i sees chunk key j iff j <= i - rel
       const int r0 = (rel > 0 ? rel : 0) * G;
       if (pass == 0)
