@@ -115,6 +115,7 @@ class NativeSmallGemm:
         self.amx = amx and dtype is torch.bfloat16
         if dtype is torch.bfloat16:
             self._pack, self.run = mod.pack_bf16_gemm, mod.bf16_gemm
+            self._fused = mod.bf16_gemm
             self.label, self.max_rows = "native-bf16", BF16_GEMM_ROWS
             if amx:  # every call: AMX tiles from AMX_GEMM_ROWS rows on (K % 32 == 0)
                 self._small, self._amx = mod.bf16_gemm, mod.bf16_gemm_amx
@@ -122,6 +123,7 @@ class NativeSmallGemm:
                 self.label, self.max_rows = "native-bf16-amx", EVERY_ROWS
         else:
             self._pack, self.run = mod.pack_f32_gemm, mod.f32_gemm
+            self._fused = mod.f32_gemm
             self.label, self.max_rows = f"native-f32-{mod.isa()}", F32_GEMM_ROWS
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -148,11 +150,14 @@ class NativeSmallGemm:
     def run_silu(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                  bias: torch.Tensor | None) -> torch.Tensor | None:
         """silu(gate) * up of a fused (gate, up) weight of n = 2I rows, from the AMX
-        tiles' epilogue: the values silu_mul gives of run's output, without writing
-        and reading back the (rows, 2I) product. None where run would not use AMX."""
-        if not self.amx or x.shape[0] < AMX_GEMM_ROWS or x.shape[1] % 32 or n % 32:
+        tiles' epilogue (without writing and reading back the (rows, 2I) product) or, on
+        the other small-M kernels, from each thread's own columns as it finishes them
+        (one call and one pass less): the values silu_mul gives of run's output. None
+        where I is not a multiple of 16."""
+        if n % 32:
             return None
-        y: torch.Tensor = self._amx(x, packed, n, bias, True)
+        amx = self.amx and x.shape[0] >= AMX_GEMM_ROWS and x.shape[1] % 32 == 0
+        y: torch.Tensor = (self._amx if amx else self._fused)(x, packed, n, bias, True)
         return y
 
 
@@ -199,7 +204,11 @@ class NativeGgufGemm:
 
     def run_silu(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                  bias: torch.Tensor | None) -> torch.Tensor | None:
-        return None  # the codes' GEMM has no fused SiLU
+        """silu(gate) * up from each thread's own columns (NativeSmallGemm.run_silu)."""
+        if n % 32:
+            return None
+        y: torch.Tensor = self._mod.gguf_gemm(x, packed, self.qtype, n, bias, True)
+        return y
 
     def pack_raw(self, raw: torch.Tensor, k: int) -> torch.Tensor:
         packed: torch.Tensor = self._mod.pack_gguf_gemm(raw, self.qtype, k)

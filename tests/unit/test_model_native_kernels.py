@@ -493,7 +493,7 @@ def test_model_runs_every_bf16_gemm_natively_on_amx(
         for rows in (native.AMX_GEMM_ROWS, 40, 300):
             x = torch.randn(rows, lin.weight.shape[1]).bfloat16()
             assert torch.equal(lin(x), _mod.bf16_gemm_amx(x, packed, n))
-    # the MLP's silu * up: fused where the rows go to AMX, unfused below; the same values
+    # the MLP's silu * up: fused on AMX and on vdpbf16ps below it; the same values
     gate_up = m.layers[0].gate_up
     for rows in (1, native.AMX_GEMM_ROWS, 300):
         x = torch.randn(rows, gate_up.weight.shape[1]).bfloat16()
@@ -505,7 +505,7 @@ def test_model_runs_every_bf16_gemm_natively_on_amx(
             return out
 
         assert torch.equal(gate_up.silu_mul(x, unfused), _mod.silu_mul(gate_up(x)))
-        assert calls == ([rows] if rows < native.AMX_GEMM_ROWS else [])
+        assert calls == []
 
     # K not a multiple of 32: the tiles cannot take it; vdpbf16ps up to its own limit,
     # oneDNN above, as without AMX
@@ -751,6 +751,70 @@ def test_gguf_gemm_matches_the_dequantized_weight(isa: str, qtype: int, rows: in
             exact = x.double() @ w.T + add
             rel = (out.double() - exact).abs().mean() / (exact - add).abs().mean()
             assert rel < 0.01, rel
+
+
+@pytest.mark.parametrize("kernel", ["f32", "bf16", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 5, 8, 17])
+@pytest.mark.parametrize(("i", "k"), [(16, 64), (48, 96), (1536, 576)])
+def test_small_gemm_gate_up_silu_equals_the_unfused_path(isa: str, kernel: str, rows: int,
+                                                         i: int, k: int) -> None:
+    """silu=True on the decode GEMMs (float32, vdpbf16ps, the GGUF codes with float32 and
+    bfloat16 x): silu(gate) * up from each thread's own columns gives exactly silu_mul of
+    the same GEMM's (rows, 2I) output, with and without a bias; one gate block per
+    thread and an odd count included. N not a multiple of 32 is refused."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    assert _mod is not None
+    if kernel == "bf16" and not _mod.has_bf16_gemm():
+        pytest.skip("the CPU (or the forced ISA) lacks AVX-512 BF16")
+    g = torch.Generator().manual_seed(rows * 100 + i + k)
+    w = torch.randn(2 * i, k, generator=g)
+    bias = torch.randn(2 * i, generator=g)
+    runs: list[tuple[Callable[..., torch.Tensor], torch.Tensor]] = []
+    if kernel == "f32":
+        packed = _mod.pack_f32_gemm(w)
+        runs = [(lambda x, b, s: _mod.f32_gemm(x, packed, 2 * i, b, s),
+                 torch.randn(rows, k, generator=g))]
+    elif kernel == "bf16":
+        packed = _mod.pack_bf16_gemm(w.bfloat16())
+        runs = [(lambda x, b, s: _mod.bf16_gemm(x, packed, 2 * i, b, s),
+                 torch.randn(rows, k, generator=g).bfloat16())]
+    else:
+        qtype = 8 if kernel == "Q8_0" else 3
+        raw = quantize(w.numpy(), GGMLQuantizationType(qtype))
+        packed = _mod.pack_gguf_gemm(torch.from_numpy(np.ascontiguousarray(raw)), qtype, k)
+        runs = [(lambda x, b, s: _mod.gguf_gemm(x, packed, qtype, 2 * i, b, s),
+                 torch.randn(rows, k, generator=g).to(dt))
+                for dt in (torch.float32, torch.bfloat16)]
+    for run, x in runs:
+        for b in (None, bias):
+            unfused = _mod.silu_mul(run(x, b, False))
+            fused = run(x, b, True)
+            assert fused.shape == (rows, i) and fused.dtype is x.dtype
+            assert torch.equal(fused, unfused)
+        with pytest.raises(RuntimeError, match="multiple of 32"):
+            _silu_48(kernel, x, k)
+
+
+def _silu_48(kernel: str, x: torch.Tensor, k: int) -> None:
+    """A fused call with N = 48 (not a multiple of 32)."""
+    assert _mod is not None
+    w = torch.randn(48, k)
+    if kernel == "f32":
+        _mod.f32_gemm(x, _mod.pack_f32_gemm(w), 48, None, True)
+    elif kernel == "bf16":
+        _mod.bf16_gemm(x, _mod.pack_bf16_gemm(w.bfloat16()), 48, None, True)
+    else:
+        import numpy as np
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        qtype = 8 if kernel == "Q8_0" else 3
+        raw = quantize(w.numpy(), GGMLQuantizationType(qtype))
+        _mod.gguf_gemm(x, _mod.pack_gguf_gemm(torch.from_numpy(np.ascontiguousarray(raw)),
+                                              qtype, k), qtype, 48, None, True)
 
 
 def test_gguf_gemm_rejects_bad_input() -> None:

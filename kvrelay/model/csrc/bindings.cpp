@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -370,6 +371,71 @@ void over_blocks(int64_t nblk, int64_t work, F f) {
   }
 }
 
+// float32 -> bfloat16 as torch's .to(torch.bfloat16) rounds (c10::BFloat16: nearest,
+// ties to even; NaN to 0x7FC0).
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7FC0;
+  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// The fused gate/up GEMMs' epilogue: out (M, I) = silu(gate) * up for the columns
+// [c0, c1) of y (M, 2I: gate, then up), through the silu_mul kernel of out's dtype over
+// a row [gate, up] as the unfused path hands it to silu_mul (y of type Y, rounded to
+// bfloat16 first where out is bfloat16 and y float32): the values silu_mul gives of the
+// unfused GEMM's output, without its second pass over (M, 2I) nor its call.
+template <typename Y>
+void silu_cols(const Kernels* k, bool out_bf16, const Y* y, int64_t M, int64_t I, int64_t c0,
+               int64_t c1, void* out) {
+  const int64_t n = c1 - c0;
+  if (n <= 0) return;
+  thread_local std::vector<float> buf;  // one row: 2n values of out's dtype
+  buf.resize(size_t(2 * n));
+  for (int64_t m = 0; m < M; ++m) {
+    const Y* g = y + m * 2 * I + c0;
+    const Y* u = g + I;
+    if (out_bf16) {
+      auto* b = (uint16_t*)buf.data();
+      for (int64_t c = 0; c < n; ++c) {
+        if constexpr (sizeof(Y) == 2) {
+          b[c] = g[c], b[n + c] = u[c];
+        } else {
+          b[c] = bf16_bits(g[c]), b[n + c] = bf16_bits(u[c]);
+        }
+      }
+      k->silu_mul_row(b, (uint16_t*)out + m * I + c0, int(n));
+    } else {
+      for (int64_t c = 0; c < n; ++c) buf[size_t(c)] = g[c], buf[size_t(n + c)] = u[c];
+      k->silu_mul_row(buf.data(), (float*)out + m * I + c0, int(n));
+    }
+  }
+}
+
+// The run of the small-M GEMMs: y = x W^T (+ bias) over every column block with
+// gemm(b0, b1) on each thread's share; with silu (N = 2I, I a multiple of 16), each
+// thread takes gate blocks and the up blocks I / 16 further, then writes out = silu(gate)
+// * up for its columns (silu_cols) while they are in its cache.
+template <typename Y, class F>
+void run_gemm(int64_t N, int64_t K, int64_t M, bool silu, const Y* y, const Kernels* k,
+              bool out_bf16, void* out, F gemm) {
+  const int64_t nblk = (N + 15) / 16;
+  if (!silu) {
+    over_blocks(nblk, N * K, gemm);
+    return;
+  }
+  const int64_t up = nblk / 2, I = N / 2;
+  over_blocks(up, N * K, [&](int64_t b0, int64_t b1) {
+    gemm(b0, b1);
+    gemm(b0 + up, b1 + up);
+    silu_cols(k, out_bf16, y, M, I, b0 * 16, b1 * 16, out);
+  });
+}
+
+void check_silu(bool silu, int64_t N, const char* name) {
+  TORCH_CHECK(!silu || N % 32 == 0, name, " silu needs N a multiple of 32, got ", N);
+}
+
 // AVX-512 BF16 (vdpbf16ps) for the small-M GEMM; off when the ISA is forced to AVX2.
 bool has_bf16_gemm() {
   __builtin_cpu_init();
@@ -389,25 +455,27 @@ torch::Tensor pack_bf16_gemm(const torch::Tensor& w) {
 
 // y = x W^T (+ bias) with W packed by pack_bf16_gemm; x (M, K) bfloat16, K even.
 torch::Tensor bf16_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
-                        const c10::optional<torch::Tensor>& bias) {
+                        const c10::optional<torch::Tensor>& bias, bool silu) {
   TORCH_CHECK(has_bf16_gemm(), "bf16_gemm needs AVX-512 BF16");
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "bf16_gemm takes bfloat16 x and weight");
   const int64_t M = x.size(0), K = x.size(1), nblk = (N + 15) / 16;
   TORCH_CHECK(K % 2 == 0, "bf16_gemm needs an even K, got ", K);
   check_packed(wp, torch::kBFloat16, {nblk, K / 2, 32}, N, K);
+  check_silu(silu, N, "bf16_gemm");
   const torch::Tensor b = bias_f32(bias, N);
   auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;  // the row kernels take 1 or more rows
+  auto out = silu ? torch::empty({M, N / 2}, x.options()) : y;
+  if (M == 0) return out;  // the row kernels take 1 or more rows
   const uint16_t* xp = (const uint16_t*)x.data_ptr();
   const uint16_t* wpp = (const uint16_t*)wp.data_ptr();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   uint16_t* yp = (uint16_t*)y.data_ptr();
   const int64_t ldx = x.stride(0);
-  over_blocks(nblk, N * K, [&](int64_t b0, int64_t b1) {
+  run_gemm(N, K, M, silu, yp, kernels_for(x), true, out.data_ptr(), [&](int64_t b0, int64_t b1) {
     gemm_bf16_pairs(xp, ldx, M, wpp, K, b0, b1, bp, yp, N, N);
   });
-  return y;
+  return out;
 }
 
 // The AMX GEMM (prefill-sized M) over pack_bf16_gemm's weight: AVX-512 BF16 kernels
@@ -469,15 +537,17 @@ torch::Tensor pack_f32_gemm(const torch::Tensor& w) {
 
 // y = x W^T (+ bias) with W packed by pack_f32_gemm; x (M, K) float32.
 torch::Tensor f32_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
-                       const c10::optional<torch::Tensor>& bias) {
+                       const c10::optional<torch::Tensor>& bias, bool silu) {
   TORCH_CHECK(has_f32_gemm(), "f32_gemm needs AVX2 + FMA or AVX-512");
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "f32_gemm takes float32 x and weight");
   const int64_t M = x.size(0), K = x.size(1), nblk = (N + 15) / 16;
   check_packed(wp, torch::kFloat32, {nblk, K, 16}, N, K);
+  check_silu(silu, N, "f32_gemm");
   const torch::Tensor b = bias_f32(bias, N);
   auto y = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;  // the row kernels take 1 or more rows
+  auto out = silu ? torch::empty({M, N / 2}, x.options()) : y;
+  if (M == 0 || N == 0) return out;  // the row kernels take 1 or more rows
   auto* run = isa() == "avx512" ? gemm_f32_avx512 : gemm_f32_avx2;
   // x transposed, (K, M), as the kernel takes it (gemm_f32_impl.h)
   thread_local std::vector<float> xt;
@@ -490,10 +560,10 @@ torch::Tensor f32_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t 
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const float* xtp = xt.data();  // this thread's buffer (in the lambda, `xt` is the worker's)
-  over_blocks(nblk, N * K, [&](int64_t b0, int64_t b1) {
+  run_gemm(N, K, M, silu, yp, kernels_for(x), false, out.data_ptr(), [&](int64_t b0, int64_t b1) {
     run(xtp, M, wpp, K, b0, b1, bp, yp, N, N);
   });
-  return y;
+  return out;
 }
 
 // GGUF raw rows (N, K / 32 * block bytes) uint8 -> (ceil(N/16), K/32, group bytes).
@@ -522,7 +592,7 @@ std::string gguf_isa() {
 // y = x W^T (+ bias), W packed by pack_gguf_gemm; x (M, K) float32 or bfloat16, quantized
 // to int8 per 32 values (gemm_q_impl.h), the result in x's dtype.
 torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int64_t type,
-                        int64_t N, const c10::optional<torch::Tensor>& bias) {
+                        int64_t N, const c10::optional<torch::Tensor>& bias, bool silu) {
   TORCH_CHECK(has_f32_gemm(), "gguf_gemm needs AVX2 + FMA or AVX-512");
   check_rows(x_in, "x");
   TORCH_CHECK(type == int(QType::Q8_0) || type == int(QType::Q4_1), "unknown GGUF type ", type);
@@ -532,9 +602,12 @@ torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int6
   const int64_t M = x.size(0), K = x.size(1), nblk = (N + 15) / 16, G = K / 32;
   TORCH_CHECK(K % 32 == 0, "packed weight does not match N=", N, ", K=", K);
   check_packed(wp, torch::kUInt8, {nblk, G, gguf_group_bytes(int(type))}, N, K);
+  check_silu(silu, N, "gguf_gemm");
   const torch::Tensor b = bias_f32(bias, N);
   auto y = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y.to(x_in.scalar_type());
+  // with silu, out in x's dtype from the epilogue (silu_cols rounds y as .to() would)
+  auto out = silu ? torch::empty({M, N / 2}, x_in.options()) : y;
+  if (M == 0 || N == 0) return out.to(x_in.scalar_type());
   const bool vnni = gguf_isa() == "avx512";
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
   auto ds = torch::empty({2, M, G}, x.options());  // scales, scaled sums
@@ -547,10 +620,11 @@ torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int6
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  over_blocks(nblk, N * K, [&](int64_t b0, int64_t b1) {
+  const bool bf16 = x_in.scalar_type() == torch::kBFloat16;
+  run_gemm(N, K, M, silu, yp, kernels_for(x_in), bf16, out.data_ptr(), [&](int64_t b0, int64_t b1) {
     run(int(type), xqp, dxp, sxp, M, wpp, K, b0, b1, bp, yp, N, N);
   });
-  return x_in.scalar_type() == torch::kFloat32 ? y : y.to(x_in.scalar_type());
+  return silu || !bf16 ? out : y.to(x_in.scalar_type());
 }
 
 }  // namespace
@@ -572,7 +646,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_gemm", &kvr::has_bf16_gemm, "AVX-512 BF16 small-M GEMM available");
   m.def("pack_bf16_gemm", &kvr::pack_bf16_gemm, nogil());
   m.def("bf16_gemm", &kvr::bf16_gemm, pybind11::arg("x"), pybind11::arg("packed"),
-        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), nogil());
+        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("silu") = false, nogil());
   m.def("has_amx_bf16_gemm", &kvr::has_amx_bf16_gemm, "AMX-BF16 prefill GEMM available");
   m.def("bf16_gemm_amx", &kvr::bf16_gemm_amx, pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
@@ -580,10 +655,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_gguf_gemm", &kvr::pack_gguf_gemm, nogil());
   m.def("gguf_gemm", &kvr::gguf_gemm, pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("type"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
-        nogil());
+        pybind11::arg("silu") = false, nogil());
   m.def("gguf_isa", &kvr::gguf_isa, "the instruction set of the quantized GEMM");
   m.def("has_f32_gemm", &kvr::has_f32_gemm, "float32 small-M GEMM available");
   m.def("pack_f32_gemm", &kvr::pack_f32_gemm, nogil());
   m.def("f32_gemm", &kvr::f32_gemm, pybind11::arg("x"), pybind11::arg("packed"),
-        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), nogil());
+        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("silu") = false, nogil());
 }
