@@ -191,6 +191,30 @@ def test_attention_float32_decode_steps_match_float64(
     torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("contexts", [[50] * 7 + [400], [400] + [50] * 7, [1, 1, 1, 400]],
+                         ids=["long-last", "long-first", "tiny-then-long"])
+def test_attention_decode_steps_with_skewed_contexts_match_float64(
+    isa: str, contexts: list[int]
+) -> None:
+    """Decode steps whose contexts skew the threads' shares (one long sequence among
+    short ones, first or last), on two threads: every tile computed once, exact to
+    float32 rounding against float64."""
+    cfg, bs = _cfg(9, 3, 64), 16
+    nb = sum(-(-c // bs) for c in contexts) + 1
+    free = list(range(nb))
+    random.Random(7).shuffle(free)
+    chunks = [ChunkSpec(c - 1, 1, [free.pop() for _ in range(-(-c // bs))]) for c in contexts]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _, out, _, nat_cache = _attend_both(cfg, torch.float32, chunks, bs, nb, 1, 5)
+    finally:
+        torch.set_num_threads(threads)
+    exact = _attend_over_cache(cfg, chunks, _NATIVE_Q[0], nat_cache, 1, bs)
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-h{}-kv{}-bs{}-b{}".format(*s))
 @pytest.mark.parametrize("prefill", ["tiles", "sdpa"])
 @pytest.mark.parametrize("seed", [1, 4])

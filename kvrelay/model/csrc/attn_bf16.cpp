@@ -200,9 +200,11 @@ void prefill(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const Attn
 
 }  // namespace
 
+bool attend_bf16_takes(const AttnGeom& g) { return g.bs % 16 == 0 && (g.D == 64 || g.D == 128); }
+
 bool attend_bf16(const void* q, void* out, const void* cache, const AttnGeom& g,
                  const AttnTile& t, float* scratch) {
-  if (g.bs % 16 != 0 || (g.D != 64 && g.D != 128)) return false;
+  if (!attend_bf16_takes(g)) return false;
   const auto* qb = (const uint16_t*)q;
   auto* ob = (uint16_t*)out;
   const auto* cb = (const uint16_t*)cache;

@@ -266,9 +266,11 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   if (decode)
     for (int64_t i = 0; i < n_tiles; i += KVH) cum.push_back(cum.back() + tiles[i].pos0 + 1);
   const int64_t need = attend_scratch_floats(tile_tokens * G, max_ctx, int(D));
-  // A bfloat16 cache: the AVX-512 BF16 kernels where the CPU has them.
+  // A bfloat16 cache: the AVX-512 BF16 kernels where the CPU has them and they take the
+  // shape (else the generic kernel, whose step() calls Fetch's quota counts below).
   const bool bf16 = qkv.scalar_type() == torch::kBFloat16 &&
-                    cache.scalar_type() == torch::kBFloat16 && has_bf16_gemm();
+                    cache.scalar_type() == torch::kBFloat16 && has_bf16_gemm() &&
+                    attend_bf16_takes(g);
   char* qp = (char*)qkv.data_ptr();
   char* cp = (char*)cache.data_ptr();
   const float* cs = cos.data_ptr<float>();
@@ -289,9 +291,13 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
     };
     if (decode) {
       const int nt = omp_get_num_threads(), me = omp_get_thread_num();
-      const auto at = [&](int t) {  // first sequence of thread t's share
-        return int64_t(std::lower_bound(cum.begin(), cum.end(), cum.back() * t / nt) -
-                       cum.begin());
+      const auto at = [&](int t) {  // first sequence of thread t's share: the boundary
+        // nearest its part of the context (rounding up alone gave one thread everything
+        // where a long context came last: [100 x 7, 800] split 1,500 / 0, now 700 / 800)
+        const double want = cum.back() * t / nt;
+        auto it = std::lower_bound(cum.begin(), cum.end(), want);
+        if (it != cum.begin() && want - it[-1] < *it - want) --it;
+        return int64_t(it - cum.begin());
       };
       const int64_t s0 = at(me), s1 = me + 1 == nt ? int64_t(cum.size()) - 1 : at(me + 1);
       // The share's K and V runs (a block's rows of this layer), sequence by sequence:

@@ -132,5 +132,7 @@ void gemm_f32_avx2(const float* xt, int64_t M, const float* wp, int64_t K, int64
 // blocks not a multiple of 16 positions): Kernels::attend runs it instead.
 bool attend_bf16(const void* q, void* out, const void* cache, const AttnGeom& g,
                  const AttnTile& t, float* scratch);
+// The shapes it takes (bindings.cpp counts Fetch's calls by the kernel that runs).
+bool attend_bf16_takes(const AttnGeom& g);
 
 }  // namespace kvr
