@@ -115,15 +115,15 @@ class NativeSmallGemm:
         self.amx = amx and dtype is torch.bfloat16
         if dtype is torch.bfloat16:
             self._pack, self.run = mod.pack_bf16_gemm, mod.bf16_gemm
-            self._fused = mod.bf16_gemm
+            self._small = mod.bf16_gemm  # below AMX_GEMM_ROWS; with silu=True, run_silu
             self.label, self.max_rows = "native-bf16", BF16_GEMM_ROWS
             if amx:  # every call: AMX tiles from AMX_GEMM_ROWS rows on (K % 32 == 0)
-                self._small, self._amx = mod.bf16_gemm, mod.bf16_gemm_amx
+                self._amx = mod.bf16_gemm_amx
                 self.run = self._run_amx
                 self.label, self.max_rows = "native-bf16-amx", EVERY_ROWS
         else:
             self._pack, self.run = mod.pack_f32_gemm, mod.f32_gemm
-            self._fused = mod.f32_gemm
+            self._small = mod.f32_gemm
             self.label, self.max_rows = f"native-f32-{mod.isa()}", F32_GEMM_ROWS
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -157,7 +157,7 @@ class NativeSmallGemm:
         if n % 32:
             return None
         amx = self.amx and x.shape[0] >= AMX_GEMM_ROWS and x.shape[1] % 32 == 0
-        y: torch.Tensor = (self._amx if amx else self._fused)(x, packed, n, bias, True)
+        y: torch.Tensor = (self._amx if amx else self._small)(x, packed, n, bias, True)
         return y
 
 

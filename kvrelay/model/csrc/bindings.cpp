@@ -396,13 +396,17 @@ void silu_cols(const Kernels* k, bool out_bf16, const Y* y, int64_t M, int64_t I
                int64_t c1, void* out) {
   const int64_t n = c1 - c0;
   if (n <= 0) return;
-  thread_local std::vector<float> buf;  // one row: 2n values of out's dtype
-  buf.resize(size_t(2 * n));
+  thread_local std::vector<float> buf;      // one row: 2n float32 values
+  thread_local std::vector<uint16_t> bufh;  // or 2n bfloat16 ones
+  if (out_bf16)
+    bufh.resize(size_t(2 * n));
+  else
+    buf.resize(size_t(2 * n));
   for (int64_t m = 0; m < M; ++m) {
     const Y* g = y + m * 2 * I + c0;
     const Y* u = g + I;
     if (out_bf16) {
-      auto* b = (uint16_t*)buf.data();
+      uint16_t* b = bufh.data();
       for (int64_t c = 0; c < n; ++c) {
         if constexpr (sizeof(Y) == 2) {
           b[c] = g[c], b[n + c] = u[c];
