@@ -94,9 +94,10 @@ class Linear:
     def silu_mul(
         self, x: torch.Tensor, unfused: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
-        """silu(gate) * up of this fused (gate, up) Linear: in the AMX GEMM's epilogue
-        where the call goes to AMX (the same values, one pass over memory less), else
-        ``unfused(self(x))``."""
+        """silu(gate) * up of this fused (gate, up) Linear: in the same call where a
+        native kernel takes it (the AMX tiles' epilogue, or each thread's columns of the
+        decode GEMMs; the same values, one pass over memory less), else
+        ``unfused(self(x))`` (oneDNN's calls)."""
         rows = x.shape[0]
         kernel, w = ((self.small_k, self.small_w) if rows <= self.small_rows
                      else (self.large_k, self.large_w))
