@@ -63,9 +63,9 @@ class _Unseen(Exception):
     """A decode engine refused a leg before it saw it: the next one may take it.
     ``busy``: a 429 (its queue of pulled requests is full), not a sign of ill health."""
 
-    def __init__(self, error: dict[str, Any], busy: bool = False) -> None:
+    def __init__(self, error: dict[str, Any], busy: bool = False, closed: bool = False) -> None:
         super().__init__(error)
-        self.error, self.busy = error, busy
+        self.error, self.busy, self.closed = error, busy, closed
 
 
 # A connection closed under a request (reset, or EOF before a status line). Not a
@@ -529,6 +529,7 @@ class Proxy:
             return merge.leg_choice(leg, None)
         body = self._decode_body(leg, stream=False)
         r: httpx.Response | None = None
+        closed: str | None = None  # an engine closed the connection before answering
         for up in self._decode_order(leg):
             async with self._outstanding(up):
                 try:
@@ -540,10 +541,19 @@ class Proxy:
                     self._refused_unseen(up, f"{type(exc).__name__}: {exc}")
                     r = _error(502, f"the decode engine {up.url} is unreachable: {exc}")
                     continue
+                except _CLOSED as exc:
+                    # Closed before its answer: handed on as a stream's leg is (see
+                    # _stream_lines). A whole answer's status line comes at its end, so
+                    # D may also have read the leg and died mid-decode: then the next
+                    # engine's ACQUIRE is refused (its 400 becomes this 502) or finds the
+                    # lease released and falls back; never two pulls.
+                    closed = (f"the decode engine {up.url} closed the connection before "
+                              f"answering: {type(exc).__name__}: {exc}")
+                    self._refused_unseen(up, closed)
+                    r = _error(502, closed)
+                    continue
                 except httpx.HTTPError as exc:
-                    # Not handed on, unlike a stream closed before its status line: a
-                    # whole answer comes at its end, so a close before it is as likely D
-                    # dying mid-decode, its lease consumed (the next D would answer 400).
+                    # A timeout: D may be slow and pulling the lease; not handed on.
                     self._release(leg)  # D may never have seen it; a second release is stale
                     raise Refused(_error(502, f"the decode engine {up.url} failed: "
                                          f"{type(exc).__name__}: {exc}")) from exc
@@ -555,7 +565,8 @@ class Proxy:
             r = _error(503, NO_DECODE_ENGINE)
         if r.status_code != 200:
             self._release(leg)
-            raise Refused(r)
+            lost = _lease_lost(closed, r.status_code, _json_body(r))
+            raise Refused(r if lost is None else _error(502, lost["error"]["message"]))
         leg.params = None  # D pulled (or gave back) the lease
         _landed(up, leg)
         decoded = r.json()
@@ -632,26 +643,31 @@ class Proxy:
         """D's chunks for the leg; returns the error event that ended it, if any. An
         engine that refuses the leg unseen hands it to the next (``_decode_order``)."""
         error: dict[str, Any] | None = merge.error_event(NO_DECODE_ENGINE, 503)
+        closed: str | None = None  # an engine closed the connection before answering
         for up in self._decode_order(leg):
             try:
-                return await self._stream_from(up, path, leg, frame, events)
+                return await self._stream_from(up, path, leg, frame, events, closed)
             except _Unseen as exc:
                 self._refused_unseen(up, str(exc.error)[:200], busy=exc.busy)
                 error = exc.error
+                if exc.closed:
+                    closed = exc.error["error"]["message"]
         return error
 
     async def _stream_from(
         self, up: Upstream, path: str, leg: Leg, frame: Frame,
-        events: asyncio.Queue[tuple[Leg, str, Any]],
+        events: asyncio.Queue[tuple[Leg, str, Any]], closed: str | None,
     ) -> dict[str, Any] | None:
         async with self._outstanding(up):
             with _Prefilling(up, _local_work(leg)) as work:
-                return await self._stream_lines(up, path, leg, frame, events, work)
+                return await self._stream_lines(up, path, leg, frame, events, work, closed)
 
     async def _stream_lines(
         self, up: Upstream, path: str, leg: Leg, frame: Frame,
-        events: asyncio.Queue[tuple[Leg, str, Any]], work: _Prefilling,
+        events: asyncio.Queue[tuple[Leg, str, Any]], work: _Prefilling, closed: str | None,
     ) -> dict[str, Any] | None:
+        """D's chunks for the leg; the error event that ended it, if any. ``closed``: an
+        earlier engine's close under this leg (see _lease_lost)."""
         body = self._decode_body(leg, stream=True)
         kind = "d" if leg.first is not None and leg.tools is None else "c"
         landed = answered = False
@@ -664,7 +680,8 @@ class Proxy:
                     await r.aread()
                     if r.status_code in (429, 503):
                         raise _Unseen(_json_body(r), busy=r.status_code == 429)
-                    return dict(_json_body(r))
+                    answer = _json_body(r)
+                    return _lease_lost(closed, r.status_code, answer) or dict(answer)
                 leg.params = None  # D has the lease: it pulls or gives it back
                 async for line in r.aiter_lines():
                     if not line.startswith("data:"):
@@ -698,7 +715,7 @@ class Proxy:
                 # back per its policy); never two pulls, never a second release.
                 raise _Unseen(merge.error_event(
                     f"the decode engine {up.url} closed the connection before answering: "
-                    f"{type(exc).__name__}: {exc}")) from exc
+                    f"{type(exc).__name__}: {exc}"), closed=True) from exc
             return merge.error_event(f"the decode engine {up.url} failed mid-stream: "
                                      f"{type(exc).__name__}: {exc}")
         return merge.error_event(f"the decode engine {up.url} ended the stream early")
@@ -762,6 +779,17 @@ def _split(data: dict[str, Any], req: Any, chat: bool) -> list[Leg]:
                 body["seed"] = req.seed + j
             legs.append(Leg(p_index * req.n + j, j == 0, body))
     return legs
+
+
+def _lease_lost(closed: str | None, status: int, body: dict[str, Any]) -> dict[str, Any] | None:
+    """After an engine closed the connection under a leg, the next engine's refusal of
+    its lease (400 on kv_transfer_params: held or consumed by the first engine's
+    attempt) is that close's consequence, not the client's error: a 502 naming both."""
+    error = body.get("error")
+    if closed is None or status != 400 or not isinstance(error, dict) \
+            or error.get("param") != "kv_transfer_params":
+        return None
+    return merge.error_event(f"{closed}; the lease went with it: {error.get('message')}")
 
 
 def _json_body(r: httpx.Response) -> dict[str, Any]:

@@ -46,6 +46,14 @@ STREAM = [_chunk(" b", None), _chunk(" c", "length"),
           {"id": "cmpl-d", "object": "text_completion", "created": 0, "model": "m",
            "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3,
                                     "total_tokens": 5}}]
+WHOLE = {"id": "cmpl-d", "object": "text_completion", "created": 0, "model": "m",
+         "choices": [{"index": 0, "text": " b c", "logprobs": None, "finish_reason": "length"}],
+         "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
+# What a decode engine answers when ACQUIRE is refused as the client's error
+# (kvrelay.server.generation: ApiError(400, ..., param="kv_transfer_params")).
+REFUSED = {"error": {"message": "invalid kv_transfer_params: lease already consumed (done)",
+                     "type": "invalid_request_error", "param": "kv_transfer_params",
+                     "code": 400}}
 FIRST = {"id": "cmpl-p", "object": "text_completion", "created": 0, "model": "m",
          "choices": [{"index": 0, "text": " a", "logprobs": None, "finish_reason": "length"}],
          "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
@@ -114,6 +122,14 @@ class Engine:
             _answer(writer, FIRST if path == "/v1/completions" else {"status": "ok"})
             await writer.drain()
             return True
+        if self.mode == "refuse_lease":  # the lease another attempt holds or consumed
+            _answer(writer, REFUSED, 400)
+            await writer.drain()
+            return True
+        if not body.get("stream"):
+            _answer(writer, WHOLE)
+            await writer.drain()
+            return True
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                      b"transfer-encoding: chunked\r\n\r\n")
         events = STREAM[:1] if self.mode == "fail_after_status" else STREAM
@@ -129,10 +145,11 @@ class Engine:
         return True
 
 
-def _answer(writer: asyncio.StreamWriter, doc: dict[str, Any]) -> None:
+def _answer(writer: asyncio.StreamWriter, doc: dict[str, Any], status: int = 200) -> None:
     data = json.dumps(doc).encode()
-    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n%s" % (len(data), data))
+    reason = b"OK" if status == 200 else b"Bad Request"
+    writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (status, reason, len(data), data))
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:
@@ -142,25 +159,30 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-async def _streamed(p: Engine, d1: Engine, d2: Engine) -> list[Any]:
-    """The client's events for BODY through a proxy in front of P, D1 and D2 (D1 routed
-    first: the least loaded, listed first), sent once its health check has been through
-    all three (its connection to D1 back in its pool)."""
+async def _asked(p: Engine, d1: Engine, d2: Engine, stream: bool = True) -> httpx.Response:
+    """The client's answer to BODY (streamed or not) through a proxy in front of P, D1
+    and D2 (D1 routed first: the least loaded, listed first), sent once its health check
+    has been through all three (its connection to D1 back in its pool)."""
     urls = [await e.start() for e in (p, d1, d2)]
     proxy = Proxy(urls[:1], urls[1:], health_interval=3600)
     app = create_proxy_app(proxy)
+    body = BODY if stream else {k: v for k, v in BODY.items() if not k.startswith("stream")}
     try:
         async with app.router.lifespan_context(app):
             await d2.checked.wait()  # the health loop asks P, D1, D2 in that order
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
-                r = await c.post("/v1/completions", json=BODY, timeout=30)
-        assert r.status_code == 200, r.text
-        return [json.loads(line[5:]) for line in r.text.splitlines()
-                if line.startswith("data:") and line != "data: [DONE]"]
+                return await c.post("/v1/completions", json=body, timeout=30)
     finally:
         for e in (p, d1, d2):
             await e.stop()
+
+
+async def _streamed(p: Engine, d1: Engine, d2: Engine) -> list[Any]:
+    r = await _asked(p, d1, d2)
+    assert r.status_code == 200, r.text
+    return [json.loads(line[5:]) for line in r.text.splitlines()
+            if line.startswith("data:") and line != "data: [DONE]"]
 
 
 @pytest.mark.parametrize("close", ["reset", "close"])
@@ -186,4 +208,55 @@ def test_a_leg_whose_engine_fails_after_its_status_line_is_not_handed_on() -> No
     events = asyncio.run(_streamed(p, d1, d2))
     assert "failed mid-stream" in events[-1]["error"]["message"], events
     assert "".join(c["text"] for e in events[:-1] for c in e["choices"]) == " a b"
+    assert len(d1.posts) == 1 and d2.posts == []
+
+
+@pytest.mark.parametrize("close", ["reset", "close"])
+def test_a_whole_answer_closed_before_it_goes_to_the_next_decode_engine(close: str) -> None:
+    """Not streamed: the same close (a drained engine's, its leg unread) hands the leg on;
+    the client gets D2's answer, not a 502."""
+    p, d1, d2 = Engine("prefill"), Engine(close), Engine("stream")
+    r = asyncio.run(_asked(p, d1, d2, stream=False))
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    assert choice["text"] == " a b c" and r.json()["usage"]["completion_tokens"] == 3
+    assert [(path, n) for path, _, n in d1.posts] == [("/v1/completions", 2)]
+    [(path, body, _)] = d2.posts
+    assert body["kv_transfer_params"] == {**LEASE, "first_token_sent": True}
+    assert not body.get("stream")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_lease_lost_with_a_closed_engine_is_a_502_not_the_clients_error(stream: bool) -> None:
+    """D1 read the leg and closed without answering (it died mid-decode, say): its
+    attempt holds or consumed the lease, so D2's ACQUIRE is refused and D2 answers 400
+    on kv_transfer_params. The client did nothing wrong: it gets a 502 (an error event
+    when streamed) that names D1's close and D2's refusal."""
+    p, d1, d2 = Engine("prefill"), Engine("close"), Engine("refuse_lease")
+    r = asyncio.run(_asked(p, d1, d2, stream=stream))
+    if stream:
+        assert r.status_code == 200, r.text
+        events = [json.loads(line[5:]) for line in r.text.splitlines()
+                  if line.startswith("data:") and line != "data: [DONE]"]
+        error = events[-1]["error"]
+    else:
+        assert r.status_code == 502, r.text
+        error = r.json()["error"]
+    assert error["type"] == "server_error", error
+    assert "closed the connection before answering" in error["message"], error
+    assert "lease already consumed" in error["message"], error
+    assert len(d1.posts) == 1 and len(d2.posts) == 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_lease_refused_without_a_close_stays_the_clients_400(stream: bool) -> None:
+    """Params the client sent that no engine lost (a replayed lease): D's 400 as it is."""
+    p, d1, d2 = Engine("prefill"), Engine("refuse_lease"), Engine("stream")
+    r = asyncio.run(_asked(p, d1, d2, stream=stream))
+    if stream:
+        events = [json.loads(line[5:]) for line in r.text.splitlines()
+                  if line.startswith("data:") and line != "data: [DONE]"]
+        assert events[-1]["error"] == REFUSED["error"], events
+    else:
+        assert r.status_code == 400 and r.json() == REFUSED, r.text
     assert len(d1.posts) == 1 and d2.posts == []
