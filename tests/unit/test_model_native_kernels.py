@@ -44,6 +44,16 @@ def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     _mod.set_isa(_best)
 
 
+@pytest.fixture(params=["per-head", "all-heads"])
+def heads(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Decode tiles head by head, or one tile over every KV head of a sequence (what a
+    long context takes: bindings.cpp, whole_heads_bytes), at every context."""
+    assert _mod is not None
+    _mod.set_whole_heads_bytes(0 if request.param == "all-heads" else 1 << 62)
+    yield request.param
+    _mod.set_whole_heads_bytes(-1)
+
+
 def _cfg(heads: int, kv_heads: int, head_dim: int, layers: int = 2) -> ModelConfig:
     return ModelConfig(
         architecture="llama", vocab_size=32, hidden_size=heads * head_dim,
@@ -175,7 +185,7 @@ def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...], prefi
                                    (128, 16, 2, 16, 64)],
                          ids=lambda s: "d{}-h{}-kv{}-bs{}-b{}".format(*s))
 def test_attention_float32_decode_steps_match_float64(
-    isa: str, shape: tuple[int, ...], cache_dtype: torch.dtype
+    isa: str, heads: str, shape: tuple[int, ...], cache_dtype: torch.dtype
 ) -> None:
     """Decode-only steps (every thread a share of whole sequences, the next one's K/V
     fetched while it computes): exact to float32 rounding against float64 attention
@@ -194,7 +204,7 @@ def test_attention_float32_decode_steps_match_float64(
 @pytest.mark.parametrize("contexts", [[50] * 7 + [400], [400] + [50] * 7, [1, 1, 1, 400]],
                          ids=["long-last", "long-first", "tiny-then-long"])
 def test_attention_decode_steps_with_skewed_contexts_match_float64(
-    isa: str, contexts: list[int]
+    isa: str, heads: str, contexts: list[int]
 ) -> None:
     """Decode steps whose contexts skew the threads' shares (one long sequence among
     short ones, first or last), on two threads: every tile computed once, exact to
@@ -294,7 +304,7 @@ def test_attention_bfloat16_no_worse_than_torch(isa: str, shape: tuple[int, ...]
 @pytest.mark.parametrize("step", ["mixed", "decode"])
 @pytest.mark.parametrize("shape", BF16_SHAPES[:6], ids=lambda s: "d{}-h{}-kv{}-bs{}".format(*s))
 def test_attention_bf16_kernels_match_the_generic_kernel(shape: tuple[int, ...],
-                                                         step: str) -> None:
+                                                         step: str, heads: str) -> None:
     """The AVX-512 BF16 decode and prefill kernels against the generic tile kernel (the
     AVX2 path) on the same step: both keep scores and probabilities in float32, so they
     differ by summation order and the final rounding to bfloat16 only. A mask or row
@@ -321,6 +331,48 @@ def test_attention_bf16_kernels_match_the_generic_kernel(shape: tuple[int, ...],
             _mod.set_isa(_best)
     fast, generic = outs
     torch.testing.assert_close(fast, generic, rtol=1 / 128, atol=generic.abs().max().item() / 256)
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [
+    (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("shape", [(64, 9, 3, 16), (128, 16, 2, 32), (64, 8, 8, 16),
+                                   (128, 8, 1, 16)],
+                         ids=lambda s: "d{}-h{}-kv{}-bs{}".format(*s))
+def test_decode_tiles_over_every_head_equal_the_tiles_head_by_head(
+    isa: str, shape: tuple[int, ...], dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """A long context's decode tile over every KV head (each chunk's K/V rows taken by
+    all heads while in L1) computes each head's scores, softmax and sums in the same
+    operations and order as the tiles head by head: the same output, bit for bit, on
+    every kernel (AVX-512 BF16, and the generic one under both ISAs), at contexts from
+    1 to past a block boundary, on two threads (shares, Fetch)."""
+    assert _mod is not None
+    D, H, KVH, bs = shape
+    cfg = _cfg(H, KVH, D)
+    contexts = [1, 17, 300, 45, 128, 33, 480, 5]
+    nb = sum(-(-c // bs) for c in contexts) + 1
+    free = list(range(nb))
+    random.Random(3).shuffle(free)
+    chunks = [ChunkSpec(c - 1, 1, [free.pop() for _ in range(-(-c // bs))]) for c in contexts]
+    g = torch.Generator().manual_seed(11)
+    cache = torch.randn((nb, cfg.num_layers, 2, bs, KVH, D), generator=g).to(cache_dtype)
+    qkv = torch.randn(len(chunks), (H + 2 * KVH) * D, generator=g).to(dtype)
+    pos = torch.tensor([c.start for c in chunks])
+    _, nat = _backends(cfg, dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    outs = []
+    try:
+        for whole in (1 << 62, 0):
+            _mod.set_whole_heads_bytes(whole)
+            outs.append(nat.attention(qkv.clone(), cache.clone(), 1,
+                                      nat.build_metadata(chunks, pos, bs)))
+    finally:
+        _mod.set_whole_heads_bytes(-1)
+        torch.set_num_threads(threads)
+    head_by_head, every_head = outs
+    assert torch.equal(every_head, head_by_head)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -109,6 +109,87 @@ void decode(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const AttnG
   }
 }
 
+// A decode tile over every KV head of the sequence (t.kvh < 0): the same scores,
+// softmax and sums as decode() for each head, bit for bit, with the loops turned
+// inside out: each 16-position chunk of K (then of V) is taken by all heads in turn
+// while it is in L1. Head by head, the tiles read a head's 128 bytes of each K/V row
+// and leave the rest of the row's lines (the other heads', fetched with it by the
+// hardware) to be evicted before their tiles come at a long context: 3x the reads.
+// The V sums of the heads' rows stay in scratch between chunks.
+template <int D>
+void decode_all(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const AttnGeom& g,
+                const AttnTile& t, float* s) {
+  constexpr int NQ = D / 32;
+  constexpr int NV = D / 16;
+  const int H = g.H, G = H / g.KVH, ctx = t.pos0 + 1;
+  const int64_t row = int64_t(g.KVH) * D, v_off = int64_t(g.bs) * row;
+  const uint16_t* q = qb + int64_t(t.tok0) * g.q_stride;
+  uint16_t* o = ob + int64_t(t.tok0) * g.out_stride;
+  const __m512 scale = _mm512_set1_ps(g.scale);
+  const uint16_t* base = cache + g.layer_off;
+  float* acc = s + ((int64_t(H) * ctx + 15) & ~int64_t(15));  // H x D
+  for (int p = 0; p < ctx; p += 16) {
+    const int nk = ctx - p < 16 ? ctx - p : 16;
+    const uint16_t* k0 = base + t.table[p / g.bs] * g.block_stride + (p % g.bs) * row;
+    for (int h = 0; h < g.KVH; ++h) {
+      const uint16_t* k = k0 + int64_t(h) * D;
+      for (int r = 0; r < G; ++r) {
+        if (t.fetch) t.fetch->step();
+        __m512bh qv[NQ];
+        for (int v = 0; v < NQ; ++v)
+          qv[v] = (__m512bh)_mm512_loadu_si512(q + int64_t(h * G + r) * D + v * 32);
+        __m512 a[16];
+        for (int j = 0; j < 16; ++j) {
+          a[j] = _mm512_setzero_ps();
+          if (j < nk)
+            for (int v = 0; v < NQ; ++v)
+              a[j] = _mm512_dpbf16_ps(
+                  a[j], qv[v], (__m512bh)_mm512_loadu_si512(k + j * row + v * 32));
+        }
+        _mm512_mask_storeu_ps(s + int64_t(h * G + r) * ctx + p, __mmask16((1u << nk) - 1),
+                              _mm512_mul_ps(sum16(a), scale));
+      }
+    }
+  }
+  for (int r = 0; r < H; ++r) {
+    softmax_row(s + int64_t(r) * ctx, ctx);
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * D + v * 16, _mm512_setzero_ps());
+  }
+  for (int p = 0; p < ctx; p += 16) {
+    const int nk = ctx - p < 16 ? ctx - p : 16;
+    const uint16_t* v0 = base + t.table[p / g.bs] * g.block_stride + v_off + (p % g.bs) * row;
+    for (int h = 0; h < g.KVH; ++h) {
+      if (t.fetch) t.fetch->step();
+      // the G rows of head h, RB at a time in registers (decode()'s RB)
+      constexpr int RB = NV >= 16 ? 1 : 16 / NV;
+      for (int r0 = 0; r0 < G; r0 += RB) {
+        const int nr = G - r0 < RB ? G - r0 : RB;
+        float* ar = acc + int64_t(h * G + r0) * D;
+        __m512 a[RB][NV];
+        for (int i = 0; i < RB; ++i)
+          for (int v = 0; v < NV; ++v)
+            a[i][v] = i < nr ? _mm512_loadu_ps(ar + i * D + v * 16) : _mm512_setzero_ps();
+        for (int j = 0; j < nk; ++j) {
+          const uint16_t* vr = v0 + j * row + int64_t(h) * D;
+          __m512 vf[NV];
+          for (int v = 0; v < NV; ++v) vf[v] = widen(vr + v * 16);
+          for (int i = 0; i < RB; ++i) {
+            if (i >= nr) break;
+            const __m512 w = _mm512_set1_ps(s[int64_t(h * G + r0 + i) * ctx + p + j]);
+            for (int v = 0; v < NV; ++v) a[i][v] = _mm512_fmadd_ps(w, vf[v], a[i][v]);
+          }
+        }
+        for (int i = 0; i < nr; ++i)
+          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ar + i * D + v * 16, a[i][v]);
+      }
+    }
+  }
+  for (int r = 0; r < H; ++r)
+    for (int v = 0; v < NV; ++v)
+      _mm256_storeu_si256((__m256i*)(o + int64_t(r) * D + v * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * D + v * 16)));
+}
+
 // Prefill tiles (n query tokens x the G heads of KV head kvh, up to 64 rows): the
 // scores of a 16-key chunk are a small GEMM. The chunk's K rows are transposed once
 // into vdpbf16ps' pair layout (kt[d / 2] = the 16 keys' (k[d], k[d + 1])), then four
@@ -208,7 +289,10 @@ bool attend_bf16(const void* q, void* out, const void* cache, const AttnGeom& g,
   const auto* qb = (const uint16_t*)q;
   auto* ob = (uint16_t*)out;
   const auto* cb = (const uint16_t*)cache;
-  if (t.n == 1) {
+  if (t.n == 1 && t.kvh < 0) {
+    if (g.D == 64) decode_all<64>(qb, ob, cb, g, t, scratch);
+    else decode_all<128>(qb, ob, cb, g, t, scratch);
+  } else if (t.n == 1) {
     if (g.D == 64) decode<64>(qb, ob, cb, g, t, scratch);
     else decode<128>(qb, ob, cb, g, t, scratch);
   } else {

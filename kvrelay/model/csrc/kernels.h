@@ -43,7 +43,7 @@ struct Fetch {
 // tok0 in q/out, position pos0) against KV head `kvh`, reading K/V in place from
 // the blocks of `table`. Query i attends to positions [0, pos0 + i].
 struct AttnTile {
-  int tok0, n, pos0, kvh;
+  int tok0, n, pos0, kvh;  // kvh < 0: a decode tile (n == 1) over every KV head
   const int64_t* table;
   // Fetch ahead the next chunk's whole token rows (every KV head's K or V), not only
   // this head's: the tiles of the same tokens' other heads follow on this thread.
@@ -67,8 +67,10 @@ struct Kernels {
                  const AttnTile& t, float* scratch);
 };
 
-inline int64_t attend_scratch_floats(int rows, int ctx, int D) {
-  return int64_t(rows) * (ctx + 2 * D) + 32 * D + 64;
+// rows: the most query rows of a tile (a decode tile over every KV head: H); width:
+// the elements of a token's K row (KVH * D).
+inline int64_t attend_scratch_floats(int rows, int ctx, int D, int width) {
+  return int64_t(rows) * (ctx + 2 * D) + 16 * int64_t(D + width) + 64;
 }
 
 // dt: the activations' dtype; cache: the KV cache's (rope_write_token and attend

@@ -295,27 +295,32 @@ constexpr int kChunk = 16;  // key/value rows converted to float32 at a time
 // token i, head kvh * G + j. Two passes over the context in chunks of up to 16
 // positions within a block (scores of every row, then V); each K or V row is read
 // from the cache once (bfloat16 converted to float32 once; float32 read in place) and
-// used by all query rows of the tile that see it.
+// used by all query rows of the tile that see it. A decode tile over every KV head
+// (t.kvh < 0, one query token: rows r = h * G + j, head h * G + j) takes each chunk's
+// whole K/V rows for all heads in turn, as attn_bf16.cpp's decode_all does and why.
 template <typename T, typename C, int DT>
 static void attend_d(const void* qv, void* outv, const void* cachev, const AttnGeom& g,
                      const AttnTile& t, float* scratch) {
-  const int G = g.H / g.KVH, D = DT ? DT : g.D, rows = t.n * G;
+  const bool all = t.kvh < 0;
+  const int G = g.H / g.KVH, D = DT ? DT : g.D, heads = all ? g.KVH : 1;
+  const int hrows = t.n * G, rows = hrows * heads, h0 = all ? 0 : t.kvh;
   const int ctx = t.pos0 + t.n;  // context of the tile's last query
   const int64_t row_elems = int64_t(g.KVH) * D;
+  const int width = heads * D;         // elements of a token's K (or V) row the tile reads
   float* q = scratch;                  // rows x D, scaled
   float* acc = q + rows * D;           // rows x D
-  float* kf = acc + rows * D;          // kChunk x D
-  float* kT = kf + kChunk * D;         // D x kChunk
+  float* kT = acc + rows * D;          // D x kChunk
   float* s = kT + kChunk * D;          // rows x ctx
+  float* kf = s + int64_t(rows) * ctx; // kChunk x width
   const T* qb = (const T*)qv;
   for (int i = 0; i < t.n; ++i)
-    for (int j = 0; j < G; ++j) {
-      const T* src = qb + int64_t(t.tok0 + i) * g.q_stride + int64_t(t.kvh * G + j) * D;
-      float* dst = q + (i * G + j) * D;
+    for (int j = 0; j < G * heads; ++j) {
+      const T* src = qb + int64_t(t.tok0 + i) * g.q_stride + int64_t(h0 * G + j) * D;
+      float* dst = q + (i * G * heads + j) * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]) * g.scale;
     }
-  const C* cache = (const C*)cachev + g.layer_off + int64_t(t.kvh) * D;
+  const C* cache = (const C*)cachev + g.layer_off + int64_t(h0) * D;
   const int64_t v_off = int64_t(g.bs) * row_elems;
   for (int pass = 0; pass < 2; ++pass) {
     for (int p = 0; p < ctx;) {
@@ -327,44 +332,50 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
         // The next chunk sits in another block whose address the hardware prefetcher
         // cannot guess: ask for its rows now, they arrive while this chunk computes.
         const int pn = p + nk, bn = pn / g.bs, offn = pn - bn * g.bs;
-        const C* head0 = t.whole_rows ? cache - int64_t(t.kvh) * D : cache;
+        const bool whole = t.whole_rows || all;
+        const C* head0 = whole ? cache - int64_t(h0) * D : cache;
         const char* nxt = (const char*)(head0 + t.table[bn] * g.block_stride +
                                         (pass ? v_off : 0) + offn * row_elems);
-        const int lines = int((t.whole_rows ? row_elems : D) * int64_t(sizeof(C)) + 63) / 64;
+        const int lines = int((whole ? row_elems : D) * int64_t(sizeof(C)) + 63) / 64;
         for (int j = 0; j < kChunk && pn + j < ctx && offn + j < g.bs; ++j)
           for (int l = 0; l < lines; ++l)
             __builtin_prefetch(nxt + (j * row_elems) * int64_t(sizeof(C)) + l * 64);
       }
       // float32 rows are read where they lie; bfloat16 ones converted once, to kf
       const float* rows_f = kf;
-      int64_t stride = D;
+      int64_t stride = width;
       if constexpr (sizeof(C) == sizeof(float)) {
         rows_f = (const float*)src;
         stride = row_elems;
       } else {
-        for (int j = 0; j < nk; ++j) load_f32(src + j * row_elems, kf + j * D, D);
+        for (int j = 0; j < nk; ++j) load_f32(src + j * row_elems, kf + j * width, width);
       }
-      if (t.fetch) t.fetch->step();
       const int rel = p - t.pos0;  // token i sees chunk key j iff j <= i - rel
       const int r0 = (rel > 0 ? rel : 0) * G;
-      if (pass == 0)
-        scores_chunk<DT>(q, rows_f, stride, nk, r0, rows, G, rel, D, s + p, ctx, kT);
-      else
-        weighted_sum_chunk<DT>(s + p, ctx, rows_f, stride, nk, r0, rows, G, rel, D, acc);
+      for (int h = 0; h < heads; ++h) {
+        if (t.fetch) t.fetch->step();
+        const float* qh = q + h * hrows * D;
+        float* sh = s + int64_t(h) * hrows * ctx + p;
+        if (pass == 0)
+          scores_chunk<DT>(qh, rows_f + h * D, stride, nk, r0, hrows, G, rel, D, sh, ctx, kT);
+        else
+          weighted_sum_chunk<DT>(sh, ctx, rows_f + h * D, stride, nk, r0, hrows, G, rel, D,
+                                 acc + h * hrows * D);
+      }
       p += nk;
     }
     if (pass == 1) break;
     for (int r = 0; r < rows; ++r) {
-      softmax_row(s + r * ctx, t.pos0 + r / G + 1);
+      softmax_row(s + r * ctx, t.pos0 + (r % hrows) / G + 1);
 #pragma omp simd
       for (int d = 0; d < D; ++d) acc[r * D + d] = 0.f;
     }
   }
   T* ob = (T*)outv;
   for (int i = 0; i < t.n; ++i)
-    for (int j = 0; j < G; ++j) {
-      T* dst = ob + int64_t(t.tok0 + i) * g.out_stride + int64_t(t.kvh * G + j) * D;
-      const float* a = acc + (i * G + j) * D;
+    for (int j = 0; j < G * heads; ++j) {
+      T* dst = ob + int64_t(t.tok0 + i) * g.out_stride + int64_t(h0 * G + j) * D;
+      const float* a = acc + (i * G * heads + j) * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) dst[d] = from_f<T>(a[d]);
     }
