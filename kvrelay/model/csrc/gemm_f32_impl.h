@@ -51,6 +51,19 @@ constexpr int blocks_per_tile(int mr) { return mr <= 2 ? 2 : 1; }
 constexpr int kCols = 16;                     // columns per packed block
 constexpr int kVecs = kCols / KVR_F32_LANES;  // vectors per block row
 constexpr int kAhead = 32;                    // k rows (2 KiB) prefetched ahead per block
+// Under AVX2, a tile of 4 rows or more computes long enough per weight line that the
+// prefetches into L1 (each holding one of the core's few fill buffers until its line
+// arrives) let the memory stream fall behind the arithmetic: such tiles fetch kFar k
+// rows (8 KiB) ahead into L2 and only kNear (1 KiB) into L1. The 120 layer GEMMs
+// (float32 weights from memory, AVX2 forced on the AMX Xeon, 2 threads): 4 rows
+// 22.0 -> 19.5 ms, 6 rows 24.0 -> 21.1-22.0, 8 rows 25.5-25.8 -> 22.8, 12 rows
+// 27.7-28.3 -> 25.7-26.8; 1-2 rows 3-7% slower that way, and AVX-512 tiles no faster
+// (docs/model.md, "Decode GEMMs (native, float32 ...)").
+constexpr int kFar = 128, kNear = 16;
+template <int MR>
+constexpr bool fetch_far() {
+  return KVR_F32_LANES == 8 && MR >= 4;
+}
 // The k sums run in chunks of kChunkK, each chunk's sums added to the total: the
 // rounding error grows with K / kChunkK + kChunkK instead of K (oneDNN blocks K too).
 constexpr int64_t kChunkK = 32;
@@ -168,7 +181,7 @@ struct F32 {
 
   // One chunk of k, [k0, k1), for R rows of x (R accumulators per vector of the NB
   // blocks), added to their totals; `ahead`: the pass that fetches ahead (the first).
-  template <int R, int NB>
+  template <int R, int NB, bool FAR = false>
   static inline void chunk(const float* __restrict x, int64_t ldk, const float* const w[NB],
                            int64_t k0, int64_t k1,
                            float (*total)[NB * kVecs][KVR_F32_LANES], Ahead* ahead) {
@@ -180,8 +193,14 @@ struct F32 {
       if (ahead != nullptr) ahead_step(*ahead);
       vf wv[NV];
       for (int j = 0; j < NB; ++j) {
-        if (ahead != nullptr)
-          _mm_prefetch((const char*)(w[j] + (k + kAhead) * kCols), _MM_HINT_T0);
+        if (ahead != nullptr) {
+          if constexpr (FAR) {
+            _mm_prefetch((const char*)(w[j] + (k + kFar) * kCols), _MM_HINT_T1);
+            _mm_prefetch((const char*)(w[j] + (k + kNear) * kCols), _MM_HINT_T0);
+          } else {
+            _mm_prefetch((const char*)(w[j] + (k + kAhead) * kCols), _MM_HINT_T0);
+          }
+        }
         for (int v = 0; v < kVecs; ++v)
           wv[j * kVecs + v] = vload(w[j] + k * kCols + v * KVR_F32_LANES);
       }
@@ -216,7 +235,7 @@ struct F32 {
     for (int j = 0; j < NB; ++j) w[j] = a.wp + (blk + j) * a.K * kCols;
     for (int64_t k0 = 0; k0 < a.K; k0 += kChunkK) {
       const int64_t k1 = a.K - k0 < kChunkK ? a.K : k0 + kChunkK;
-      chunk<P, NB>(a.x, a.ldk, w, k0, k1, total, &ahead);
+      chunk<P, NB, fetch_far<MR>()>(a.x, a.ldk, w, k0, k1, total, &ahead);
       if constexpr (kPasses == 2)
         chunk<kLast, NB>(a.x + P, a.ldk, w, k0, k1, total + P, nullptr);
       asm volatile("" : "+m"(total));  // keeps gcc from holding the totals in registers
