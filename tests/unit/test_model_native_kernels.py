@@ -116,6 +116,8 @@ def _attend_both(
     meta = nat_b.build_metadata(chunks, pos, block_size)
     assert bool(meta.fresh) == (prefill_sdpa and any(c.start == 0 and c.length > 1
                                                      for c in chunks))
+    assert len(meta.continued) == (prefill_sdpa and sum(c.start > 0 and c.length > 1
+                                                        for c in chunks))
     nat_qkv = qkv.clone()
     out = nat_b.attention(nat_qkv, nat_cache, layer, meta)
     _NATIVE_Q[:] = [nat_qkv]  # its q heads rotated in place, for _attend_over_cache
@@ -178,6 +180,31 @@ def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...], prefi
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * scale)
     # The fused rope + KV write put the same rotated K and the same V in the same slots.
     torch.testing.assert_close(nat_cache, ref_cache, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefill", ["tiles", "sdpa"])
+def test_later_prompt_chunks_match_float64(isa: str, prefill: str, dtype: torch.dtype) -> None:
+    """Prompt chunks after cached context (chunked prefill, a pulled or cached prefix):
+    by the native tiles, or by SDPA over the context gathered from the blocks with a
+    mask that keeps each query from the positions after its own, native.CONTINUED_ROWS
+    queries a call (the 300-token chunk takes two). Against float64
+    attention over what the native cache holds, beside a decode row and a first chunk;
+    within float32 rounding, or for bfloat16 within its rounding of the output."""
+    cfg, bs = _cfg(9, 3, 64), 16
+    spans = [(300, 100), (17, 2), (0, 40), (120, 1), (33, 300)]  # 300: two row blocks
+    nb = sum(-(-(s + n) // bs) for s, n in spans) + 1
+    free = list(range(nb))
+    random.Random(2).shuffle(free)
+    chunks = [ChunkSpec(s, n, [free.pop() for _ in range(-(-(s + n) // bs))]) for s, n in spans]
+    _, out, _, nat_cache = _attend_both(cfg, dtype, chunks, bs, nb, 1, 3,
+                                        prefill_sdpa=prefill == "sdpa")
+    exact = _attend_over_cache(cfg, chunks, _NATIVE_Q[0], nat_cache, 1, bs)
+    scale = exact.abs().max().item()
+    if dtype is torch.float32:
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * scale)
+    else:
+        torch.testing.assert_close(out.double(), exact, rtol=1 / 64, atol=scale / 128)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])

@@ -257,9 +257,10 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
     for (int64_t b = 0; b < (pos0 + n + bs - 1) / bs; ++b)
       TORCH_CHECK(row_table[b] >= 0 && row_table[b] < n_blocks, "block id ", row_table[b],
                   " of seqs row ", s, " is outside the cache (", n_blocks, " blocks)");
-    // skip_fresh: the attention of a prompt's first chunk (no cached context) is the
-    // caller's (native.NativeBackend: torch's SDPA); its rope and KV write stay here.
-    if (skip_fresh && pos0 == 0 && n > 1) continue;
+    // skip_fresh: the attention of every prompt chunk (more than one token: a first
+    // chunk, or one after cached context) is the caller's (native.NativeBackend: torch's
+    // SDPA); its rope and KV write stay here.
+    if (skip_fresh && n > 1) continue;
     max_ctx = std::max(max_ctx, pos0 + n);  // sizes the tiles' scratch
     work += double(n) * (pos0 + n) * H * D;
     for (int i = 0; i < n; i += tile_tokens)
