@@ -49,6 +49,21 @@ inline __m512 widen(const uint16_t* p) {  // 16 bfloat16 -> float32
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
+// The unscaled scores of a query head (qv: its NQ bfloat16 vectors) against the nk <= 16
+// K rows from k, `row` elements apart: lane j, q . k_j (0 past nk).
+template <int NQ>
+inline __m512 scores16(const __m512bh (&qv)[NQ], const uint16_t* k, int64_t row, int nk) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_setzero_ps();
+    if (j < nk)
+      for (int v = 0; v < NQ; ++v)
+        acc[j] = _mm512_dpbf16_ps(acc[j], qv[v],
+                                  (__m512bh)_mm512_loadu_si512(k + j * row + v * 32));
+  }
+  return sum16(acc);
+}
+
 template <int D>
 void decode(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const AttnGeom& g,
             const AttnTile& t, float* s) {
@@ -71,16 +86,8 @@ void decode(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const AttnG
       if (t.fetch) t.fetch->step();
       const int nk = ctx - p < 16 ? ctx - p : 16;
       const uint16_t* k = base + t.table[p / g.bs] * g.block_stride + (p % g.bs) * row;
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        acc[j] = _mm512_setzero_ps();
-        if (j < nk)
-          for (int v = 0; v < NQ; ++v)
-            acc[j] = _mm512_dpbf16_ps(
-                acc[j], qv[v], (__m512bh)_mm512_loadu_si512(k + j * row + v * 32));
-      }
       _mm512_mask_storeu_ps(sr + p, __mmask16((1u << nk) - 1),
-                            _mm512_mul_ps(sum16(acc), scale));
+                            _mm512_mul_ps(scores16(qv, k, row, nk), scale));
     }
     softmax_row(sr, ctx);
   }
@@ -138,16 +145,8 @@ void decode_all(const uint16_t* qb, uint16_t* ob, const uint16_t* cache, const A
         __m512bh qv[NQ];
         for (int v = 0; v < NQ; ++v)
           qv[v] = (__m512bh)_mm512_loadu_si512(q + int64_t(h * G + r) * D + v * 32);
-        __m512 a[16];
-        for (int j = 0; j < 16; ++j) {
-          a[j] = _mm512_setzero_ps();
-          if (j < nk)
-            for (int v = 0; v < NQ; ++v)
-              a[j] = _mm512_dpbf16_ps(
-                  a[j], qv[v], (__m512bh)_mm512_loadu_si512(k + j * row + v * 32));
-        }
         _mm512_mask_storeu_ps(s + int64_t(h * G + r) * ctx + p, __mmask16((1u << nk) - 1),
-                              _mm512_mul_ps(sum16(a), scale));
+                              _mm512_mul_ps(scores16(qv, k, row, nk), scale));
       }
     }
   }
