@@ -222,8 +222,8 @@ def test_a_whole_answer_closed_before_it_goes_to_the_next_decode_engine(close: s
     assert choice["text"] == " a b c" and r.json()["usage"]["completion_tokens"] == 3
     assert [(path, n) for path, _, n in d1.posts] == [("/v1/completions", 2)]
     [(path, body, _)] = d2.posts
+    assert path == "/v1/completions" and not body.get("stream")
     assert body["kv_transfer_params"] == {**LEASE, "first_token_sent": True}
-    assert not body.get("stream")
 
 
 @pytest.mark.parametrize("stream", [True, False])
