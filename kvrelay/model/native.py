@@ -288,6 +288,12 @@ class FreshPrompts:
         self.k_rows = torch.tensor(k_rows, dtype=torch.long)
 
 
+def _slots(table: Sequence[int], positions: range, block_size: int,
+           block_rows: int) -> list[int]:
+    """The layer-0 K rows of the slots of ``positions`` in a sequence's block table."""
+    return [table[p // block_size] * block_rows + p % block_size for p in positions]
+
+
 CONTINUED_ROWS = 256
 
 
@@ -359,8 +365,7 @@ class NativeBackend:
         for c in chunks:
             bt = c.block_ids
             end = c.start + c.length
-            rows = [bt[p // block_size] * block_rows + p % block_size
-                    for p in range(c.start, end)]
+            rows = _slots(bt, range(c.start, end), block_size, block_rows)
             k_rows.extend(rows)
             seqs.append((t, c.length, c.start))
             tables.append(bt[: -(-end // block_size)])
@@ -370,8 +375,7 @@ class NativeBackend:
                     toks.extend(range(t, t + c.length))
                     krs.extend(rows)
                 else:
-                    ctx = [bt[p // block_size] * block_rows + p % block_size
-                           for p in range(c.start)]
+                    ctx = _slots(bt, range(c.start), block_size, block_rows)
                     continued.append(ContinuedPrompt(t, c.start, c.length, ctx + rows))
             t += c.length
         width = max(len(b) for b in tables)

@@ -61,9 +61,11 @@ class UpstreamDown(Exception):
 
 class _Unseen(Exception):
     """A decode engine refused a leg before it saw it: the next one may take it.
-    ``busy``: a 429 (its queue of pulled requests is full), not a sign of ill health."""
+    ``busy``: a 429 (its queue of pulled requests is full), not a sign of ill health.
+    ``closed``: it closed the connection before answering (this says how)."""
 
-    def __init__(self, error: dict[str, Any], busy: bool = False, closed: bool = False) -> None:
+    def __init__(self, error: dict[str, Any], busy: bool = False,
+                 closed: str | None = None) -> None:
         super().__init__(error)
         self.error, self.busy, self.closed = error, busy, closed
 
@@ -547,8 +549,7 @@ class Proxy:
                     # D may also have read the leg and died mid-decode: then the next
                     # engine's ACQUIRE is refused (its 400 becomes this 502) or finds the
                     # lease released and falls back; never two pulls.
-                    closed = (f"the decode engine {up.url} closed the connection before "
-                              f"answering: {type(exc).__name__}: {exc}")
+                    closed = _closed_before_answering(up, exc)
                     self._refused_unseen(up, closed)
                     r = _error(502, closed)
                     continue
@@ -566,7 +567,7 @@ class Proxy:
         if r.status_code != 200:
             self._release(leg)
             lost = _lease_lost(closed, r.status_code, _json_body(r))
-            raise Refused(r if lost is None else _error(502, lost["error"]["message"]))
+            raise Refused(r if lost is None else _error(502, lost))
         leg.params = None  # D pulled (or gave back) the lease
         _landed(up, leg)
         decoded = r.json()
@@ -650,8 +651,7 @@ class Proxy:
             except _Unseen as exc:
                 self._refused_unseen(up, str(exc.error)[:200], busy=exc.busy)
                 error = exc.error
-                if exc.closed:
-                    closed = exc.error["error"]["message"]
+                closed = exc.closed or closed
         return error
 
     async def _stream_from(
@@ -681,7 +681,8 @@ class Proxy:
                     if r.status_code in (429, 503):
                         raise _Unseen(_json_body(r), busy=r.status_code == 429)
                     answer = _json_body(r)
-                    return _lease_lost(closed, r.status_code, answer) or dict(answer)
+                    lost = _lease_lost(closed, r.status_code, answer)
+                    return dict(answer) if lost is None else merge.error_event(lost)
                 leg.params = None  # D has the lease: it pulls or gives it back
                 async for line in r.aiter_lines():
                     if not line.startswith("data:"):
@@ -713,9 +714,8 @@ class Proxy:
                 # D's: one attempt pulls a lease, so the next engine's ACQUIRE is refused
                 # (lease_busy, consumed: an error event) or finds it released (it falls
                 # back per its policy); never two pulls, never a second release.
-                raise _Unseen(merge.error_event(
-                    f"the decode engine {up.url} closed the connection before answering: "
-                    f"{type(exc).__name__}: {exc}"), closed=True) from exc
+                why = _closed_before_answering(up, exc)
+                raise _Unseen(merge.error_event(why), closed=why) from exc
             return merge.error_event(f"the decode engine {up.url} failed mid-stream: "
                                      f"{type(exc).__name__}: {exc}")
         return merge.error_event(f"the decode engine {up.url} ended the stream early")
@@ -781,15 +781,21 @@ def _split(data: dict[str, Any], req: Any, chat: bool) -> list[Leg]:
     return legs
 
 
-def _lease_lost(closed: str | None, status: int, body: dict[str, Any]) -> dict[str, Any] | None:
+def _closed_before_answering(up: Upstream, exc: Exception) -> str:
+    return (f"the decode engine {up.url} closed the connection before answering: "
+            f"{type(exc).__name__}: {exc}")
+
+
+def _lease_lost(closed: str | None, status: int, body: dict[str, Any]) -> str | None:
     """After an engine closed the connection under a leg, the next engine's refusal of
     its lease (400 on kv_transfer_params: held or consumed by the first engine's
-    attempt) is that close's consequence, not the client's error: a 502 naming both."""
+    attempt) is that close's consequence, not the client's error: the message of a 502
+    naming both (None for any other answer)."""
     error = body.get("error")
     if closed is None or status != 400 or not isinstance(error, dict) \
             or error.get("param") != "kv_transfer_params":
         return None
-    return merge.error_event(f"{closed}; the lease went with it: {error.get('message')}")
+    return f"{closed}; the lease went with it: {error.get('message')}"
 
 
 def _json_body(r: httpx.Response) -> dict[str, Any]:
