@@ -22,7 +22,8 @@ if os.environ.get("KVRELAY_BUILD_NATIVE") == "1":
             "kvrelay.model._native",
             [src + "bindings.cpp", src + "isa_avx512.cpp", src + "isa_avx512_vnni.cpp",
              src + "isa_avx2.cpp",
-             src + "gemm_bf16.cpp", src + "gemm_bf16_amx.cpp", src + "attn_bf16.cpp"],
+             src + "gemm_bf16.cpp", src + "gemm_bf16_amx.cpp", src + "attn_bf16.cpp",
+             src + "attn_prefill_amx.cpp"],
             # -fno-wrapv undoes Python's -fwrapv (4x slower loops: gcc may no longer
             # assume int indices do not overflow); no-math-errno and no-trapping-math
             # let it vectorize floorf and selects. No -ffast-math: no reassociation.

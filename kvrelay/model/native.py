@@ -261,12 +261,12 @@ def gguf_gemms(backend: Any, quantized: Mapping[str, QuantWeight]) -> GgufGemms:
 class NativeStep:
     """Per-step inputs of the attention kernel, built once for every layer."""
 
-    __slots__ = ("continued", "fresh", "k_rows", "positions", "seqs", "tables")
+    __slots__ = ("continued", "fresh", "k_rows", "positions", "prompts", "seqs", "tables")
 
     def __init__(
         self, positions: torch.Tensor, k_rows: torch.Tensor, seqs: torch.Tensor,
         tables: torch.Tensor, fresh: Sequence[FreshPrompts] = (),
-        continued: Sequence[ContinuedPrompt] = (),
+        continued: Sequence[ContinuedPrompt] = (), prompts: PromptChunks | None = None,
     ) -> None:
         self.positions = positions
         self.k_rows = k_rows  # (T,) layer-0 K rows (of KVH * D values) of each token's slot
@@ -274,6 +274,7 @@ class NativeStep:
         self.tables = tables  # (S, W) block ids, padded with 0
         self.fresh = fresh  # prompts' first chunks whose attention SDPA computes
         self.continued = continued  # and their later chunks (after cached context)
+        self.prompts = prompts  # or every prompt chunk, for the AMX kernel instead
 
 
 class FreshPrompts:
@@ -309,6 +310,28 @@ class ContinuedPrompt:
         self.k_rows = torch.tensor(k_rows, dtype=torch.long)
 
 
+class PromptChunks:
+    """Prompt chunks (first chunks and chunks after cached context) whose attention the
+    AMX kernel computes (csrc/attn_prefill_amx.cpp): ``chunks`` (P, 4) holds each one's
+    first token in the step, cached positions before it, token count and where its keys'
+    layer-0 K rows (every position up to its last) begin in ``k_rows``."""
+
+    __slots__ = ("chunks", "k_rows")
+
+    def __init__(self, chunks: list[tuple[int, int, int, int]], k_rows: list[int]) -> None:
+        self.chunks = torch.tensor(chunks, dtype=torch.long).view(-1, 4)
+        self.k_rows = torch.tensor(k_rows, dtype=torch.long)
+
+
+def prefill_amx_available(mod: Any, dtype: torch.dtype, cfg: ModelConfig) -> bool:
+    """Whether prompt chunks can attend through the AMX kernel: bfloat16, head_dim 64 and
+    a CPU with AMX-BF16 whose tile state Linux grants (KVRELAY_PREFILL_AMX=0: never)."""
+    if os.environ.get("KVRELAY_PREFILL_AMX") == "0":
+        return False
+    return (dtype is torch.bfloat16 and cfg.head_dim == 64
+            and bool(mod.has_amx_prefill_attention()))
+
+
 def prefill_sdpa_wanted() -> bool:
     """Whether a prompt's first chunk attends through torch's SDPA instead of the native
     tiles (KVRELAY_PREFILL_SDPA=1/0; default: where the CPU has AMX). On an AMX Xeon,
@@ -340,6 +363,8 @@ class NativeBackend:
         self.gemm_off = small_gemm_unavailable(mod, dtype)
         self.amx_off = self.gemm_off or amx_gemm_unavailable(mod, dtype)
         self.prefill_sdpa = prefill_sdpa_wanted()
+        # where SDPA would take the prompt chunks, the AMX kernel does if it can
+        self.prefill_amx = prefill_amx_available(mod, dtype, cfg)
         self._triangles: dict[torch.dtype, torch.Tensor] = {}
 
     def small_gemm(self) -> NativeSmallGemm | None:
@@ -361,6 +386,8 @@ class NativeBackend:
         tables: list[Sequence[int]] = []
         fresh: dict[int, tuple[list[int], list[int]]] = {}  # by length: tokens, K rows
         continued: list[ContinuedPrompt] = []
+        prompts: list[tuple[int, int, int, int]] = []  # for the AMX kernel
+        prompt_rows: list[int] = []
         t = 0
         for c in chunks:
             bt = c.block_ids
@@ -370,13 +397,17 @@ class NativeBackend:
             seqs.append((t, c.length, c.start))
             tables.append(bt[: -(-end // block_size)])
             if self.prefill_sdpa and c.length > 1:  # as skip_fresh
-                if c.start == 0:
+                if c.start == 0 and not self.prefill_amx:
                     toks, krs = fresh.setdefault(c.length, ([], []))
                     toks.extend(range(t, t + c.length))
                     krs.extend(rows)
-                else:
-                    ctx = _slots(bt, range(c.start), block_size, block_rows)
-                    continued.append(ContinuedPrompt(t, c.start, c.length, ctx + rows))
+                else:  # every position up to the chunk's last
+                    keys = _slots(bt, range(c.start), block_size, block_rows) + rows
+                    if self.prefill_amx:
+                        prompts.append((t, c.start, c.length, len(prompt_rows)))
+                        prompt_rows.extend(keys)
+                    else:
+                        continued.append(ContinuedPrompt(t, c.start, c.length, keys))
             t += c.length
         width = max(len(b) for b in tables)
         padded = [list(b) + [0] * (width - len(b)) for b in tables]
@@ -387,6 +418,7 @@ class NativeBackend:
             torch.tensor(padded, dtype=torch.long),
             [FreshPrompts(n, toks, krs) for n, (toks, krs) in fresh.items()],
             continued,
+            PromptChunks(prompts, prompt_rows) if prompts else None,
         )
 
     def attention(
@@ -398,9 +430,12 @@ class NativeBackend:
         out: torch.Tensor = self._ops.attention(
             qkv, meta.positions, self.cos, self.sin, meta.k_rows, meta.seqs, meta.tables,
             kv_cache, layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            bs, cfg.num_layers, bool(meta.fresh or meta.continued),
+            bs, cfg.num_layers, bool(meta.fresh or meta.continued or meta.prompts),
         )
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if meta.prompts is not None:
+            self._ops.prefill_attention(qkv, kv_cache, out, layer, meta.prompts.chunks,
+                                        meta.prompts.k_rows, H, KVH, D, bs, cfg.num_layers)
         rows = kv_cache.view(-1, KVH * D)
         for f in meta.fresh:  # q rotated in qkv, K and V as written to the cache
             k_rows = f.k_rows + layer * 2 * bs

@@ -34,6 +34,12 @@ if _mod is None:
 
 _best = _mod.isa() if _mod is not None else "none"
 ISAS = ["avx512", "avx2"] if _best == "avx512" else [_best]
+_amx_attention = _mod is not None and _mod.has_amx_prefill_attention()
+
+
+def _amx_now() -> bool:
+    """The AMX prompt kernel runs under the ISA the kernels run with now (not forced AVX2)."""
+    return _mod is not None and bool(_mod.has_amx_prefill_attention())
 
 
 @pytest.fixture(params=ISAS)
@@ -96,11 +102,12 @@ def _random_step(
 def _attend_both(
     cfg: ModelConfig, dtype: torch.dtype, chunks: list[ChunkSpec], block_size: int,
     num_blocks: int, layer: int, seed: int, cache_dtype: torch.dtype | None = None,
-    prefill_sdpa: bool = False,
+    prefill_sdpa: bool = False, prefill_amx: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both backends on one step, with the same history in the cache (of dtype
     ``cache_dtype``, default ``dtype``); ``prefill_sdpa``: the native backend hands
-    prompts' first chunks to SDPA (native.prefill_sdpa_wanted)."""
+    prompt chunks to SDPA (native.prefill_sdpa_wanted), or with ``prefill_amx`` to the
+    AMX kernel (native.prefill_amx_available)."""
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
     cache = torch.randn(shape, generator=g).to(cache_dtype or dtype)
@@ -109,7 +116,7 @@ def _attend_both(
     qkv = torch.randn(T, width, generator=g).to(dtype)
     pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
     ref_b, nat_b = _backends(cfg, dtype)
-    nat_b.prefill_sdpa = prefill_sdpa
+    nat_b.prefill_sdpa, nat_b.prefill_amx = prefill_sdpa or prefill_amx, prefill_amx
     ref_cache, nat_cache = cache.clone(), cache.clone()
     ref = ref_b.attention(qkv.clone(), ref_cache, layer,
                           ref_b.build_metadata(chunks, pos, block_size))
@@ -118,6 +125,8 @@ def _attend_both(
                                                      for c in chunks))
     assert len(meta.continued) == (prefill_sdpa and sum(c.start > 0 and c.length > 1
                                                         for c in chunks))
+    prompts = sum(c.length > 1 for c in chunks) if prefill_amx else 0
+    assert (0 if meta.prompts is None else len(meta.prompts.chunks)) == prompts
     nat_qkv = qkv.clone()
     out = nat_b.attention(nat_qkv, nat_cache, layer, meta)
     _NATIVE_Q[:] = [nat_qkv]  # its q heads rotated in place, for _attend_over_cache
@@ -183,14 +192,17 @@ def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...], prefi
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prefill", ["tiles", "sdpa"])
+@pytest.mark.parametrize("prefill", ["tiles", "sdpa", "amx"])
 def test_later_prompt_chunks_match_float64(isa: str, prefill: str, dtype: torch.dtype) -> None:
     """Prompt chunks after cached context (chunked prefill, a pulled or cached prefix):
-    by the native tiles, or by SDPA over the context gathered from the blocks with a
+    by the native tiles, by SDPA over the context gathered from the blocks with a
     mask that keeps each query from the positions after its own, native.CONTINUED_ROWS
-    queries a call (the 300-token chunk takes two). Against float64
-    attention over what the native cache holds, beside a decode row and a first chunk;
-    within float32 rounding, or for bfloat16 within its rounding of the output."""
+    queries a call (the 300-token chunk takes two), or (bfloat16) by the AMX kernel.
+    Against float64 attention over what the native cache holds, beside a decode row and
+    a first chunk; within float32 rounding, or for bfloat16 within its rounding of the
+    output."""
+    if prefill == "amx" and (dtype is torch.float32 or not _amx_now()):
+        pytest.skip("the AMX kernel takes bfloat16, with the AVX-512 kernels on AMX-BF16")
     cfg, bs = _cfg(9, 3, 64), 16
     spans = [(300, 100), (17, 2), (0, 40), (120, 1), (33, 300)]  # 300: two row blocks
     nb = sum(-(-(s + n) // bs) for s, n in spans) + 1
@@ -198,13 +210,100 @@ def test_later_prompt_chunks_match_float64(isa: str, prefill: str, dtype: torch.
     random.Random(2).shuffle(free)
     chunks = [ChunkSpec(s, n, [free.pop() for _ in range(-(-(s + n) // bs))]) for s, n in spans]
     _, out, _, nat_cache = _attend_both(cfg, dtype, chunks, bs, nb, 1, 3,
-                                        prefill_sdpa=prefill == "sdpa")
+                                        prefill_sdpa=prefill == "sdpa",
+                                        prefill_amx=prefill == "amx")
     exact = _attend_over_cache(cfg, chunks, _NATIVE_Q[0], nat_cache, 1, bs)
     scale = exact.abs().max().item()
     if dtype is torch.float32:
         torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * scale)
     else:
         torch.testing.assert_close(out.double(), exact, rtol=1 / 64, atol=scale / 128)
+
+
+needs_amx_attention = pytest.mark.skipif(not _amx_attention, reason="the CPU lacks AMX-BF16")
+
+
+@needs_amx_attention
+@pytest.mark.parametrize("growing", [False, True], ids=["random", "growing-keys"])
+@pytest.mark.parametrize(("heads", "kv_heads", "block_size"),
+                         [(9, 3, 16), (8, 8, 32), (32, 4, 16), (6, 1, 16)])
+def test_amx_prompt_attention_matches_float64(heads: int, kv_heads: int, block_size: int,
+                                              growing: bool) -> None:
+    """The AMX kernel (csrc/attn_prefill_amx.cpp) on first chunks and chunks after cached
+    context, at lengths around its 16-query units and 32-key blocks and up to 480
+    positions, two threads, beside decode rows. ``growing-keys``: K grows with position
+    (and q is scaled up), so that a later block's scores pass the running max by more
+    than the 2^8 the kernel lets P reach, again and again (its rescale of O). Against
+    float64 attention over what the native cache holds, within bfloat16 rounding."""
+    cfg, bs, layer = _cfg(heads, kv_heads, 64), block_size, 1
+    spans = [(0, 2), (0, 16), (0, 17), (0, 33), (0, 200), (1, 31), (31, 2), (32, 64),
+             (100, 1), (150, 330), (7, 1)]
+    nb = sum(-(-(s + n) // bs) for s, n in spans) + 1
+    free = list(range(nb))
+    random.Random(heads).shuffle(free)
+    chunks = [ChunkSpec(s, n, [free.pop() for _ in range(-(-(s + n) // bs))]) for s, n in spans]
+    g = torch.Generator().manual_seed(heads + block_size)
+    shape = (nb, cfg.num_layers, 2, bs, kv_heads, 64)
+    cache = torch.randn(shape, generator=g)
+    T = sum(c.length for c in chunks)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * 64, generator=g)
+    if growing:  # the context's keys, and the step's own (written from qkv), grow
+        for c in chunks:
+            for p in range(c.start):
+                cache[c.block_ids[p // bs], layer, 0, p % bs] *= 1 + p / 16
+        t = 0
+        for c in chunks:
+            grow = (1 + (c.start + torch.arange(c.length, dtype=torch.float32)) / 16)[:, None]
+            qkv[t : t + c.length, heads * 64 : (heads + kv_heads) * 64] *= grow
+            qkv[t : t + c.length, : heads * 64] *= 4
+            t += c.length
+    cache, qkv = cache.to(torch.bfloat16), qkv.to(torch.bfloat16)
+    pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
+    _, nat = _backends(cfg, torch.bfloat16)
+    nat.prefill_sdpa = nat.prefill_amx = True
+    meta = nat.build_metadata(chunks, pos, bs)
+    assert meta.prompts is not None and len(meta.prompts.chunks) == 9
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = nat.attention(qkv, cache, layer, meta)
+    finally:
+        torch.set_num_threads(threads)
+    exact = _attend_over_cache(cfg, chunks, qkv, cache, layer, bs)
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(out.double(), exact, rtol=1 / 64, atol=scale / 128)
+
+
+@needs_amx_attention
+def test_amx_prompt_attention_rejects_bad_input() -> None:
+    """Chunks that do not fit the step or the key rows, K rows outside the cache, and
+    other dtypes or head dims are refused with an error naming them; nothing is written."""
+    assert _mod is not None
+    H, KVH, D, bs, layers = 4, 2, 64, 16, 2
+    cache = torch.zeros(4, layers, 2, bs, KVH * D, dtype=torch.bfloat16)
+    qkv = torch.zeros(8, (H + 2 * KVH) * D, dtype=torch.bfloat16)
+    out = torch.zeros(8, H * D, dtype=torch.bfloat16)
+    rows = torch.arange(8)
+    ok = torch.tensor([[0, 0, 8, 0]])
+
+    def call(chunks: torch.Tensor = ok, k_rows: torch.Tensor = rows, q: torch.Tensor = qkv,
+             d: int = D, layer: int = 1) -> None:
+        _mod.prefill_attention(q, cache, out, layer, chunks, k_rows, H, KVH, d, bs, layers)
+
+    call()  # zeros in, zeros out (uniform weights over zero V)
+    with pytest.raises(RuntimeError, match="does not fit the step or k_rows"):
+        call(torch.tensor([[0, 0, 9, 0]]))  # more queries than the step's tokens
+    with pytest.raises(RuntimeError, match="does not fit the step or k_rows"):
+        call(torch.tensor([[0, 4, 6, 0]]))  # 10 keys, 8 rows
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        call(k_rows=rows + 4 * layers * 2 * bs)
+    with pytest.raises(RuntimeError, match="outside"):
+        call(layer=2)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        call(q=qkv.float())
+    with pytest.raises(RuntimeError, match="head_dim 64"):
+        call(d=32)
+    assert out.abs().sum() == 0
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
@@ -291,15 +390,17 @@ BF16_SHAPES = [(64, 9, 3, 16), (128, 16, 2, 32), (128, 32, 4, 16), (64, 8, 8, 32
                (128, 6, 2, 16), (64, 32, 1, 16), (80, 4, 2, 16), (64, 6, 2, 8)]
 
 
-@pytest.mark.parametrize("prefill", ["tiles", "sdpa"])
+@pytest.mark.parametrize("prefill", ["tiles", "sdpa", "amx"])
 @pytest.mark.parametrize("shape", BF16_SHAPES, ids=lambda s: "d{}-h{}-kv{}-bs{}".format(*s))
 def test_attention_bfloat16_no_worse_than_torch(isa: str, shape: tuple[int, ...],
                                                 prefill: str) -> None:
     """bfloat16: against a float32 reference on the same (bf16-representable) inputs,
     the native error (mean and max over outputs) is no larger than the torch path's,
-    within one bfloat16 rounding of the output for the max; prompts' first chunks by
-    the native tiles or by SDPA."""
+    within one bfloat16 rounding of the output for the max; prompt chunks by the
+    native tiles, by SDPA or (head_dim 64) by the AMX kernel."""
     D, H, KVH, bs = shape
+    if prefill == "amx" and (D != 64 or not _amx_now()):
+        pytest.skip("the AMX kernel takes head_dim 64, with the AVX-512 kernels on AMX-BF16")
     cfg = _cfg(H, KVH, D)
     nb = 24 * (-(-200 // bs)) + 1
     chunks = _random_step(random.Random(3), 24, bs, nb)
@@ -315,10 +416,11 @@ def test_attention_bfloat16_no_worse_than_torch(isa: str, shape: tuple[int, ...]
     errs = []
     for b in _backends(cfg, torch.bfloat16):
         if isinstance(b, native.NativeBackend):
-            b.prefill_sdpa = prefill == "sdpa"
+            b.prefill_sdpa, b.prefill_amx = prefill != "tiles", prefill == "amx"
         meta = b.build_metadata(chunks, pos, bs)
         if isinstance(meta, native.NativeStep):
             assert bool(meta.fresh) == (prefill == "sdpa")
+            assert (meta.prompts is not None) == (prefill == "amx")
         out = b.attention(qkv.clone(), cache.clone(), 0, meta)
         errs.append((out.float() - ref).abs())
     t_err, n_err = errs

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -567,6 +568,113 @@ torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& wp, int
   return y;
 }
 
+// Prompt attention on AMX tiles (attn_prefill_amx.cpp) for bfloat16 at head_dim 64.
+bool has_amx_prefill_attention() { return has_amx_bf16_gemm(); }
+
+// The attention of the prompt chunks that attention() skipped (skip_fresh), into their
+// rows of out. chunks (P, 4): first token in the step, cached positions before it
+// (start), its tokens (length), and where its keys' layer-0 K rows begin in k_rows
+// (start + length of them: every position up to the chunk's last). q is in qkv, rotated,
+// and the chunk's K and V are in the cache: call after attention() of the same layer.
+void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, torch::Tensor& out,
+                       int64_t layer, const torch::Tensor& chunks, const torch::Tensor& k_rows,
+                       int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t layers) {
+  TORCH_CHECK(has_amx_prefill_attention(), "prefill_attention needs AMX-BF16");
+  check_rows(qkv, "qkv");
+  const int64_t T = qkv.size(0), row = KVH * D;
+  TORCH_CHECK(D == 64 && KVH > 0 && H % KVH == 0 && qkv.size(1) == (H + 2 * KVH) * D,
+              "prefill_attention takes head_dim 64 and qkv of (H + 2 KVH) * 64 columns");
+  TORCH_CHECK(qkv.scalar_type() == torch::kBFloat16 && cache.scalar_type() == torch::kBFloat16 &&
+                  out.scalar_type() == torch::kBFloat16 && cache.is_contiguous(),
+              "prefill_attention takes bfloat16 qkv, out and a contiguous bfloat16 cache");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D && out.stride(1) == 1,
+              "out: (T, H * D) rows");
+  TORCH_CHECK(chunks.dtype() == torch::kInt64 && chunks.is_contiguous() && chunks.dim() == 2 &&
+                  chunks.size(1) == 4 && k_rows.dtype() == torch::kInt64 &&
+                  k_rows.is_contiguous(),
+              "chunks: contiguous int64 (P, 4); k_rows: contiguous int64");
+  TORCH_CHECK(bs > 0 && layer >= 0 && layer < layers, "layer ", layer, " outside [0, ", layers, ")");
+  const int64_t P = chunks.size(0), n_rows = k_rows.numel();
+  const int64_t* ch = chunks.data_ptr<int64_t>();
+  const int64_t* kr = k_rows.data_ptr<int64_t>();
+  const int64_t total_rows = cache.numel() / row, lo = layer * 2 * bs;
+  for (int64_t i = 0; i < n_rows; ++i)
+    TORCH_CHECK(kr[i] >= 0 && kr[i] + lo + bs < total_rows, "KV row ", kr[i], " is outside the cache");
+  std::vector<int64_t> base(1, 0);  // scratch of chunk p from base[p]: K then V^T per KV head
+  struct Unit {
+    int64_t p, h, i0;
+  };
+  std::vector<Unit> units;
+  std::vector<std::array<int64_t, 3>> packs;  // chunk, KV head, first key
+  const int64_t G = H / KVH;
+  double work = 0;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t first = ch[4 * p], start = ch[4 * p + 1], n = ch[4 * p + 2], off = ch[4 * p + 3];
+    TORCH_CHECK(first >= 0 && n >= 1 && first + n <= T && start >= 0 && off >= 0 &&
+                    off + start + n <= n_rows,
+                "chunks row ", p, " does not fit the step or k_rows");
+    const int64_t tpad = (start + n + 31) / 32 * 32;
+    base.push_back(base.back() + 2 * KVH * tpad * D);
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      for (int64_t k0 = 0; k0 < tpad; k0 += 32) packs.push_back({p, kvh, k0});
+      for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h)  // longest first, for the balance
+        for (int64_t i0 = (n - 1) / 16 * 16; i0 >= 0; i0 -= 16) units.push_back({p, h, i0});
+    }
+    work += double(n) * (start + n) * H * D;
+  }
+  if (units.empty()) return;
+  const int64_t qt_at = base.back();  // then each unit's Q^T, 16 x 64 values
+  // the calling thread's, kept between calls (a fresh buffer a layer faulted its pages in)
+  thread_local std::vector<uint16_t> scratch;
+  const size_t need = size_t(qt_at + int64_t(units.size()) * 16 * D) + 32;
+  if (scratch.size() < need) scratch.resize(need);
+  // 64-byte aligned: a tile row (64 bytes) across two cache lines reads both
+  uint16_t* sp = (uint16_t*)((uintptr_t(scratch.data()) + 63) & ~uintptr_t(63));
+  const uint16_t* cp = (const uint16_t*)cache.data_ptr();
+  const uint16_t* qp = (const uint16_t*)qkv.data_ptr();
+  uint16_t* op = (uint16_t*)out.data_ptr();
+  const int64_t ldq = qkv.stride(0), ldo = out.stride(0);
+  const float scale = float(1.0 / std::sqrt(double(D)));
+  const int64_t n_packs = int64_t(packs.size()), n_units = int64_t(units.size());
+#pragma omp parallel if (work >= kParallelElems)
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < n_packs; ++i) {
+      const auto [p, kvh, k0] = packs[size_t(i)];
+      const int64_t start = ch[4 * p + 1], n = ch[4 * p + 2], off = ch[4 * p + 3];
+      const int64_t tpad = (start + n + 31) / 32 * 32;
+      const int cnt = int(std::min<int64_t>(32, start + n - k0));
+      const uint16_t* src_k[32];
+      const uint16_t* src_v[32];
+      for (int r = 0; r < cnt; ++r) {
+        const uint16_t* k = cp + (kr[off + k0 + r] + lo) * row + kvh * D;
+        src_k[r] = k, src_v[r] = k + bs * row;
+      }
+      uint16_t* kp = sp + base[size_t(p)] + 2 * kvh * tpad * D;
+      prefill_amx_pack(src_k, src_v, cnt, k0, tpad, kp, kp + tpad * D);
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n_units; ++i) {
+      const Unit u = units[size_t(i)];
+      const int64_t first = ch[4 * u.p], n = ch[4 * u.p + 2];
+      prefill_amx_pack_q(qp + (first + u.i0) * ldq + u.h * D, ldq,
+                         int(std::min<int64_t>(16, n - u.i0)), sp + qt_at + i * 16 * D);
+    }
+    prefill_amx_configure();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_units; ++i) {
+      const Unit u = units[size_t(i)];
+      const int64_t first = ch[4 * u.p], start = ch[4 * u.p + 1], n = ch[4 * u.p + 2];
+      const int64_t tpad = (start + n + 31) / 32 * 32;
+      const uint16_t* kp = sp + base[size_t(u.p)] + 2 * (u.h / G) * tpad * D;
+      const int nq = int(std::min<int64_t>(16, n - u.i0));
+      prefill_amx_unit(sp + qt_at + i * 16 * D, kp, kp + tpad * D, tpad, start,
+                       u.i0, nq, scale, op + (first + u.i0) * ldo + u.h * D, ldo);
+    }
+    prefill_amx_release();
+  }
+}
+
 // float32 small-M GEMM: AVX-512 or AVX2 + FMA, whichever the kernels run with.
 bool has_f32_gemm() { return isa() == "avx512" || isa() == "avx2"; }
 
@@ -701,6 +809,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm_amx", &kvr::bf16_gemm_amx, pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("silu") = false, nogil());
+  m.def("has_amx_prefill_attention", &kvr::has_amx_prefill_attention,
+        "AMX-BF16 prompt attention available");
+  m.def("prefill_attention", &kvr::prefill_attention, nogil());
   m.def("pack_gguf_gemm", &kvr::pack_gguf_gemm, nogil());
   m.def("gguf_gemm", &kvr::gguf_gemm, pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("type"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
