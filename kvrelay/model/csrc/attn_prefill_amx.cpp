@@ -153,10 +153,14 @@ inline __m512 probs(const float* sbuf, int64_t kb, __m512i limit, __m512 c, __m5
       a = _mm512_maskz_mov_ps(seen(kb + 2 * t, limit), a);
       b = _mm512_maskz_mov_ps(seen(kb + 2 * t + 1, limit), b);
     }
-    l0 = _mm512_add_ps(l0, a);
-    l1 = _mm512_add_ps(l1, b);
-    const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-    _mm512_store_si512(pbuf + 32 * t, _mm512_permutexvar_epi16(pairs, two));
+    const __m512i two = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    _mm512_store_si512(pbuf + 32 * t, two);
+    // the sums of P as rounded: O's weights then sum to 1 exactly (a key that takes
+    // most of the weight, as a prompt's first token often does, would otherwise leave
+    // its rounding in the output)
+    l0 = _mm512_add_ps(l0, _mm512_castsi512_ps(_mm512_slli_epi32(two, 16)));
+    l1 = _mm512_add_ps(l1, _mm512_castsi512_ps(
+                               _mm512_and_si512(two, _mm512_set1_epi32(int(0xffff0000u)))));
   }
   return _mm512_add_ps(l0, l1);
 }
