@@ -324,11 +324,12 @@ class PromptChunks:
 
 
 def prefill_amx_available(mod: Any, dtype: torch.dtype, cfg: ModelConfig) -> bool:
-    """Whether prompt chunks can attend through the AMX kernel: bfloat16, head_dim 64 and
-    a CPU with AMX-BF16 whose tile state Linux grants (KVRELAY_PREFILL_AMX=0: never)."""
+    """Whether prompt chunks can attend through the AMX kernel: bfloat16, head_dim 64 or
+    128, and a CPU with AMX-BF16 whose tile state Linux grants (KVRELAY_PREFILL_AMX=0:
+    never)."""
     if os.environ.get("KVRELAY_PREFILL_AMX") == "0":
         return False
-    return (dtype is torch.bfloat16 and cfg.head_dim == 64
+    return (dtype is torch.bfloat16 and cfg.head_dim in (64, 128)
             and bool(mod.has_amx_prefill_attention()))
 
 

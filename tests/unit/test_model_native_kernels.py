@@ -225,17 +225,19 @@ needs_amx_attention = pytest.mark.skipif(not _amx_attention, reason="the CPU lac
 
 @needs_amx_attention
 @pytest.mark.parametrize("growing", [False, True], ids=["random", "growing-keys"])
-@pytest.mark.parametrize(("heads", "kv_heads", "block_size"),
-                         [(9, 3, 16), (8, 8, 32), (32, 4, 16), (6, 1, 16)])
-def test_amx_prompt_attention_matches_float64(heads: int, kv_heads: int, block_size: int,
-                                              growing: bool) -> None:
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads", "block_size"),
+                         [(64, 9, 3, 16), (64, 8, 8, 32), (64, 32, 4, 16), (64, 6, 1, 16),
+                          (128, 8, 2, 16), (128, 4, 4, 32)])
+def test_amx_prompt_attention_matches_float64(head_dim: int, heads: int, kv_heads: int,
+                                              block_size: int, growing: bool) -> None:
     """The AMX kernel (csrc/attn_prefill_amx.cpp) on first chunks and chunks after cached
     context, at lengths around its 16-query units and 32-key blocks and up to 480
-    positions, two threads, beside decode rows. ``growing-keys``: K grows with position
+    positions, two threads, beside decode rows; head_dim 64 and 128 (two units of 64
+    output dims per 16 queries). ``growing-keys``: K grows with position
     (and q is scaled up), so that a later block's scores pass the running max by more
     than the 2^8 the kernel lets P reach, again and again (its rescale of O). Against
     float64 attention over what the native cache holds, within bfloat16 rounding."""
-    cfg, bs, layer = _cfg(heads, kv_heads, 64), block_size, 1
+    cfg, bs, layer, D = _cfg(heads, kv_heads, head_dim), block_size, 1, head_dim
     spans = [(0, 2), (0, 16), (0, 17), (0, 33), (0, 200), (1, 31), (31, 2), (32, 64),
              (100, 1), (150, 330), (7, 1)]
     nb = sum(-(-(s + n) // bs) for s, n in spans) + 1
@@ -243,10 +245,10 @@ def test_amx_prompt_attention_matches_float64(heads: int, kv_heads: int, block_s
     random.Random(heads).shuffle(free)
     chunks = [ChunkSpec(s, n, [free.pop() for _ in range(-(-(s + n) // bs))]) for s, n in spans]
     g = torch.Generator().manual_seed(heads + block_size)
-    shape = (nb, cfg.num_layers, 2, bs, kv_heads, 64)
+    shape = (nb, cfg.num_layers, 2, bs, kv_heads, D)
     cache = torch.randn(shape, generator=g)
     T = sum(c.length for c in chunks)
-    qkv = torch.randn(T, (heads + 2 * kv_heads) * 64, generator=g)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * D, generator=g)
     if growing:  # the context's keys, and the step's own (written from qkv), grow
         for c in chunks:
             for p in range(c.start):
@@ -254,8 +256,8 @@ def test_amx_prompt_attention_matches_float64(heads: int, kv_heads: int, block_s
         t = 0
         for c in chunks:
             grow = (1 + (c.start + torch.arange(c.length, dtype=torch.float32)) / 16)[:, None]
-            qkv[t : t + c.length, heads * 64 : (heads + kv_heads) * 64] *= grow
-            qkv[t : t + c.length, : heads * 64] *= 4
+            qkv[t : t + c.length, heads * D : (heads + kv_heads) * D] *= grow
+            qkv[t : t + c.length, : heads * D] *= 4
             t += c.length
     cache, qkv = cache.to(torch.bfloat16), qkv.to(torch.bfloat16)
     pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
@@ -301,7 +303,7 @@ def test_amx_prompt_attention_rejects_bad_input() -> None:
         call(layer=2)
     with pytest.raises(RuntimeError, match="bfloat16"):
         call(q=qkv.float())
-    with pytest.raises(RuntimeError, match="head_dim 64"):
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
         call(d=32)
     assert out.abs().sum() == 0
 
@@ -397,10 +399,11 @@ def test_attention_bfloat16_no_worse_than_torch(isa: str, shape: tuple[int, ...]
     """bfloat16: against a float32 reference on the same (bf16-representable) inputs,
     the native error (mean and max over outputs) is no larger than the torch path's,
     within one bfloat16 rounding of the output for the max; prompt chunks by the
-    native tiles, by SDPA or (head_dim 64) by the AMX kernel."""
+    native tiles, by SDPA or (head_dim 64, 128) by the AMX kernel."""
     D, H, KVH, bs = shape
-    if prefill == "amx" and (D != 64 or not _amx_now()):
-        pytest.skip("the AMX kernel takes head_dim 64, with the AVX-512 kernels on AMX-BF16")
+    if prefill == "amx" and (D not in (64, 128) or not _amx_now()):
+        pytest.skip("the AMX kernel takes head_dim 64 or 128, with the AVX-512 kernels on "
+                    "AMX-BF16")
     cfg = _cfg(H, KVH, D)
     nb = 24 * (-(-200 // bs)) + 1
     chunks = _random_step(random.Random(3), 24, bs, nb)

@@ -1,5 +1,5 @@
-// Prompt attention with AMX tiles (head_dim 64; bfloat16 q, cache and output): the
-// flash-attention loop, with both products on the tiles and the softmax on AVX-512.
+// Prompt attention with AMX tiles (head_dim 64 or 128; bfloat16 q, cache and output):
+// the flash-attention loop, with both products on the tiles and the softmax on AVX-512.
 //
 // Why: torch's SDPA ran the prompts' attention at 480 GFLOP/s on the AMX Xeon (2,000
 // causal tokens, 9 heads), a quarter of the AMX GEMMs' rate, and at 2,000-token prompts
@@ -12,10 +12,12 @@
 //   softmax on S^T's rows: a row is one key's 16 queries, one vector, so the running
 //     max and sum are lane-wise (no reductions across lanes);
 //   O^T (dims x queries) += V^T P^T: V^T's rows (16 dims x 32 keys) are A tiles, P^T in
-//     pairs of keys the B tile; O^T stays in four C tiles for the whole unit.
+//     pairs of keys the B tile; O^T's 64 dims stay in four C tiles for the whole unit.
 // The running max moves only when a block's max passes it by more than 2^8 (the
 // "lazy rescale" of FlashAttention-4): only then are the O^T tiles stored, scaled and
 // reloaded. Until then P may reach 2^8, which bfloat16 and the float32 sums hold.
+// At head_dim 128 the second 64 dims replay the kept P^T blocks and rescales on the
+// tiles alone: S and P are computed once.
 //
 // Tiles: 0 A, 1 B, 2-3 C S^T (keys 0-15, 16-31 of the block), 4-7 C O^T (dims 16 g..).
 #include "kernels.h"
@@ -25,11 +27,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace kvr {
 namespace {
 
-constexpr int kD = 64;          // head_dim
+constexpr int kD = 64;          // dims of O^T in a unit (head_dim 64, or half of 128)
 constexpr int kKeys = 32;       // keys a block
 constexpr float kLazy = 8.0f;   // log2 of how far P may exceed 1 before a rescale
 
@@ -94,21 +97,19 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// S^T of keys kr[0, 32) (packed K rows) against Q^T, into tiles 2 (keys 0-15) and 3.
-inline void scores(const uint16_t* kr, const uint32_t (*qt)[16][16]) {
+// S^T of keys kr[0, 32) (packed K rows of D values) against Q^T (D / 32 parts of 16 dim
+// pairs x 16 queries), into tiles 2 (keys 0-15) and 3.
+inline void scores(const uint16_t* kr, const uint32_t (*qt)[16][16], int D) {
   _tile_zero(2);
   _tile_zero(3);
   asm volatile("" ::: "memory");
-  _tile_loadd(1, &qt[0][0][0], 64);
-  _tile_loadd(0, kr, kD * 2);
-  _tile_dpbf16ps(2, 0, 1);
-  _tile_loadd(0, kr + 16 * kD, kD * 2);
-  _tile_dpbf16ps(3, 0, 1);
-  _tile_loadd(1, &qt[1][0][0], 64);
-  _tile_loadd(0, kr + 32, kD * 2);
-  _tile_dpbf16ps(2, 0, 1);
-  _tile_loadd(0, kr + 16 * kD + 32, kD * 2);
-  _tile_dpbf16ps(3, 0, 1);
+  for (int j = 0; j < D / 32; ++j) {
+    _tile_loadd(1, &qt[j][0][0], 64);
+    _tile_loadd(0, kr + 32 * j, D * 2);
+    _tile_dpbf16ps(2, 0, 1);
+    _tile_loadd(0, kr + 16 * D + 32 * j, D * 2);
+    _tile_dpbf16ps(3, 0, 1);
+  }
 }
 
 // Keys kb + r (rows r of S^T in sbuf) that the 16 queries see: key <= limit lane by lane.
@@ -179,6 +180,25 @@ inline void values(const uint16_t* vr, int64_t tpad, const uint16_t* pb) {
   _tile_dpbf16ps(7, 0, 1);
 }
 
+// O^T (tiles 4-7) times inv, lane by lane, as the rows of nq queries: out's 64 values
+// from each row's first, ldo apart, rounded to bfloat16.
+inline void write_out(float* obuf, __m512 inv, int nq, uint16_t* out, int64_t ldo) {
+  _tile_stored(4, obuf, 64);
+  _tile_stored(5, obuf + 256, 64);
+  _tile_stored(6, obuf + 512, 64);
+  _tile_stored(7, obuf + 768, 64);
+  asm volatile("" ::: "memory");
+  for (int g = 0; g < kD / 16; ++g) {  // dims 16 g .. 16 g + 15, transposed to rows
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i)
+      r[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(obuf + 256 * g + 16 * i), inv));
+    transpose16(r);
+    for (int n = 0; n < nq; ++n)
+      _mm256_storeu_si256((__m256i*)(out + n * ldo + 16 * g),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[n])));
+  }
+}
+
 }  // namespace
 
 void prefill_amx_configure() {
@@ -191,61 +211,57 @@ void prefill_amx_configure() {
 
 void prefill_amx_release() { _tile_release(); }
 
-// Keys [k0, k0 + n) (n <= 32) of one KV head into a chunk's packed K ([tpad][64]) and
-// V^T ([64][tpad]): row r of K is src_k[r], of V src_v[r]; keys past n are zeros up to
+// Keys [k0, k0 + n) (n <= 32) of one KV head into a chunk's packed K ([tpad][D]) and
+// V^T ([D][tpad]): row r of K is src_k[r], of V src_v[r]; keys past n are zeros up to
 // k0 + 32 (tpad is a multiple of 32).
 void prefill_amx_pack(const uint16_t* const* src_k, const uint16_t* const* src_v, int n,
-                      int64_t k0, int64_t tpad, uint16_t* kp, uint16_t* vt) {
+                      int64_t k0, int64_t tpad, int D, uint16_t* kp, uint16_t* vt) {
+  for (int r = 0; r < kKeys; ++r) {
+    __m512i* dst = (__m512i*)(kp + (k0 + r) * D);
+    for (int i = 0; i < D / 32; ++i)
+      _mm512_storeu_si512(dst + i, r < n ? _mm512_loadu_si512(src_k[r] + 32 * i)
+                                         : _mm512_setzero_si512());
+  }
   // V's keys 2j and 2j + 1 interleaved, 16 dims a vector of pairs: w[g][j] holds dims
-  // 16 g .. 16 g + 15; then each g transposed gives V^T's rows, 32 keys each.
+  // d0 + 16 g .. + 15; then each g transposed gives V^T's rows, 32 keys each.
   const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
   const __m512i hi_idx = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-  __m512i w[4][16];
-  for (int j = 0; j < 16; ++j) {
-    for (int e = 0; e < 2; ++e) {
-      const int r = 2 * j + e;
-      __m512i* dst = (__m512i*)(kp + (k0 + r) * kD);
-      if (r < n) {
-        _mm512_storeu_si512(dst, _mm512_loadu_si512(src_k[r]));
-        _mm512_storeu_si512(dst + 1, _mm512_loadu_si512(src_k[r] + 32));
-      } else {
-        _mm512_storeu_si512(dst, _mm512_setzero_si512());
-        _mm512_storeu_si512(dst + 1, _mm512_setzero_si512());
+  for (int d0 = 0; d0 < D; d0 += 64) {
+    __m512i w[4][16];
+    for (int j = 0; j < 16; ++j)
+      for (int h = 0; h < 2; ++h) {  // dims d0 + 32 h .. + 31
+        const int r = 2 * j, d = d0 + 32 * h;
+        const __m512i a = r < n ? _mm512_loadu_si512(src_v[r] + d) : _mm512_setzero_si512();
+        const __m512i b =
+            r + 1 < n ? _mm512_loadu_si512(src_v[r + 1] + d) : _mm512_setzero_si512();
+        // per 128-bit lane l (dims 8 l ..): lo dims 8 l .. 8 l + 3, hi 8 l + 4 .. 8 l + 7
+        const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+        w[2 * h][j] = _mm512_permutex2var_epi64(lo, lo_idx, hi);
+        w[2 * h + 1][j] = _mm512_permutex2var_epi64(lo, hi_idx, hi);
       }
+    for (int g = 0; g < 4; ++g) {
+      transpose16(w[g]);
+      for (int i = 0; i < 16; ++i)
+        _mm512_storeu_si512(vt + (d0 + 16 * g + i) * tpad + k0, w[g][i]);
     }
-    for (int h = 0; h < 2; ++h) {  // dims 32 h .. 32 h + 31
-      const int r = 2 * j;
-      const __m512i a = r < n ? _mm512_loadu_si512(src_v[r] + 32 * h) : _mm512_setzero_si512();
-      const __m512i b =
-          r + 1 < n ? _mm512_loadu_si512(src_v[r + 1] + 32 * h) : _mm512_setzero_si512();
-      // per 128-bit lane l (dims 8 l ..): lo dims 8 l .. 8 l + 3, hi 8 l + 4 .. 8 l + 7
-      const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-      w[2 * h][j] = _mm512_permutex2var_epi64(lo, lo_idx, hi);
-      w[2 * h + 1][j] = _mm512_permutex2var_epi64(lo, hi_idx, hi);
-    }
-  }
-  for (int g = 0; g < 4; ++g) {
-    transpose16(w[g]);
-    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(vt + (16 * g + i) * tpad + k0, w[g][i]);
   }
 }
 
-void prefill_amx_pack_q(const uint16_t* q, int64_t ldq, int nq, uint16_t* qt) {
-  for (int h = 0; h < 2; ++h) {  // Q^T's half h: dims 32 h .. 32 h + 31, in pairs
+void prefill_amx_pack_q(const uint16_t* q, int64_t ldq, int nq, int D, uint16_t* qt) {
+  for (int j = 0; j < D / 32; ++j) {  // Q^T's part j: dims 32 j .. 32 j + 31, in pairs
     __m512i r[16];
     for (int c = 0; c < 16; ++c)
-      r[c] = c < nq ? _mm512_loadu_si512(q + c * ldq + 32 * h) : _mm512_setzero_si512();
+      r[c] = c < nq ? _mm512_loadu_si512(q + c * ldq + 32 * j) : _mm512_setzero_si512();
     transpose16(r);
-    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(qt + 512 * h + 32 * i, r[i]);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(qt + 512 * j + 32 * i, r[i]);
   }
 }
 
-void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, const uint16_t* vt,
+void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, int D, const uint16_t* vt,
                       int64_t tpad, int64_t start, int64_t i0, int nq, float scale,
                       uint16_t* out, int64_t ldo) {
   const auto qt = (const uint32_t(*)[16][16])qt_packed;
   alignas(64) float sbuf[kKeys * 16];  // S^T of a block
-  alignas(64) uint16_t pbuf[2][16 * 32];  // P^T in key pairs: 16 pairs x 16 queries x 2
   alignas(64) float obuf[kD * 16];     // O^T, when rescaled or at the end
   const float c = scale * 1.4426950408889634f;  // S to log2 units
   const __m512 cv = _mm512_set1_ps(c);
@@ -254,6 +270,15 @@ void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, const uint1
       _mm512_set1_epi32(int(start + i0)),
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const int64_t n_keys = start + i0 + nq, unmasked = start + i0 + 1;  // keys all lanes see
+  const int64_t blocks = (n_keys + kKeys - 1) / kKeys;
+  // Every block's P^T (512 values), kept for the output dims past the first 64 (head_dim
+  // 128), which replay the products and the rescales (`events`: block, then 16 alphas)
+  // without computing S and P again; this thread's, kept between units.
+  thread_local std::vector<uint16_t> pstore;
+  thread_local std::vector<float> events;
+  if (pstore.size() < size_t(blocks * 512 + 32)) pstore.resize(size_t(blocks * 512 + 32));
+  uint16_t* ps = (uint16_t*)((uintptr_t(pstore.data()) + 63) & ~uintptr_t(63));
+  events.clear();
   __m512 m = _mm512_setzero_ps(), l = _mm512_setzero_ps();
   _tile_zero(4);
   _tile_zero(5);
@@ -262,15 +287,13 @@ void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, const uint1
   // Each block's S^T goes to the tiles a block ahead, and its O^T product a block
   // behind, so that the vector work of a block waits on neither: a tile store (here of
   // S^T, for the vector loads) retires only after every tile op before it.
-  scores(kp, qt);  // block 0's S^T, in tiles 2-3
-  int64_t pending = -1;  // a block whose P^T (in pbuf[its parity]) waits for O^T
+  scores(kp, qt, D);  // block 0's S^T, in tiles 2-3
   for (int64_t kb = 0; kb < n_keys; kb += kKeys) {
     _tile_stored(2, sbuf, 64);
     _tile_stored(3, sbuf + 256, 64);
     asm volatile("" ::: "memory");
-    if (kb + kKeys < n_keys) scores(kp + (kb + kKeys) * kD, qt);
-    if (pending >= 0) values(vt + pending, tpad, pbuf[(pending / kKeys) % 2]);
-    pending = kb;
+    if (kb + kKeys < n_keys) scores(kp + (kb + kKeys) * D, qt, D);
+    if (kb > 0) values(vt + kb - kKeys, tpad, ps + 512 * (kb / kKeys - 1));
     const bool masked = kb + kKeys > unmasked;
     const __m512 bm = _mm512_mul_ps(masked ? block_max<true>(sbuf, kb, limit)
                                            : block_max<false>(sbuf, kb, limit), cv);
@@ -281,27 +304,34 @@ void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, const uint1
       l = _mm512_mul_ps(l, alpha);
       rescale(alpha, obuf);  // after the block before's O^T (values above)
       m = mn;
+      if (D > kD) {
+        events.push_back(float(kb));
+        events.resize(events.size() + 16);
+        _mm512_storeu_ps(events.data() + events.size() - 16, alpha);
+      }
     }
-    uint16_t* pb = pbuf[(kb / kKeys) % 2];
+    uint16_t* pb = ps + 512 * (kb / kKeys);
     l = _mm512_add_ps(l, masked ? probs<true>(sbuf, kb, limit, cv, m, pb)
                                 : probs<false>(sbuf, kb, limit, cv, m, pb));
   }
   asm volatile("" ::: "memory");
-  values(vt + pending, tpad, pbuf[(pending / kKeys) % 2]);
-  _tile_stored(4, obuf, 64);
-  _tile_stored(5, obuf + 256, 64);
-  _tile_stored(6, obuf + 512, 64);
-  _tile_stored(7, obuf + 768, 64);
-  asm volatile("" ::: "memory");
+  values(vt + (blocks - 1) * kKeys, tpad, ps + 512 * (blocks - 1));
   const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
-  for (int g = 0; g < kD / 16; ++g) {  // dims 16 g .. 16 g + 15, transposed to rows
-    __m512i r[16];
-    for (int i = 0; i < 16; ++i)
-      r[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(obuf + 256 * g + 16 * i), inv));
-    transpose16(r);
-    for (int n = 0; n < nq; ++n)
-      _mm256_storeu_si256((__m256i*)(out + n * ldo + 16 * g),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[n])));
+  write_out(obuf, inv, nq, out, ldo);
+  for (int d0 = kD; d0 < D; d0 += kD) {  // head_dim 128: the other 64 dims, from P as kept
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    size_t e = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (e < events.size() && int64_t(events[e]) == b * kKeys) {
+        rescale(_mm512_loadu_ps(events.data() + e + 1), obuf);
+        e += 17;
+      }
+      values(vt + d0 * tpad + b * kKeys, tpad, ps + 512 * b);
+    }
+    write_out(obuf, inv, nq, out + d0, ldo);
   }
 }
 

@@ -568,7 +568,7 @@ torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& wp, int
   return y;
 }
 
-// Prompt attention on AMX tiles (attn_prefill_amx.cpp) for bfloat16 at head_dim 64.
+// Prompt attention on AMX tiles (attn_prefill_amx.cpp) for bfloat16 at head_dim 64, 128.
 bool has_amx_prefill_attention() { return has_amx_bf16_gemm(); }
 
 // The attention of the prompt chunks that attention() skipped (skip_fresh), into their
@@ -582,8 +582,10 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
   TORCH_CHECK(has_amx_prefill_attention(), "prefill_attention needs AMX-BF16");
   check_rows(qkv, "qkv");
   const int64_t T = qkv.size(0), row = KVH * D;
-  TORCH_CHECK(D == 64 && KVH > 0 && H % KVH == 0 && qkv.size(1) == (H + 2 * KVH) * D,
-              "prefill_attention takes head_dim 64 and qkv of (H + 2 KVH) * 64 columns");
+  TORCH_CHECK((D == 64 || D == 128) && KVH > 0 && H % KVH == 0 &&
+                  qkv.size(1) == (H + 2 * KVH) * D,
+              "prefill_attention takes head_dim 64 or 128 and qkv of (H + 2 KVH) * head_dim "
+              "columns");
   TORCH_CHECK(qkv.scalar_type() == torch::kBFloat16 && cache.scalar_type() == torch::kBFloat16 &&
                   out.scalar_type() == torch::kBFloat16 && cache.is_contiguous(),
               "prefill_attention takes bfloat16 qkv, out and a contiguous bfloat16 cache");
@@ -601,10 +603,10 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
   for (int64_t i = 0; i < n_rows; ++i)
     TORCH_CHECK(kr[i] >= 0 && kr[i] + lo + bs < total_rows, "KV row ", kr[i], " is outside the cache");
   std::vector<int64_t> base(1, 0);  // scratch of chunk p from base[p]: K then V^T per KV head
-  struct Unit {
+  struct Queries {  // a unit: 16 queries of one head
     int64_t p, h, i0;
   };
-  std::vector<Unit> units;
+  std::vector<Queries> qs;
   std::vector<std::array<int64_t, 3>> packs;  // chunk, KV head, first key
   const int64_t G = H / KVH;
   double work = 0;
@@ -618,15 +620,15 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
       for (int64_t k0 = 0; k0 < tpad; k0 += 32) packs.push_back({p, kvh, k0});
       for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h)  // longest first, for the balance
-        for (int64_t i0 = (n - 1) / 16 * 16; i0 >= 0; i0 -= 16) units.push_back({p, h, i0});
+        for (int64_t i0 = (n - 1) / 16 * 16; i0 >= 0; i0 -= 16) qs.push_back({p, h, i0});
     }
     work += double(n) * (start + n) * H * D;
   }
-  if (units.empty()) return;
-  const int64_t qt_at = base.back();  // then each unit's Q^T, 16 x 64 values
+  if (qs.empty()) return;
+  const int64_t qt_at = base.back();  // then each unit's Q^T, 16 x D values
   // the calling thread's, kept between calls (a fresh buffer a layer faulted its pages in)
   thread_local std::vector<uint16_t> scratch;
-  const size_t need = size_t(qt_at + int64_t(units.size()) * 16 * D) + 32;
+  const size_t need = size_t(qt_at + int64_t(qs.size()) * 16 * D) + 32;
   if (scratch.size() < need) scratch.resize(need);
   // 64-byte aligned: a tile row (64 bytes) across two cache lines reads both
   uint16_t* sp = (uint16_t*)((uintptr_t(scratch.data()) + 63) & ~uintptr_t(63));
@@ -635,7 +637,7 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
   uint16_t* op = (uint16_t*)out.data_ptr();
   const int64_t ldq = qkv.stride(0), ldo = out.stride(0);
   const float scale = float(1.0 / std::sqrt(double(D)));
-  const int64_t n_packs = int64_t(packs.size()), n_units = int64_t(units.size());
+  const int64_t n_packs = int64_t(packs.size()), n_qs = int64_t(qs.size());
 #pragma omp parallel if (work >= kParallelElems)
   {
 #pragma omp for schedule(static) nowait
@@ -651,25 +653,25 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
         src_k[r] = k, src_v[r] = k + bs * row;
       }
       uint16_t* kp = sp + base[size_t(p)] + 2 * kvh * tpad * D;
-      prefill_amx_pack(src_k, src_v, cnt, k0, tpad, kp, kp + tpad * D);
+      prefill_amx_pack(src_k, src_v, cnt, k0, tpad, int(D), kp, kp + tpad * D);
     }
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < n_units; ++i) {
-      const Unit u = units[size_t(i)];
+    for (int64_t i = 0; i < n_qs; ++i) {
+      const Queries u = qs[size_t(i)];
       const int64_t first = ch[4 * u.p], n = ch[4 * u.p + 2];
       prefill_amx_pack_q(qp + (first + u.i0) * ldq + u.h * D, ldq,
-                         int(std::min<int64_t>(16, n - u.i0)), sp + qt_at + i * 16 * D);
+                         int(std::min<int64_t>(16, n - u.i0)), int(D), sp + qt_at + i * 16 * D);
     }
     prefill_amx_configure();
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_units; ++i) {
-      const Unit u = units[size_t(i)];
+    for (int64_t i = 0; i < n_qs; ++i) {
+      const Queries u = qs[size_t(i)];
       const int64_t first = ch[4 * u.p], start = ch[4 * u.p + 1], n = ch[4 * u.p + 2];
       const int64_t tpad = (start + n + 31) / 32 * 32;
       const uint16_t* kp = sp + base[size_t(u.p)] + 2 * (u.h / G) * tpad * D;
       const int nq = int(std::min<int64_t>(16, n - u.i0));
-      prefill_amx_unit(sp + qt_at + i * 16 * D, kp, kp + tpad * D, tpad, start,
-                       u.i0, nq, scale, op + (first + u.i0) * ldo + u.h * D, ldo);
+      prefill_amx_unit(sp + qt_at + i * 16 * D, kp, int(D), kp + tpad * D, tpad, start, u.i0,
+                       nq, scale, op + (first + u.i0) * ldo + u.h * D, ldo);
     }
     prefill_amx_release();
   }

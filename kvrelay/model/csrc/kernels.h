@@ -96,18 +96,19 @@ void gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp
                    int64_t N, int64_t up);
 const Kernels* kernels_avx2(DType dt, DType cache);
 
-// Prompt attention with AMX tiles, head_dim 64, bfloat16 (attn_prefill_amx.cpp). A
-// chunk's keys of one KV head are packed once a layer (prefill_amx_pack: K as [tpad][64],
-// V transposed as [64][tpad], tpad a multiple of 32); prefill_amx_unit then computes 16
-// queries (nq valid) of one head: query i0 + n, after `start` cached positions, sees keys
-// [0, start + i0 + n]. A thread loads the tile configuration (prefill_amx_configure)
-// before its units and releases it after.
+// Prompt attention with AMX tiles, head_dim 64 or 128, bfloat16 (attn_prefill_amx.cpp).
+// A chunk's keys of one KV head are packed once a layer (prefill_amx_pack: K as
+// [tpad][D], V transposed as [D][tpad], tpad a multiple of 32), and each 16 queries'
+// Q^T (prefill_amx_pack_q: D / 32 parts of 16 x 16 pairs); prefill_amx_unit then computes
+// the output of 16 queries (nq valid) of one head: query i0 + n, after `start` cached
+// positions, sees keys [0, start + i0 + n]. A thread loads the tile configuration
+// (prefill_amx_configure) before its units and releases it after.
 void prefill_amx_configure();
 void prefill_amx_release();
 void prefill_amx_pack(const uint16_t* const* src_k, const uint16_t* const* src_v, int n,
-                      int64_t k0, int64_t tpad, uint16_t* kp, uint16_t* vt);
-void prefill_amx_pack_q(const uint16_t* q, int64_t ldq, int nq, uint16_t* qt);
-void prefill_amx_unit(const uint16_t* qt, const uint16_t* kp, const uint16_t* vt,
+                      int64_t k0, int64_t tpad, int D, uint16_t* kp, uint16_t* vt);
+void prefill_amx_pack_q(const uint16_t* q, int64_t ldq, int nq, int D, uint16_t* qt);
+void prefill_amx_unit(const uint16_t* qt, const uint16_t* kp, int D, const uint16_t* vt,
                       int64_t tpad, int64_t start, int64_t i0, int nq, float scale,
                       uint16_t* out, int64_t ldo);
 
