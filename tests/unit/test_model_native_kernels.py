@@ -278,34 +278,41 @@ def test_amx_prompt_attention_matches_float64(head_dim: int, heads: int, kv_head
 
 @needs_amx_attention
 def test_amx_prompt_attention_rejects_bad_input() -> None:
-    """Chunks that do not fit the step or the key rows, K rows outside the cache, and
-    other dtypes or head dims are refused with an error naming them; nothing is written."""
+    """Chunks that do not fit the step or the key rows (values near 2^63 included, whose
+    sums would wrap), chunks that overlap, K rows outside the cache, a layer past the
+    cache, and other dtypes or head dims are refused with an error naming them, before
+    anything is written."""
     assert _mod is not None
     H, KVH, D, bs, layers = 4, 2, 64, 16, 2
     cache = torch.zeros(4, layers, 2, bs, KVH * D, dtype=torch.bfloat16)
     qkv = torch.zeros(8, (H + 2 * KVH) * D, dtype=torch.bfloat16)
-    out = torch.zeros(8, H * D, dtype=torch.bfloat16)
+    out = torch.full((8, H * D), 7.0, dtype=torch.bfloat16)  # what a refused call leaves
     rows = torch.arange(8)
-    ok = torch.tensor([[0, 0, 8, 0]])
+    big = 2**63 - 1
 
-    def call(chunks: torch.Tensor = ok, k_rows: torch.Tensor = rows, q: torch.Tensor = qkv,
+    def call(chunks: list[list[int]], k_rows: torch.Tensor = rows, q: torch.Tensor = qkv,
              d: int = D, layer: int = 1) -> None:
-        _mod.prefill_attention(q, cache, out, layer, chunks, k_rows, H, KVH, d, bs, layers)
+        _mod.prefill_attention(q, cache, out, layer, torch.tensor(chunks), k_rows, H, KVH, d,
+                               bs, layers)
 
-    call()  # zeros in, zeros out (uniform weights over zero V)
-    with pytest.raises(RuntimeError, match="does not fit the step or k_rows"):
-        call(torch.tensor([[0, 0, 9, 0]]))  # more queries than the step's tokens
-    with pytest.raises(RuntimeError, match="does not fit the step or k_rows"):
-        call(torch.tensor([[0, 4, 6, 0]]))  # 10 keys, 8 rows
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        call(k_rows=rows + 4 * layers * 2 * bs)
-    with pytest.raises(RuntimeError, match="outside"):
-        call(layer=2)
+    for bad in ([[0, 0, 9, 0]], [[0, 4, 6, 0]], [[big, 0, 1, 0]], [[0, 0, 1, big - 3]],
+                [[0, big - 2, 2, 0]], [[-1, 0, 2, 0]], [[0, 0, 0, 0]]):
+        with pytest.raises(RuntimeError, match="does not fit the step or k_rows"):
+            call(bad)
+    with pytest.raises(RuntimeError, match="chunks overlap at token 2"):
+        call([[0, 0, 4, 0], [2, 0, 2, 0]])
+    for k_rows in (rows + 4 * layers * 2 * bs, torch.full((8,), big - 10), rows - 1):
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            call([[0, 0, 8, 0]], k_rows=k_rows)
+    with pytest.raises(RuntimeError, match="does not fit the cache"):
+        call([[0, 0, 8, 0]], layer=2)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        call(q=qkv.float())
+        call([[0, 0, 8, 0]], q=qkv.float())
     with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
-        call(d=32)
-    assert out.abs().sum() == 0
+        call([[0, 0, 8, 0]], d=32)
+    assert (out == 7).all()
+    call([[0, 0, 8, 0]])  # zeros in, zeros out (uniform weights over zero V)
+    assert (out == 0).all()
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
@@ -575,6 +582,16 @@ def test_attention_refuses_block_ids_outside_the_cache() -> None:
     with pytest.raises(RuntimeError, match="outside the cache"):
         nat.attention(qkv, cache, 0, meta)
     assert cache.abs().sum() == 0  # nothing written
+    # values near 2^63, whose sums with the layer's offset would wrap: refused too
+    meta = nat.build_metadata([ChunkSpec(0, 2, [1])], pos, 4)
+    meta.k_rows = torch.tensor([2**63 - 3, 0])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        nat.attention(qkv, cache, 0, meta)
+    meta = nat.build_metadata([ChunkSpec(0, 2, [1])], pos, 4)
+    meta.seqs = torch.tensor([[0, 2**63 - 1, 0]])
+    with pytest.raises(RuntimeError, match="does not fit the step"):
+        nat.attention(qkv, cache, 0, meta)
+    assert cache.abs().sum() == 0
     # a cache wider than the activations (float32 under bfloat16) is refused
     _, nat16 = _backends(cfg, torch.bfloat16)
     meta = nat16.build_metadata([ChunkSpec(0, 2, [1])], pos, 4)

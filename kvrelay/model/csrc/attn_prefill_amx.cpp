@@ -27,7 +27,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <vector>
 
 namespace kvr {
 namespace {
@@ -258,7 +257,7 @@ void prefill_amx_pack_q(const uint16_t* q, int64_t ldq, int nq, int D, uint16_t*
 
 void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, int D, const uint16_t* vt,
                       int64_t tpad, int64_t start, int64_t i0, int nq, float scale,
-                      uint16_t* out, int64_t ldo) {
+                      uint16_t* out, int64_t ldo, uint16_t* ps, float* events) {
   const auto qt = (const uint32_t(*)[16][16])qt_packed;
   alignas(64) float sbuf[kKeys * 16];  // S^T of a block
   alignas(64) float obuf[kD * 16];     // O^T, when rescaled or at the end
@@ -270,14 +269,10 @@ void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, int D, cons
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const int64_t n_keys = start + i0 + nq, unmasked = start + i0 + 1;  // keys all lanes see
   const int64_t blocks = (n_keys + kKeys - 1) / kKeys;
-  // Every block's P^T (512 values), kept for the output dims past the first 64 (head_dim
-  // 128), which replay the products and the rescales (`events`: block, then 16 alphas)
-  // without computing S and P again; this thread's, kept between units.
-  thread_local std::vector<uint16_t> pstore;
-  thread_local std::vector<float> events;
-  if (pstore.size() < size_t(blocks * 512 + 32)) pstore.resize(size_t(blocks * 512 + 32));
-  uint16_t* ps = (uint16_t*)((uintptr_t(pstore.data()) + 63) & ~uintptr_t(63));
-  events.clear();
+  // Every block's P^T (512 values) in ps, kept for the output dims past the first 64
+  // (head_dim 128), which replay the products and the rescales (`events`: 17 floats
+  // each, the block's first key, then 16 alphas) without computing S and P again.
+  int64_t n_events = 0;
   __m512 m = _mm512_setzero_ps(), l = _mm512_setzero_ps();
   _tile_zero(4);
   _tile_zero(5);
@@ -304,9 +299,9 @@ void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, int D, cons
       rescale(alpha, obuf);  // after the block before's O^T (values above)
       m = mn;
       if (D > kD) {
-        events.push_back(float(kb));
-        events.resize(events.size() + 16);
-        _mm512_storeu_ps(events.data() + events.size() - 16, alpha);
+        events[17 * n_events] = float(kb / kKeys);
+        _mm512_storeu_ps(events + 17 * n_events + 1, alpha);
+        ++n_events;
       }
     }
     uint16_t* pb = ps + 512 * (kb / kKeys);
@@ -322,11 +317,11 @@ void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, int D, cons
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
-    size_t e = 0;
+    int64_t e = 0;
     for (int64_t b = 0; b < blocks; ++b) {
-      if (e < events.size() && int64_t(events[e]) == b * kKeys) {
-        rescale(_mm512_loadu_ps(events.data() + e + 1), obuf);
-        e += 17;
+      if (e < n_events && int64_t(events[17 * e]) == b) {
+        rescale(_mm512_loadu_ps(events + 17 * e + 1), obuf);
+        ++e;
       }
       values(vt + d0 * tpad + b * kKeys, tpad, ps + 512 * b);
     }

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <utility>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -198,6 +199,18 @@ int64_t set_whole_heads_bytes(int64_t n) {
   return before;
 }
 
+// Positions (and step tokens) the attention kernels take: they index in int.
+constexpr int64_t kMaxPositions = int64_t(1) << 30;
+
+// The first cache row of `layer` (layer * 2 * bs, K then V, a block's layers in turn),
+// after checking the geometry without an overflow: every layer's rows fit the cache.
+int64_t layer_rows(int64_t layer, int64_t layers, int64_t bs, int64_t total_rows) {
+  TORCH_CHECK(bs > 0 && layers > 0 && bs <= total_rows && layers <= total_rows / (2 * bs) &&
+                  layer >= 0 && layer < layers,
+              "layer ", layer, " of ", layers, " (block size ", bs, ") does not fit the cache");
+  return layer * 2 * bs;
+}
+
 // One layer's attention. qkv (T, (H + 2 KVH) D): q and k are rotated in place, k and v
 // written to the cache at k_rows (layer-0 K rows of KVH * D values, as
 // attention.AttnMetadata.write_rows), then every query token attends to its
@@ -240,9 +253,10 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   // Bounds, so that a bad block table is an error and never a read or write outside
   // the cache: O(tokens + blocks) per layer, nothing next to the attention itself.
   const int64_t n_blocks = cache.size(0), total_rows = cache.numel() / row;
+  const int64_t lo = layer_rows(layer, layers, bs, total_rows);
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rope table");
-    TORCH_CHECK(kr[t] >= 0 && kr[t] + layer * 2 * bs + bs < total_rows, "KV row ", kr[t],
+    TORCH_CHECK(kr[t] >= 0 && kr[t] < total_rows - lo - bs, "KV row ", kr[t],
                 " of token ", t, " is outside the cache");
   }
   // Tiles: up to 64 query rows (tokens x the G heads sharing a KV head) each.
@@ -251,9 +265,12 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   int max_ctx = 1;
   double work = double(T) * (H + KVH) * D;  // rope (alone where skip_fresh takes the rest)
   for (int64_t s = 0; s < S; ++s) {
-    const int tok0 = int(sq[3 * s]), n = int(sq[3 * s + 1]), pos0 = int(sq[3 * s + 2]);
-    TORCH_CHECK(tok0 >= 0 && n >= 1 && tok0 + n <= T && pos0 >= 0 && (pos0 + n + bs - 1) / bs <= W,
+    // checked as int64 (no sum can overflow), then narrowed
+    TORCH_CHECK(sq[3 * s] >= 0 && sq[3 * s + 1] >= 1 && sq[3 * s + 1] <= T - sq[3 * s] &&
+                    sq[3 * s + 2] >= 0 && sq[3 * s + 2] < kMaxPositions &&
+                    (sq[3 * s + 2] + sq[3 * s + 1] + bs - 1) / bs <= W,
                 "seqs row ", s, " does not fit the step or its block table");
+    const int tok0 = int(sq[3 * s]), n = int(sq[3 * s + 1]), pos0 = int(sq[3 * s + 2]);
     const int64_t* row_table = tables.data_ptr<int64_t>() + s * W;
     for (int64_t b = 0; b < (pos0 + n + bs - 1) / bs; ++b)
       TORCH_CHECK(row_table[b] >= 0 && row_table[b] < n_blocks, "block id ", row_table[b],
@@ -591,17 +608,34 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
               "prefill_attention takes bfloat16 qkv, out and a contiguous bfloat16 cache");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D && out.stride(1) == 1,
               "out: (T, H * D) rows");
-  TORCH_CHECK(chunks.dtype() == torch::kInt64 && chunks.is_contiguous() && chunks.dim() == 2 &&
-                  chunks.size(1) == 4 && k_rows.dtype() == torch::kInt64 &&
+  TORCH_CHECK(chunks.device().is_cpu() && chunks.dtype() == torch::kInt64 &&
+                  chunks.is_contiguous() && chunks.dim() == 2 && chunks.size(1) == 4 &&
+                  k_rows.device().is_cpu() && k_rows.dtype() == torch::kInt64 &&
                   k_rows.is_contiguous(),
               "chunks: contiguous int64 (P, 4); k_rows: contiguous int64");
-  TORCH_CHECK(bs > 0 && layer >= 0 && layer < layers, "layer ", layer, " outside [0, ", layers, ")");
+  TORCH_CHECK(cache.device().is_cpu() && out.device().is_cpu(), "cache and out must be on the CPU");
   const int64_t P = chunks.size(0), n_rows = k_rows.numel();
   const int64_t* ch = chunks.data_ptr<int64_t>();
   const int64_t* kr = k_rows.data_ptr<int64_t>();
-  const int64_t total_rows = cache.numel() / row, lo = layer * 2 * bs;
+  const int64_t total_rows = cache.numel() / row;
+  const int64_t lo = layer_rows(layer, layers, bs, total_rows);
   for (int64_t i = 0; i < n_rows; ++i)
-    TORCH_CHECK(kr[i] >= 0 && kr[i] + lo + bs < total_rows, "KV row ", kr[i], " is outside the cache");
+    TORCH_CHECK(kr[i] >= 0 && kr[i] < total_rows - lo - bs, "KV row ", kr[i], " is outside the cache");
+  // Each chunk's rows of the step (written by its units alone: no two may overlap), and
+  // its keys within k_rows; checked as int64 so that no sum overflows.
+  std::vector<std::pair<int64_t, int64_t>> spans;  // first token, tokens
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t first = ch[4 * p], start = ch[4 * p + 1], n = ch[4 * p + 2], off = ch[4 * p + 3];
+    TORCH_CHECK(first >= 0 && n >= 1 && n <= T - first && start >= 0 && off >= 0 &&
+                    off <= n_rows && n <= n_rows - off && start <= n_rows - off - n &&
+                    start + n <= kMaxPositions,
+                "chunks row ", p, " does not fit the step or k_rows");
+    spans.emplace_back(first, n);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i)
+    TORCH_CHECK(spans[i].first >= spans[i - 1].first + spans[i - 1].second,
+                "chunks overlap at token ", spans[i].first);
   std::vector<int64_t> base(1, 0);  // scratch of chunk p from base[p]: K then V^T per KV head
   struct Queries {  // a unit: 16 queries of one head
     int64_t p, h, i0;
@@ -611,10 +645,7 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
   const int64_t G = H / KVH;
   double work = 0;
   for (int64_t p = 0; p < P; ++p) {
-    const int64_t first = ch[4 * p], start = ch[4 * p + 1], n = ch[4 * p + 2], off = ch[4 * p + 3];
-    TORCH_CHECK(first >= 0 && n >= 1 && first + n <= T && start >= 0 && off >= 0 &&
-                    off + start + n <= n_rows,
-                "chunks row ", p, " does not fit the step or k_rows");
+    const int64_t start = ch[4 * p + 1], n = ch[4 * p + 2];
     const int64_t tpad = (start + n + 31) / 32 * 32;
     base.push_back(base.back() + 2 * KVH * tpad * D);
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
@@ -625,10 +656,17 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
     work += double(n) * (start + n) * H * D;
   }
   if (qs.empty()) return;
+  int64_t max_blocks = 0;  // of 32 keys, in a chunk
+  for (int64_t p = 0; p < P; ++p) max_blocks = std::max(max_blocks, (ch[4 * p + 1] + ch[4 * p + 2] + 31) / 32);
+  const int64_t nt = omp_get_max_threads();
   const int64_t qt_at = base.back();  // then each unit's Q^T, 16 x D values
-  // the calling thread's, kept between calls (a fresh buffer a layer faulted its pages in)
+  const int64_t ps_at = qt_at + int64_t(qs.size()) * 16 * D;  // then each thread's P^T blocks
+  // the calling thread's, kept between calls (a fresh buffer a layer faulted its pages
+  // in) up to kKeepScratch values: a step of long prompts does not hold its size after
+  constexpr size_t kKeepScratch = size_t(32) << 20;
   thread_local std::vector<uint16_t> scratch;
-  const size_t need = size_t(qt_at + int64_t(qs.size()) * 16 * D) + 32;
+  const size_t need = size_t(ps_at + nt * max_blocks * 512) + 32;
+  std::vector<float> events(size_t(nt * max_blocks * 17));  // each thread's rescales
   if (scratch.size() < need) scratch.resize(need);
   // 64-byte aligned: a tile row (64 bytes) across two cache lines reads both
   uint16_t* sp = (uint16_t*)((uintptr_t(scratch.data()) + 63) & ~uintptr_t(63));
@@ -670,11 +708,14 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
       const int64_t tpad = (start + n + 31) / 32 * 32;
       const uint16_t* kp = sp + base[size_t(u.p)] + 2 * (u.h / G) * tpad * D;
       const int nq = int(std::min<int64_t>(16, n - u.i0));
+      const int64_t me = omp_get_thread_num();
       prefill_amx_unit(sp + qt_at + i * 16 * D, kp, int(D), kp + tpad * D, tpad, start, u.i0,
-                       nq, scale, op + (first + u.i0) * ldo + u.h * D, ldo);
+                       nq, scale, op + (first + u.i0) * ldo + u.h * D, ldo,
+                       sp + ps_at + me * max_blocks * 512, events.data() + me * max_blocks * 17);
     }
     prefill_amx_release();
   }
+  if (scratch.size() > kKeepScratch) std::vector<uint16_t>().swap(scratch);
 }
 
 // float32 small-M GEMM: AVX-512 or AVX2 + FMA, whichever the kernels run with.
