@@ -271,7 +271,8 @@ void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, int D, cons
   const int64_t blocks = (n_keys + kKeys - 1) / kKeys;
   // Every block's P^T (512 values) in ps, kept for the output dims past the first 64
   // (head_dim 128), which replay the products and the rescales (`events`: 17 floats
-  // each, the block's first key, then 16 alphas) without computing S and P again.
+  // each, the block's index as int32 bits, then 16 alphas) without computing S and P
+  // again.
   int64_t n_events = 0;
   __m512 m = _mm512_setzero_ps(), l = _mm512_setzero_ps();
   _tile_zero(4);
@@ -299,7 +300,8 @@ void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, int D, cons
       rescale(alpha, obuf);  // after the block before's O^T (values above)
       m = mn;
       if (D > kD) {
-        events[17 * n_events] = float(kb / kKeys);
+        const int32_t block = int32_t(kb / kKeys);
+        std::memcpy(events + 17 * n_events, &block, 4);
         _mm512_storeu_ps(events + 17 * n_events + 1, alpha);
         ++n_events;
       }
@@ -319,7 +321,9 @@ void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, int D, cons
     _tile_zero(7);
     int64_t e = 0;
     for (int64_t b = 0; b < blocks; ++b) {
-      if (e < n_events && int64_t(events[17 * e]) == b) {
+      int32_t at = -1;
+      if (e < n_events) std::memcpy(&at, events + 17 * e, 4);
+      if (at == b) {
         rescale(_mm512_loadu_ps(events + 17 * e + 1), obuf);
         ++e;
       }

@@ -6,7 +6,6 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <utility>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -14,6 +13,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -662,8 +662,9 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
   const int64_t qt_at = base.back();  // then each unit's Q^T, 16 x D values
   const int64_t ps_at = qt_at + int64_t(qs.size()) * 16 * D;  // then each thread's P^T blocks
   // the calling thread's, kept between calls (a fresh buffer a layer faulted its pages
-  // in) up to kKeepScratch values: a step of long prompts does not hold its size after
-  constexpr size_t kKeepScratch = size_t(32) << 20;
+  // in) up to kKeepScratch values (256 MiB): a rare step of long prompts past that does
+  // not hold its size after
+  constexpr size_t kKeepScratch = size_t(128) << 20;
   thread_local std::vector<uint16_t> scratch;
   const size_t need = size_t(ps_at + nt * max_blocks * 512) + 32;
   std::vector<float> events(size_t(nt * max_blocks * 17));  // each thread's rescales
