@@ -226,11 +226,13 @@ def select_backend(
 
         why_not = native.unavailable(cfg, dtype, device)
         if why_not is None:
-            backend: KernelBackend = native.NativeBackend(cfg, rope, dtype)
-            kernel_choice.record_kernels(backend.name, backend.isa, "")
-            return backend
+            nat = native.NativeBackend(cfg, rope, dtype)
+            kernel_choice.record_kernels(nat.name, nat.isa, "")
+            kernel_choice.record_prompt_attention(nat.prompt_route())
+            return nat
         reason = why_not
         if choice == "native":
             log.warning("native kernels requested but unavailable: %s; using torch", why_not)
     kernel_choice.record_kernels("torch", "", reason)
+    kernel_choice.record_prompt_attention("torch")
     return TorchBackend(cfg, rope, dtype)

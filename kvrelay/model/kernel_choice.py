@@ -137,7 +137,7 @@ def run_in_own_thread(fn: Callable[[], T]) -> T:
 _wait: WaitChoice | None = None
 _spins_ours = False  # GOMP_SPINCOUNT was set by apply_wait_policy, not the environment
 _kernels: dict[str, str] = {"backend": "unset", "isa": "", "reason": "", "gemm": "",
-                            "prefill_gemm": ""}
+                            "prefill_gemm": "", "prompt_attention": ""}
 
 
 def apply_wait_policy(requested: str | None = None, threads: int | None = None) -> WaitChoice:
@@ -207,9 +207,18 @@ def record_gemm(gemm: str, why: str, prefill: str = "") -> None:
              prefill or "-")
 
 
+def record_prompt_attention(route: str) -> None:
+    """Where prompt chunks (more than one token) attend: ``amx`` (kvrelay's AMX kernel),
+    ``sdpa`` (torch's), ``native-tiles`` or ``torch`` (the torch backend); see
+    native.NativeBackend.prompt_route."""
+    _kernels.update(prompt_attention=route)
+    log.info("prompt attention: %s", route)
+
+
 def info() -> dict[str, str]:
     """Labels for the /metrics info gauge."""
     wait = _wait.policy if _wait else os.environ.get("OMP_WAIT_POLICY", "")
     return {"backend": _kernels["backend"], "isa": _kernels["isa"], "omp_wait_policy": wait,
             "omp_spincount": os.environ.get("GOMP_SPINCOUNT", ""), "gemm": _kernels["gemm"],
-            "prefill_gemm": _kernels["prefill_gemm"]}
+            "prefill_gemm": _kernels["prefill_gemm"],
+            "prompt_attention": _kernels["prompt_attention"]}

@@ -368,6 +368,12 @@ class NativeBackend:
         self.prefill_amx = prefill_amx_available(mod, dtype, cfg)
         self._triangles: dict[torch.dtype, torch.Tensor] = {}
 
+    def prompt_route(self) -> str:
+        """Where prompt chunks attend (kernel_choice.record_prompt_attention)."""
+        if not self.prefill_sdpa:
+            return "native-tiles"
+        return "amx" if self.prefill_amx else "sdpa"
+
     def small_gemm(self) -> NativeSmallGemm | None:
         if self.gemm_off is not None:
             return None

@@ -83,6 +83,7 @@ def test_metrics_export_the_kernels_in_use() -> None:
     from kvrelay.server.metrics import ServerMetrics
 
     kernel_choice.record_kernels("native", "avx2", "")
+    kernel_choice.record_prompt_attention("amx")
     from kvrelay.config import SchedulerConfig
     from kvrelay.core.engine import Engine
     from kvrelay.core.fake_runner import FakeRunner
@@ -91,6 +92,7 @@ def test_metrics_export_the_kernels_in_use() -> None:
     text = ServerMetrics(engine, "m").render().decode()
     line = next(x for x in text.splitlines() if x.startswith("kvrelay_kernels_info{"))
     assert 'backend="native"' in line and 'isa="avx2"' in line and line.endswith(" 1.0")
+    assert 'prompt_attention="amx"' in line
     assert f'omp_spincount="{os.environ.get("GOMP_SPINCOUNT", "")}"' in line
 
 

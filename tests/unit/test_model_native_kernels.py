@@ -551,10 +551,27 @@ def test_select_backend_follows_request_and_env(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("KVRELAY_KERNELS", "torch")
     assert select_backend(cfg, rope, torch.float32, cpu).name == "torch"
     assert kernel_choice.info()["backend"] == "torch"
+    assert kernel_choice.info()["prompt_attention"] == "torch"
     monkeypatch.delenv("KVRELAY_KERNELS")
     assert select_backend(cfg, rope, torch.float32, cpu).name == "native"
-    blank = {"omp_wait_policy": "", "omp_spincount": "", "gemm": "", "prefill_gemm": ""}
+    blank = {"omp_wait_policy": "", "omp_spincount": "", "gemm": "", "prefill_gemm": "",
+             "prompt_attention": ""}
     assert kernel_choice.info() | blank == {"backend": "native", "isa": _best} | blank
+    # where prompt chunks attend, named for the log and /metrics: float32 never takes
+    # the AMX kernel; bfloat16 at head_dim 64 does where the CPU has AMX-BF16
+    sdpa = native.prefill_sdpa_wanted()
+    assert kernel_choice.info()["prompt_attention"] == ("sdpa" if sdpa else "native-tiles")
+    cfg64 = _cfg(4, 2, 64)
+    rope64 = RotaryTable(cfg64, 64, torch.bfloat16, cpu)
+    assert select_backend(cfg64, rope64, torch.bfloat16, cpu).name == "native"
+    want = "amx" if sdpa and _amx_attention else "sdpa" if sdpa else "native-tiles"
+    assert kernel_choice.info()["prompt_attention"] == want
+    monkeypatch.setenv("KVRELAY_PREFILL_AMX", "0")
+    select_backend(cfg64, rope64, torch.bfloat16, cpu)
+    assert kernel_choice.info()["prompt_attention"] == ("sdpa" if sdpa else "native-tiles")
+    monkeypatch.setenv("KVRELAY_PREFILL_SDPA", "0")
+    select_backend(cfg64, rope64, torch.bfloat16, cpu)
+    assert kernel_choice.info()["prompt_attention"] == "native-tiles"
     # float16 and head dims that are not multiples of 16 fall back, never fail.
     assert select_backend(cfg, rope, torch.float16, cpu).name == "torch"
     assert select_backend(_cfg(4, 2, 8), rope, torch.float32, cpu, "native").name == "torch"
