@@ -334,8 +334,9 @@ def prefill_amx_available(mod: Any, dtype: torch.dtype, cfg: ModelConfig) -> boo
 
 
 def prefill_sdpa_wanted() -> bool:
-    """Whether a prompt's first chunk attends through torch's SDPA instead of the native
-    tiles (KVRELAY_PREFILL_SDPA=1/0; default: where the CPU has AMX). On an AMX Xeon,
+    """Whether prompt chunks attend apart from the native tiles: through torch's SDPA, or
+    the AMX kernel where prefill_amx_available (KVRELAY_PREFILL_SDPA=1/0; default: where
+    the CPU has AMX). On an AMX Xeon,
     8 prompts of 128 tokens, 30 layers, 2 threads: SDPA 17 ms in bfloat16 (48 in
     float32) against the native tiles' 60 (72), measured alone (docs/model.md)."""
     env = os.environ.get("KVRELAY_PREFILL_SDPA")

@@ -26,7 +26,6 @@
 #include <immintrin.h>
 
 #include <cmath>
-#include <cstring>
 
 namespace kvr {
 namespace {
@@ -34,12 +33,6 @@ namespace {
 constexpr int kD = 64;          // dims of O^T in a unit (head_dim 64, or half of 128)
 constexpr int kKeys = 32;       // keys a block
 constexpr float kLazy = 8.0f;   // log2 of how far P may exceed 1 before a rescale
-
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // 2^x for finite x: f = x - floor(x) in one vreduceps, 2^f on [0, 1) by a degree-4
 // polynomial (a least-max relative fit: error below 3e-6; P is rounded to bfloat16
@@ -54,13 +47,24 @@ inline __m512 exp2v(__m512 x) {
   return _mm512_scalef_ps(p, x);
 }
 
-// O^T's tiles (4-7) times alpha, lane (query) by lane, through memory.
-inline void rescale(__m512 alpha, float* obuf) {
+inline void zero_o() {  // O^T's tiles, 4-7
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+}
+
+inline void store_o(float* obuf) {  // O^T's tiles into obuf, for vector loads after
   _tile_stored(4, obuf, 64);
   _tile_stored(5, obuf + 256, 64);
   _tile_stored(6, obuf + 512, 64);
   _tile_stored(7, obuf + 768, 64);
   asm volatile("" ::: "memory");
+}
+
+// O^T's tiles (4-7) times alpha, lane (query) by lane, through memory.
+inline void rescale(__m512 alpha, float* obuf) {
+  store_o(obuf);
   for (int d = 0; d < kD; ++d)
     _mm512_store_ps(obuf + 16 * d, _mm512_mul_ps(_mm512_load_ps(obuf + 16 * d), alpha));
   asm volatile("" ::: "memory");
@@ -181,11 +185,7 @@ inline void values(const uint16_t* vr, int64_t tpad, const uint16_t* pb) {
 // O^T (tiles 4-7) times inv, lane by lane, as the rows of nq queries: out's 64 values
 // from each row's first, ldo apart, rounded to bfloat16.
 inline void write_out(float* obuf, __m512 inv, int nq, uint16_t* out, int64_t ldo) {
-  _tile_stored(4, obuf, 64);
-  _tile_stored(5, obuf + 256, 64);
-  _tile_stored(6, obuf + 512, 64);
-  _tile_stored(7, obuf + 768, 64);
-  asm volatile("" ::: "memory");
+  store_o(obuf);
   for (int g = 0; g < kD / 16; ++g) {  // dims 16 g .. 16 g + 15, transposed to rows
     __m512i r[16];
     for (int i = 0; i < 16; ++i)
@@ -257,7 +257,7 @@ void prefill_amx_pack_q(const uint16_t* q, int64_t ldq, int nq, int D, uint16_t*
 
 void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, int D, const uint16_t* vt,
                       int64_t tpad, int64_t start, int64_t i0, int nq, float scale,
-                      uint16_t* out, int64_t ldo, uint16_t* ps, float* events) {
+                      uint16_t* out, int64_t ldo, uint16_t* ps, RescaleEvent* events) {
   const auto qt = (const uint32_t(*)[16][16])qt_packed;
   alignas(64) float sbuf[kKeys * 16];  // S^T of a block
   alignas(64) float obuf[kD * 16];     // O^T, when rescaled or at the end
@@ -270,15 +270,11 @@ void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, int D, cons
   const int64_t n_keys = start + i0 + nq, unmasked = start + i0 + 1;  // keys all lanes see
   const int64_t blocks = (n_keys + kKeys - 1) / kKeys;
   // Every block's P^T (512 values) in ps, kept for the output dims past the first 64
-  // (head_dim 128), which replay the products and the rescales (`events`: 17 floats
-  // each, the block's index as int32 bits, then 16 alphas) without computing S and P
-  // again.
+  // (head_dim 128), which replay the products and the rescales (`events`) without
+  // computing S and P again.
   int64_t n_events = 0;
   __m512 m = _mm512_setzero_ps(), l = _mm512_setzero_ps();
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  zero_o();
   // Each block's S^T goes to the tiles a block ahead, and its O^T product a block
   // behind, so that the vector work of a block waits on neither: a tile store (here of
   // S^T, for the vector loads) retires only after every tile op before it.
@@ -300,10 +296,8 @@ void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, int D, cons
       rescale(alpha, obuf);  // after the block before's O^T (values above)
       m = mn;
       if (D > kD) {
-        const int32_t block = int32_t(kb / kKeys);
-        std::memcpy(events + 17 * n_events, &block, 4);
-        _mm512_storeu_ps(events + 17 * n_events + 1, alpha);
-        ++n_events;
+        events[n_events].block = int32_t(kb / kKeys);
+        _mm512_storeu_ps(events[n_events++].alpha, alpha);
       }
     }
     uint16_t* pb = ps + 512 * (kb / kKeys);
@@ -315,18 +309,10 @@ void prefill_amx_unit(const uint16_t* qt_packed, const uint16_t* kp, int D, cons
   const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
   write_out(obuf, inv, nq, out, ldo);
   for (int d0 = kD; d0 < D; d0 += kD) {  // head_dim 128: the other 64 dims, from P as kept
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
+    zero_o();
     int64_t e = 0;
     for (int64_t b = 0; b < blocks; ++b) {
-      int32_t at = -1;
-      if (e < n_events) std::memcpy(&at, events + 17 * e, 4);
-      if (at == b) {
-        rescale(_mm512_loadu_ps(events + 17 * e + 1), obuf);
-        ++e;
-      }
+      if (e < n_events && events[e].block == b) rescale(_mm512_loadu_ps(events[e++].alpha), obuf);
       values(vt + d0 * tpad + b * kKeys, tpad, ps + 512 * b);
     }
     write_out(obuf, inv, nq, out + d0, ldo);

@@ -637,6 +637,8 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
     TORCH_CHECK(spans[i].first >= spans[i - 1].first + spans[i - 1].second,
                 "chunks overlap at token ", spans[i].first);
   std::vector<int64_t> base(1, 0);  // scratch of chunk p from base[p]: K then V^T per KV head
+  std::vector<int64_t> tpads;        // chunk p's keys, padded to a multiple of 32
+  int64_t max_blocks = 0;            // of 32 keys, in a chunk
   struct Queries {  // a unit: 16 queries of one head
     int64_t p, h, i0;
   };
@@ -647,6 +649,8 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
   for (int64_t p = 0; p < P; ++p) {
     const int64_t start = ch[4 * p + 1], n = ch[4 * p + 2];
     const int64_t tpad = (start + n + 31) / 32 * 32;
+    tpads.push_back(tpad);
+    max_blocks = std::max(max_blocks, tpad / 32);
     base.push_back(base.back() + 2 * KVH * tpad * D);
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
       for (int64_t k0 = 0; k0 < tpad; k0 += 32) packs.push_back({p, kvh, k0});
@@ -656,8 +660,6 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
     work += double(n) * (start + n) * H * D;
   }
   if (qs.empty()) return;
-  int64_t max_blocks = 0;  // of 32 keys, in a chunk
-  for (int64_t p = 0; p < P; ++p) max_blocks = std::max(max_blocks, (ch[4 * p + 1] + ch[4 * p + 2] + 31) / 32);
   const int64_t nt = omp_get_max_threads();
   const int64_t qt_at = base.back();  // then each unit's Q^T, 16 x D values
   const int64_t ps_at = qt_at + int64_t(qs.size()) * 16 * D;  // then each thread's P^T blocks
@@ -667,7 +669,7 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
   constexpr size_t kKeepScratch = size_t(128) << 20;
   thread_local std::vector<uint16_t> scratch;
   const size_t need = size_t(ps_at + nt * max_blocks * 512) + 32;
-  std::vector<float> events(size_t(nt * max_blocks * 17));  // each thread's rescales
+  std::vector<RescaleEvent> events(size_t(nt * max_blocks));  // each thread's rescales
   if (scratch.size() < need) scratch.resize(need);
   // 64-byte aligned: a tile row (64 bytes) across two cache lines reads both
   uint16_t* sp = (uint16_t*)((uintptr_t(scratch.data()) + 63) & ~uintptr_t(63));
@@ -683,7 +685,7 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
     for (int64_t i = 0; i < n_packs; ++i) {
       const auto [p, kvh, k0] = packs[size_t(i)];
       const int64_t start = ch[4 * p + 1], n = ch[4 * p + 2], off = ch[4 * p + 3];
-      const int64_t tpad = (start + n + 31) / 32 * 32;
+      const int64_t tpad = tpads[size_t(p)];
       const int cnt = int(std::min<int64_t>(32, start + n - k0));
       const uint16_t* src_k[32];
       const uint16_t* src_v[32];
@@ -706,13 +708,13 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
     for (int64_t i = 0; i < n_qs; ++i) {
       const Queries u = qs[size_t(i)];
       const int64_t first = ch[4 * u.p], start = ch[4 * u.p + 1], n = ch[4 * u.p + 2];
-      const int64_t tpad = (start + n + 31) / 32 * 32;
+      const int64_t tpad = tpads[size_t(u.p)];
       const uint16_t* kp = sp + base[size_t(u.p)] + 2 * (u.h / G) * tpad * D;
       const int nq = int(std::min<int64_t>(16, n - u.i0));
       const int64_t me = omp_get_thread_num();
       prefill_amx_unit(sp + qt_at + i * 16 * D, kp, int(D), kp + tpad * D, tpad, start, u.i0,
                        nq, scale, op + (first + u.i0) * ldo + u.h * D, ldo,
-                       sp + ps_at + me * max_blocks * 512, events.data() + me * max_blocks * 17);
+                       sp + ps_at + me * max_blocks * 512, events.data() + me * max_blocks);
     }
     prefill_amx_release();
   }

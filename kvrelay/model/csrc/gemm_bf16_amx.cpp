@@ -31,12 +31,6 @@ constexpr int kLanes = 16;
 constexpr int64_t kChunkBytes = 256 << 10;  // x rows per chunk: this much of x, in L2
 constexpr int64_t kSpanBytes = 1 << 20;  // weights per span of column blocks, in L2
 
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // r0 rows in A tile 0 and its C tiles (4, 5); r1 in A tile 1 and C tiles 6, 7 (0: unused).
 void configure(int r0, int r1) {
   TileConfig c{};

@@ -96,14 +96,26 @@ void gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp
                    int64_t N, int64_t up);
 const Kernels* kernels_avx2(DType dt, DType cache);
 
+// The 64 bytes ldtilecfg reads (palette 1: rows and bytes a row of tiles 0-7), for the
+// AMX files (gemm_bf16_amx.cpp, attn_prefill_amx.cpp).
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
 // Prompt attention with AMX tiles, head_dim 64 or 128, bfloat16 (attn_prefill_amx.cpp).
 // A chunk's keys of one KV head are packed once a layer (prefill_amx_pack: K as
 // [tpad][D], V transposed as [D][tpad], tpad a multiple of 32), and each 16 queries'
 // Q^T (prefill_amx_pack_q: D / 32 parts of 16 x 16 pairs); prefill_amx_unit then computes
 // the output of 16 queries (nq valid) of one head: query i0 + n, after `start` cached
 // positions, sees keys [0, start + i0 + n]; ps (64-byte aligned) and events: the
-// calling thread's room for 512 values and 17 floats per 32 keys. A thread loads the tile
-// configuration (prefill_amx_configure) before its units and releases it after.
+// calling thread's room for 512 values and one RescaleEvent per 32 keys. A thread loads
+// the tile configuration (prefill_amx_configure) before its units and releases it after.
+struct RescaleEvent {  // a unit's running max moved at this block of 32 keys, by alpha
+  int32_t block;
+  float alpha[16];
+};
 void prefill_amx_configure();
 void prefill_amx_release();
 void prefill_amx_pack(const uint16_t* const* src_k, const uint16_t* const* src_v, int n,
@@ -111,7 +123,7 @@ void prefill_amx_pack(const uint16_t* const* src_k, const uint16_t* const* src_v
 void prefill_amx_pack_q(const uint16_t* q, int64_t ldq, int nq, int D, uint16_t* qt);
 void prefill_amx_unit(const uint16_t* qt, const uint16_t* kp, int D, const uint16_t* vt,
                       int64_t tpad, int64_t start, int64_t i0, int nq, float scale,
-                      uint16_t* out, int64_t ldo, uint16_t* ps, float* events);
+                      uint16_t* out, int64_t ldo, uint16_t* ps, RescaleEvent* events);
 
 // GGUF block types the quantized decode GEMM takes (their ggml type codes).
 enum class QType : int { Q4_1 = 3, Q8_0 = 8 };
