@@ -22,6 +22,7 @@ static inline float exp_neg(float x) {
 // s[0, len) = softmax(s[0, len)) in place, in float32.
 static inline void softmax_row(float* __restrict s, int len) {
   float m = s[0];
+#pragma omp simd reduction(max : m)
   for (int p = 1; p < len; ++p) m = s[p] > m ? s[p] : m;
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
