@@ -126,7 +126,7 @@ inline void drain(Pending& p, int upto, const Out& o) {
 // L2 meanwhile, a step's share per step. With `near` (a decode-sized call: fewer than 32
 // rows, each block taken once), each of this pair's blocks is fetched into L1 two tiles
 // ahead of its multiplies instead: at 8-16 rows it streamed the weights 5-10% faster
-// (SmolLM2's shapes, in-process A/B; a batch-8 bfloat16 decode step about 5% shorter),
+// (SmolLM2's shapes, in-process A/B; a batch-8 bfloat16 decode step 3-5% shorter),
 // where in prefill calls it was no better than the next pair into L2.
 //
 // SILU: B1 is the up half's block blk + o.up beside gate block blk, and the pending
