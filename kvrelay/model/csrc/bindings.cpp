@@ -211,6 +211,15 @@ int64_t layer_rows(int64_t layer, int64_t layers, int64_t bs, int64_t total_rows
   return layer * 2 * bs;
 }
 
+// Each of the n layer-0 K rows in kr (a token's slot, or a key's) has its K and V rows of
+// the layer whose rows start at lo (layer_rows) inside the cache's total_rows.
+void check_kv_rows(const int64_t* kr, int64_t n, int64_t lo, int64_t bs, int64_t total_rows,
+                   const char* what) {
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(kr[i] >= 0 && kr[i] < total_rows - lo - bs, "KV row ", kr[i], " of ", what,
+                " ", i, " is outside the cache");
+}
+
 // One layer's attention. qkv (T, (H + 2 KVH) D): q and k are rotated in place, k and v
 // written to the cache at k_rows (layer-0 K rows of KVH * D values, as
 // attention.AttnMetadata.write_rows), then every query token attends to its
@@ -254,11 +263,9 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   // the cache: O(tokens + blocks) per layer, nothing next to the attention itself.
   const int64_t n_blocks = cache.size(0), total_rows = cache.numel() / row;
   const int64_t lo = layer_rows(layer, layers, bs, total_rows);
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rope table");
-    TORCH_CHECK(kr[t] >= 0 && kr[t] < total_rows - lo - bs, "KV row ", kr[t],
-                " of token ", t, " is outside the cache");
-  }
+  check_kv_rows(kr, T, lo, bs, total_rows, "token");
   // Tiles: up to 64 query rows (tokens x the G heads sharing a KV head) each.
   const int G = int(H / KVH), tile_tokens = G >= 64 ? 1 : 64 / G;
   std::vector<AttnTile> tiles;
@@ -619,8 +626,7 @@ void prefill_attention(const torch::Tensor& qkv, const torch::Tensor& cache, tor
   const int64_t* kr = k_rows.data_ptr<int64_t>();
   const int64_t total_rows = cache.numel() / row;
   const int64_t lo = layer_rows(layer, layers, bs, total_rows);
-  for (int64_t i = 0; i < n_rows; ++i)
-    TORCH_CHECK(kr[i] >= 0 && kr[i] < total_rows - lo - bs, "KV row ", kr[i], " is outside the cache");
+  check_kv_rows(kr, n_rows, lo, bs, total_rows, "key");
   // Each chunk's rows of the step (written by its units alone: no two may overlap), and
   // its keys within k_rows; checked as int64 so that no sum overflows.
   std::vector<std::pair<int64_t, int64_t>> spans;  // first token, tokens
