@@ -995,6 +995,31 @@ def test_gguf_gemm_matches_the_dequantized_weight(isa: str, qtype: int, rows: in
             assert rel < 0.01, rel
 
 
+@pytest.mark.parametrize("qtype", [8, 3], ids=["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 8, 17])
+def test_gguf_gemm_bfloat16_x_gives_the_float32_result_rounded(isa: str, qtype: int,
+                                                               rows: int) -> None:
+    """bfloat16 x is read and its result rounded inside the call (no conversions around
+    it): the float32 call on the same values rounded as .to() rounds, exactly (a NaN's
+    bits aside), rows with a stride past K, one row holding an infinity included."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    assert _mod is not None
+    n, k = 80, 96
+    g = torch.Generator().manual_seed(rows + qtype)
+    raw = quantize(torch.randn(n, k, generator=g).numpy(), GGMLQuantizationType(qtype))
+    packed = _mod.pack_gguf_gemm(torch.from_numpy(np.ascontiguousarray(raw)), qtype, k)
+    x = (100 * torch.randn(rows, k + 32, generator=g)).bfloat16()[:, :k]
+    x[-1, 5] = float("inf")
+    for b in (None, torch.randn(n, generator=g)):
+        out = _mod.gguf_gemm(x, packed, qtype, n, b)
+        ref = _mod.gguf_gemm(x.float(), packed, qtype, n, b).bfloat16()
+        assert out.dtype is torch.bfloat16 and not out[-1].isfinite().any()
+        torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("kernel", ["f32", "bf16", "Q8_0", "Q4_1"])
 @pytest.mark.parametrize("rows", [1, 5, 8, 17])
 @pytest.mark.parametrize(("i", "k"), [(16, 64), (48, 96), (1536, 576)])

@@ -109,17 +109,34 @@ constexpr int kTileRows = KVR_Q_AVX2_ROWS;
 constexpr int blocks_per_tile(int) { return 1; }
 #endif
 
-// Row m's int8 codes of x (M, K), its scale per group dx (M, K/32) and sx = dx * sum of
-// the group's codes. Round to nearest (even), like llama.cpp's vector paths.
-static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq,
+// n values of x as float32 vectors: float32, or bfloat16 (the top half of a float's bits)
+#if KVR_F32_LANES == 16
+static inline vf xload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vf xload(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#else
+static inline vf xload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vf xload(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
+
+// Row m's int8 codes of x (M, K; float32 or bfloat16 T), its scale per group dx (M, K/32)
+// and sx = dx * sum of the group's codes. Round to nearest (even), like llama.cpp's vector
+// paths.
+template <typename T>
+static void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq,
                           float* dx, float* sx) {
   const int64_t G = K / kGroup;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
-      const float* p = x + m * ldx + g * kGroup;
+      const T* p = x + m * ldx + g * kGroup;
       int8_t* q = xq + m * K + g * kGroup;
 #if KVR_F32_LANES == 16
-      const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+      const __m512 a = xload(p), b = xload(p + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
       const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
@@ -132,7 +149,7 @@ static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int
       __m256 mx = _mm256_setzero_ps();
       const __m256 sign = _mm256_set1_ps(-0.f);
       for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_loadu_ps(p + 8 * i);
+        v[i] = xload(p + 8 * i);
         mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
       }
       __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));

@@ -9,9 +9,12 @@
 #include "gemm_q_impl.h"
 
 namespace kvr {
-void quantize_q8_avx512(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq,
-                        float* dx, float* sx) {
-  avx512vnni::q::quantize_rows(x, ldx, M, K, xq, dx, sx);
+void quantize_q8_avx512(const void* x, bool bf16, int64_t ldx, int64_t M, int64_t K,
+                        int8_t* xq, float* dx, float* sx) {
+  if (bf16)
+    avx512vnni::q::quantize_rows((const uint16_t*)x, ldx, M, K, xq, dx, sx);
+  else
+    avx512vnni::q::quantize_rows((const float*)x, ldx, M, K, xq, dx, sx);
 }
 void gemm_q_avx512(int type, const int8_t* xq, const float* dx, const float* sx, int64_t M,
                    const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1, const float* bias,
