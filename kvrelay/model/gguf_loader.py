@@ -39,8 +39,12 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
-# Types the native quantized GEMM serves as stored (``--quantization gguf``).
-SERVED_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1})
+# Types the native quantized GEMM serves as stored (``--quantization gguf``): Q4_0 as
+# Q4_1 with min -8 d (the same values), Q4_K's sub-blocks as Q4_1 groups with float32
+# scales (csrc/gemm_q_impl.h). Others (Q5_*, Q6_K, ...) are dequantized at load.
+SERVED_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0,
+                          GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K})
+SERVED_NAMES = "Q8_0, Q4_0, Q4_1 or Q4_K"
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,18 +125,40 @@ class GgufModel:
         return state, freq_factors
 
     def quantized_weights(self) -> dict[str, QuantWeight]:
-        """The 2-D Q8_0 and Q4_1 weights under HF names, their bytes as stored."""
+        """The 2-D weights of SERVED_TYPES under HF names, their bytes as stored (Q4_0's
+        as the Q4_1 blocks of the same values)."""
         out: dict[str, QuantWeight] = {}
         for name, t in self.tensors.items():
             if t.tensor_type not in SERVED_TYPES or len(t.shape) != 2:
                 continue
-            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, order="C"))
+            data: np.ndarray | None = np.array(t.data, dtype=np.uint8, order="C")
+            qtype = int(t.tensor_type)
+            if t.tensor_type == GGMLQuantizationType.Q4_0:
+                data = q4_0_as_q4_1(np.asarray(data))
+                qtype = int(GGMLQuantizationType.Q4_1)
+            if data is None:
+                continue  # a Q4_0 scale too large for the min -8 d: dequantized instead
+            raw = torch.from_numpy(data)
             hf_name, kind = _hf_name(name)
             if kind in ("attn_q", "attn_k") and self.config.architecture == "llama":
                 heads = self.config.num_heads if kind == "attn_q" else self.config.num_kv_heads
                 raw = _unpermute(raw, heads).contiguous()  # whole rows move: bytes as stored
-            out[hf_name] = QuantWeight(int(t.tensor_type), raw, int(t.shape[0]))
+            out[hf_name] = QuantWeight(qtype, raw, int(t.shape[0]))
         return out
+
+
+def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
+    """Q4_0 rows (blocks of f16 d + 16 bytes, value d (q - 8)) as Q4_1 rows (f16 d, f16 m,
+    the same 16 bytes, value d q + m) with m = -8 d: exact in f16 (a power of two) but
+    where 8 d overflows it (None then)."""
+    blocks = raw.reshape(raw.shape[0], -1, 18)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)
+    with np.errstate(over="ignore"):
+        m = (d.astype(np.float32) * -8.0).astype(np.float16)
+    if not np.isfinite(m).all():
+        return None
+    out = np.concatenate([blocks[..., 0:2], m.view(np.uint8), blocks[..., 2:]], axis=-1)
+    return np.ascontiguousarray(out.reshape(raw.shape[0], -1))
 
 
 def _dequantize(t: GgufTensor) -> np.ndarray:

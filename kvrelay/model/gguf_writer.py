@@ -40,6 +40,38 @@ _HF_TO_GGUF = {
 }
 
 
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """Rows of w (K a multiple of 256) as Q4_K blocks, the layout ggml reads: per 256
+    values f16 d and dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles
+    (a 64-value chunk's first 32 in the low nibbles), value = d sc q - dmin m. A plain
+    min/max quantizer (the gguf package has none for K types; llama.cpp's searches the
+    scales), enough to write test files that llama.cpp would read alike."""
+    rows, k = w.shape
+    if k % 256:
+        raise ValueError(f"Q4_K needs rows of a multiple of 256 values, got {k}")
+    x = w.astype(np.float32).reshape(rows, k // 256, 8, 32)
+    lo = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - lo) / 15.0
+    d = (scale.max(-1) / 63.0).astype(np.float16)
+    dmin = ((-lo).max(-1) / 63.0).astype(np.float16)
+    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)),
+                 0, 63).astype(np.uint8)
+    m = np.clip(np.round(np.divide(-lo, dminf, out=np.zeros_like(lo), where=dminf > 0)),
+                0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.divide(x + (dminf * m)[..., None], step, out=np.zeros_like(x), where=step > 0)
+    q = np.clip(np.round(q), 0, 15).astype(np.uint8).reshape(rows, k // 256, 4, 2, 32)
+    packed = np.empty((rows, k // 256, 12), np.uint8)
+    packed[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(rows, k // 256, 128)
+    out = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8),
+                          packed, qs], axis=-1)
+    return out.reshape(rows, k // 256 * 144)
+
+
 def gguf_name(hf: str) -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
@@ -65,7 +97,10 @@ def write_gguf(
     weights: dict[str, np.ndarray],
     tokenizer_json: str,
     chat_template: str,
+    types: dict[str, Q] | None = None,
 ) -> dict[str, np.ndarray]:
+    """``types``: the tensor type per GGUF tensor kind, over the default (_TYPES)."""
+    kinds = {**_TYPES, **(types or {})}
     writer = GGUFWriter(str(path), "llama")
     _write_metadata(writer, cfg)
     _write_tokenizer(writer, tokenizer_json, chat_template)
@@ -73,8 +108,8 @@ def write_gguf(
     for hf, w in weights.items():
         name = gguf_name(hf)
         kind = name.split(".")[-2]
-        qtype = _TYPES.get(kind, Q.F32) if w.ndim == 2 else Q.F32
-        data = quantize(w, qtype)
+        qtype = kinds.get(kind, Q.F32) if w.ndim == 2 else Q.F32
+        data = quantize_q4_k(w) if qtype == Q.Q4_K else quantize(w, qtype)
         back = dequantize(data, qtype).reshape(w.shape).astype(np.float32)
         decoded[hf] = back
         if kind in ("attn_q", "attn_k"):

@@ -31,7 +31,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_KV_CACHE_GB = 1.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *_DTYPES)
-# none: every weight dequantized at load; gguf: Q8_0/Q4_1 served as stored (vLLM's name)
+# none: every weight dequantized at load; gguf: Q8_0/Q4_0/Q4_1/Q4_K served as stored
+# (vLLM's name)
 QUANTIZATION_CHOICES = ("auto", "none", "gguf")
 # --kv-cache-dtype (vLLM's flag): auto keeps the model's dtype; bfloat16 under a float32
 # model halves the bytes a decode step reads from the cache (and the cache's memory).
@@ -85,7 +86,7 @@ def load_model(
 ) -> Model:
     """``enforce_eager``: no CUDA graphs for decode steps (they are used on CUDA
     devices only, for batches up to ``max_num_seqs``; graphs.py). ``quantization``:
-    ``gguf`` serves a GGUF's Q8_0 and Q4_1 weights as stored (the native kernels' job;
+    ``gguf`` serves a GGUF's Q8_0, Q4_0, Q4_1 and Q4_K weights as stored (the native kernels' job;
     on AVX-512 VNNI prefill-sized GEMMs keep the dequantized weights), ``none``
     dequantizes every weight at load, ``auto`` is ``gguf`` for a GGUF file with such
     weights where the native kernels run, else ``none`` (docs/model.md).
@@ -290,13 +291,13 @@ def _quantized(path: Path, required: bool = True) -> dict[str, QuantWeight] | No
     if path.is_dir() or path.suffix.lower() != ".gguf":
         raise ValueError(f"--quantization gguf serves a GGUF file's quantized weights; "
                          f"{path} is not a .gguf file")
-    from kvrelay.model.gguf_loader import GgufModel
+    from kvrelay.model.gguf_loader import SERVED_NAMES, GgufModel
 
     quantized = GgufModel(path).quantized_weights()
     if not quantized:
         if not required:
             return None
-        raise ValueError(f"--quantization gguf: {path} has no Q8_0 or Q4_1 weights to serve")
+        raise ValueError(f"--quantization gguf: {path} has no {SERVED_NAMES} weights to serve")
     return quantized
 
 

@@ -186,11 +186,11 @@ def small_gemm_unavailable(mod: Any, dtype: torch.dtype) -> str | None:
 
 
 class NativeGgufGemm:
-    """y = x W^T + b with W as a GGUF file stores it (Q8_0 or Q4_1 codes, repacked into
-    16-column groups, same bits per weight; csrc/gemm_q_impl.h): a decode step streams
-    8.5 or 5 bits a weight instead of 32 (float32) or 16 (bfloat16). x (float32 or
-    bfloat16) is quantized to 8 bits per 32 values and multiplied in integers (AVX-512
-    VNNI or AVX2), llama.cpp's route; the result in x's dtype."""
+    """y = x W^T + b with W as a GGUF file stores it (Q8_0, Q4_1 or Q4_K codes, repacked
+    into 16-column groups; csrc/gemm_q_impl.h): a decode step streams 8.5, 5 or 6 bits a
+    weight instead of 32 (float32) or 16 (bfloat16). x (float32 or bfloat16) is quantized
+    to 8 bits per 32 values and multiplied in integers (AVX-512 VNNI or AVX2), llama.cpp's
+    route; the result in x's dtype."""
 
     def __init__(self, mod: Any, qtype: int, label: str, max_rows: int) -> None:
         """``max_rows``: GgufGemms' choice for the model."""

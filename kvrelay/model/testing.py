@@ -169,18 +169,29 @@ def write_tiny_hf_model(dir: Path, arch: str = "llama", seed: int = 0) -> Path:
     return write_hf_dir(Path(dir), cfg, tiny_weights(cfg, seed), tok)
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, *, reference_dir: Path | None = None) -> Path:
+def write_tiny_gguf(path: Path, seed: int = 0, *, reference_dir: Path | None = None,
+                    k_quants: bool = False) -> Path:
     """A tiny random llama model as GGUF, with F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors.
 
     With ``reference_dir``, also writes an HF directory holding exactly the weights
     the GGUF file decodes to (after quantization), for comparison with transformers.
+    ``k_quants``: a wider model (hidden 256, intermediate 512: K-quant super-blocks are
+    256 values) whose q/k/v, gate and up are Q4_K and down Q4_0.
     """
+    from gguf import GGMLQuantizationType as Q
+
     from kvrelay.model.gguf_writer import write_gguf
 
     tok = tiny_tokenizer_json()
     vocab = len(json.loads(tok)["model"]["vocab"])
     cfg = tiny_hf_config("llama", vocab)
-    decoded = write_gguf(Path(path), cfg, tiny_weights(cfg, seed), tok, CHATML_TEMPLATE)
+    types = None
+    if k_quants:
+        cfg.update(hidden_size=256, intermediate_size=512,
+                   head_dim=256 // cfg["num_attention_heads"])
+        types = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q4_K, "ffn_gate": Q.Q4_K,
+                 "ffn_up": Q.Q4_K, "ffn_down": Q.Q4_0}
+    decoded = write_gguf(Path(path), cfg, tiny_weights(cfg, seed), tok, CHATML_TEMPLATE, types)
     if reference_dir is not None:
         write_hf_dir(Path(reference_dir), cfg, decoded, tok)
     return Path(path)

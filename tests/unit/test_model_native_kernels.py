@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -959,25 +960,40 @@ def _q8_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(g * inv) * (amax / 127.0)).view(x.shape)
 
 
-@pytest.mark.parametrize("qtype", [8, 3], ids=["Q8_0", "Q4_1"])
+def _gguf_quantize(w: torch.Tensor, qtype: int) -> np.ndarray:
+    """w's rows as GGUF blocks of qtype (Q4_K by the writer's quantizer: the gguf package
+    has none for K types)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from kvrelay.model.gguf_writer import quantize_q4_k
+
+    if qtype == 12:
+        return quantize_q4_k(w.numpy())
+    return np.ascontiguousarray(quantize(w.numpy(), GGMLQuantizationType(qtype)))
+
+
+@pytest.mark.parametrize(("qtype", "n", "k"), [
+    *[(q, n, k) for q in (8, 3) for n, k in [(16, 64), (40, 96), (832, 576), (576, 1536)]],
+    *[(12, n, k) for n, k in [(16, 256), (40, 512), (576, 1536)]],
+], ids=lambda v: {8: "Q8_0", 3: "Q4_1", 12: "Q4_K"}.get(v, str(v)))
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 32])
-@pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 96), (832, 576), (576, 1536)])
 def test_gguf_gemm_matches_the_dequantized_weight(isa: str, qtype: int, rows: int, n: int,
                                                    k: int) -> None:
     """The quantized GEMM on each ISA path (AVX-512 VNNI, AVX2) against x8 @ W^T in
     float64, W dequantized by the gguf package (what --quantization none serves) and x8
     the activations quantized to 8 bits per 32 values as the kernel does: within float32
     rounding of the same sums (float32 and bfloat16 x). Against the unquantized x the
-    mean relative error is the 8-bit activations' (under 1%)."""
-    import numpy as np
+    mean relative error is the 8-bit activations' (under 1%). Q4_K's sub-blocks carry
+    float32 scales and mins (d sc, -dmin m), so they too give the file's exact values."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
 
     assert _mod is not None
     g = torch.Generator().manual_seed(rows * 1000 + n + k + qtype)
-    gtype = GGMLQuantizationType(qtype)
-    raw = quantize(torch.randn(n, k, generator=g).numpy(), gtype)
-    w = torch.from_numpy(np.asarray(dequantize(raw, gtype), dtype=np.float64)).view(n, k)
+    raw = _gguf_quantize(torch.randn(n, k, generator=g), qtype)
+    w = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType(qtype)),
+                                    dtype=np.float64)).view(n, k)
     packed = _mod.pack_gguf_gemm(torch.from_numpy(raw), qtype, k)
     bias = torch.randn(n, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
@@ -1094,6 +1110,8 @@ def test_gguf_gemm_rejects_bad_input() -> None:
         _mod.pack_gguf_gemm(raw, 3, 64)  # Q4_1 rows are 2 x 20 bytes
     with pytest.raises(RuntimeError, match="multiple of 32"):
         _mod.pack_gguf_gemm(raw, 8, 48)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        _mod.pack_gguf_gemm(torch.zeros(32, 18 * 4, dtype=torch.uint8), 12, 128)
     with pytest.raises(RuntimeError, match="does not match"):
         _mod.gguf_gemm(torch.randn(2, 64), packed, 8, 48)
     with pytest.raises(RuntimeError, match="does not match"):
@@ -1106,8 +1124,9 @@ def test_gguf_gemm_rejects_bad_input() -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str) -> None:
     """--quantization gguf on a GGUF with mixed tensor types: the Q8_0 ones (ffn_down, the
-    lm_head) go to the quantized GEMM, the fused q/k/v and gate/up, whose parts differ
-    in type, keep the dequantized weights; the logits of 16 positions (decode-sized
+    lm_head) go to the quantized GEMM, and the fused gate/up (gate Q4_0, served as the
+    Q4_1 blocks of the same values, up Q4_1); the fused q/k/v, whose parts differ in type
+    (Q8_0, Q4_1, F16), keeps the dequantized weights; the logits of 16 positions (decode-sized
     GEMMs) are within the 8-bit activations' error of the dequantized model's (mean
     under 2% of the logits' mean size; a random tiny model's near-ties can flip greedy
     tokens, so the SmolLM2 agreement is measured by `kvrelay bench quant`). An HF
@@ -1128,6 +1147,7 @@ def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str)
             assert kernel_choice.info()["gemm"] == f"native-gguf-{_mod.gguf_isa()}"
             assert isinstance(model.layers[0].down.small.__self__, native.NativeGgufGemm)
             assert isinstance(model.lm_head.small.__self__, native.NativeGgufGemm)
+            assert isinstance(model.layers[0].gate_up.small.__self__, native.NativeGgufGemm)
             assert not isinstance(getattr(model.layers[0].qkv.small, "__self__", None),
                                   native.NativeGgufGemm)
         blocks = list(range(-(-len(ids) // runner.block_size)))
@@ -1141,6 +1161,49 @@ def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str)
         LLM(str(write_tiny_hf_model(tmp_path / "hf")), quantization="gguf")
     with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
         LLM(path, quantization="int4")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantization_gguf_serves_k_quants(tmp_path: Path, dtype: str) -> None:
+    """A GGUF of Q4_K (q/k/v, gate, up) and Q4_0 (down) matrices, as a Q4_K_M file holds
+    them: every layer GEMM runs on the stored codes, and the logits of 16 positions are
+    within the 8-bit activations' error of the dequantized model's (2.2% of the logits'
+    mean size here, as with the same model in Q4_1: every layer GEMM of a 4x wider model
+    takes the 8-bit activations; a wrong Q4_K scale or code order is ~100%)."""
+    from kvrelay.model.llm import LLM
+    from kvrelay.model.testing import write_tiny_gguf
+
+    path = str(write_tiny_gguf(tmp_path / "k.gguf", seed=5, k_quants=True))
+    ids = list(range(40, 40 + native.GGUF_AMX_ROWS))
+    logits = {}
+    for quant in ("gguf", "none"):
+        runner = LLM(path, dtype=dtype, quantization=quant).model.runner  # type: ignore[attr-defined]
+        layer = runner.model.layers[1]
+        served = [isinstance(getattr(f.small, "__self__", None), native.NativeGgufGemm)
+                  for f in (layer.qkv, layer.gate_up, layer.down)]
+        assert served == [quant == "gguf"] * 3
+        blocks = list(range(-(-len(ids) // runner.block_size)))
+        logits[quant] = runner._forward(ids, list(range(len(ids))),
+                                        [ChunkSpec(0, len(ids), blocks)], list(range(len(ids))))
+    diff = (logits["gguf"] - logits["none"]).abs().mean() / logits["none"].abs().mean()
+    assert 0 < diff < 0.04, diff
+
+
+def test_q4_0_is_served_as_the_q4_1_blocks_of_the_same_values() -> None:
+    """The loader's Q4_0 -> Q4_1 rewrite (min -8 d) decodes to the same floats, bit for
+    bit; a scale whose -8 d overflows f16 leaves the tensor to be dequantized."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    from kvrelay.model.gguf_loader import q4_0_as_q4_1
+
+    raw = quantize(np.random.default_rng(0).standard_normal((8, 128)).astype(np.float32), Q.Q4_0)
+    as_q41 = q4_0_as_q4_1(raw)
+    assert as_q41 is not None and as_q41.shape == (8, 4 * 20)
+    assert np.array_equal(dequantize(as_q41, Q.Q4_1), dequantize(raw, Q.Q4_0))
+    big = raw.copy()
+    big[0, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)
+    assert q4_0_as_q4_1(big) is None
 
 
 def test_quantization_auto_serves_the_codes_where_it_can(

@@ -33,31 +33,67 @@ void pack_f32_blocks(const float* w, int64_t N, int64_t K, float* out) {
       }
 }
 
-int64_t gguf_block_bytes(int type) { return type == int(QType::Q8_0) ? 34 : 20; }
-int64_t gguf_group_bytes(int type) { return type == int(QType::Q8_0) ? 544 : 320; }
+int64_t gguf_block_bytes(int type) {
+  return type == int(QType::Q8_0) ? 34 : type == int(QType::Q4_K) ? 18 : 20;
+}
+int64_t gguf_group_bytes(int type) {
+  return type == int(QType::Q8_0) ? 544 : type == int(QType::Q4_K) ? 384 : 320;
+}
+
+// Q4_K's 6-bit scale and min of sub-block j (0-7) from its 12 packed bytes (ggml's
+// get_scale_min_k4).
+static void q4k_scale_min(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63, m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
 
 // GGUF rows (N rows of K / 32 blocks: Q8_0 f16 d + 32 int8; Q4_1 f16 d, f16 m + 16
-// bytes, k < 16 in the low nibbles) -> the groups of gemm_q_impl.h, codes in chunks of
-// [16 columns][4 k]. Columns past N get zero scales, mins and codes. Generic code, once
-// per weight at load.
+// bytes, k < 16 in the low nibbles; Q4_K super-blocks of 256: f16 d, f16 dmin, 12 bytes
+// of 6-bit scales and mins, 128 bytes of nibbles) -> the groups of gemm_q_impl.h, codes
+// in chunks of [16 columns][4 k]. A Q4_K sub-block of 32 is a group as Q4_1's, value
+// d sc q - dmin m, with its scale d sc and min -dmin m in float32 (exact: an f16 times
+// a 6-bit integer) where Q4_1 has f16. Columns past N get zero scales, mins and codes.
+// Generic code, once per weight at load.
 void pack_gguf_blocks(int type, const uint8_t* raw, int64_t N, int64_t K, uint8_t* out) {
   const int64_t G = K / 32, nblk = (N + 15) / 16, bb = gguf_block_bytes(type);
   const int64_t gb = gguf_group_bytes(type);
   std::memset(out, 0, size_t(nblk * G * gb));
+  // the group's codes: k < 16 in the low nibbles, as Q4_1 stores them
+  const auto put4 = [](uint8_t* codes, int64_t c, int k, uint8_t code) {
+    codes[(k % 16 / 4) * 64 + c * 4 + k % 4] |= uint8_t(code << (k < 16 ? 0 : 4));
+  };
   for (int64_t n = 0; n < N; ++n) {
     const int64_t b = n / 16, c = n % 16;
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* src = raw + (n * G + g) * bb;
       uint8_t* dst = out + (b * G + g) * gb;
+      if (type == int(QType::Q4_K)) {
+        const uint8_t* sb = raw + n * (K / 256) * 144 + g / 8 * 144;
+        const int j = int(g % 8);
+        int sc, m;
+        q4k_scale_min(j, sb + 4, sc, m);
+        const float d = float(c10::Half(uint16_t(sb[0] | sb[1] << 8), c10::Half::from_bits()));
+        const float dmin = float(c10::Half(uint16_t(sb[2] | sb[3] << 8), c10::Half::from_bits()));
+        const float scale = d * float(sc), min = -dmin * float(m);
+        std::memcpy(dst + 4 * c, &scale, 4);
+        std::memcpy(dst + 64 + 4 * c, &min, 4);
+        // sub-blocks 2i and 2i + 1 share bytes 32 i .. 32 i + 31: low and high nibbles
+        const uint8_t* qs = sb + 16 + 32 * (j / 2);
+        for (int k = 0; k < 32; ++k)
+          put4(dst + 128, c, k, uint8_t(j % 2 == 0 ? qs[k] & 0x0f : qs[k] >> 4));
+        continue;
+      }
+      const uint8_t* src = raw + (n * G + g) * bb;
       std::memcpy(dst + 2 * c, src, 2);  // the scale d, f16
       if (type == int(QType::Q8_0)) {
         for (int k = 0; k < 32; ++k) dst[32 + (k / 4) * 64 + c * 4 + k % 4] = src[2 + k];
       } else {
         std::memcpy(dst + 32 + 2 * c, src + 2, 2);  // the min m, f16
-        for (int k = 0; k < 32; ++k) {
-          const uint8_t code = k < 16 ? src[4 + k] & 0x0f : src[4 + k - 16] >> 4;
-          dst[64 + (k % 16 / 4) * 64 + c * 4 + k % 4] |= uint8_t(code << (k < 16 ? 0 : 4));
-        }
+        for (int k = 0; k < 32; ++k)
+          put4(dst + 64, c, k, uint8_t(k < 16 ? src[4 + k] & 0x0f : src[4 + k - 16] >> 4));
       }
     }
   }
@@ -778,11 +814,16 @@ torch::Tensor f32_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t 
   return out;
 }
 
+bool gguf_type_known(int64_t type) {
+  return type == int(QType::Q8_0) || type == int(QType::Q4_1) || type == int(QType::Q4_K);
+}
+
 // GGUF raw rows (N, K / 32 * block bytes) uint8 -> (ceil(N/16), K/32, group bytes).
 torch::Tensor pack_gguf_gemm(const torch::Tensor& raw, int64_t type, int64_t K) {
-  TORCH_CHECK(type == int(QType::Q8_0) || type == int(QType::Q4_1),
-              "pack_gguf_gemm takes GGUF types Q8_0 (8) or Q4_1 (3), got ", type);
-  TORCH_CHECK(K > 0 && K % 32 == 0, "K must be a positive multiple of 32, got ", K);
+  TORCH_CHECK(gguf_type_known(type),
+              "pack_gguf_gemm takes GGUF types Q8_0 (8), Q4_1 (3) or Q4_K (12), got ", type);
+  const int64_t per = type == int(QType::Q4_K) ? 256 : 32;  // values a block
+  TORCH_CHECK(K > 0 && K % per == 0, "K must be a positive multiple of ", per, ", got ", K);
   TORCH_CHECK(raw.device().is_cpu() && raw.dim() == 2 && raw.is_contiguous() &&
                   raw.scalar_type() == torch::kUInt8 &&
                   raw.size(1) == K / 32 * gguf_block_bytes(int(type)),
@@ -807,7 +848,7 @@ torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int6
                         int64_t N, const c10::optional<torch::Tensor>& bias, bool silu) {
   TORCH_CHECK(has_f32_gemm(), "gguf_gemm needs AVX2 + FMA or AVX-512");
   check_rows(x_in, "x");
-  TORCH_CHECK(type == int(QType::Q8_0) || type == int(QType::Q4_1), "unknown GGUF type ", type);
+  TORCH_CHECK(gguf_type_known(type), "unknown GGUF type ", type);
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 || x_in.scalar_type() == torch::kBFloat16,
               "gguf_gemm takes float32 or bfloat16 x");
   const bool bf16 = x_in.scalar_type() == torch::kBFloat16;

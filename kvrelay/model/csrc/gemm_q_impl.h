@@ -13,7 +13,9 @@
 // 32-bit lane per column: what vpdpbusd / maddubs sum). Q8_0: [16 f16 scales][8 chunks
 // for k 0-31] (544 bytes); Q4_1: [16 f16 scales][16 f16 mins][4 chunks, byte (c, t) of
 // chunk i holding k = 4i + t in its low and k = 16 + 4i + t in its high nibble] (320
-// bytes): the file's bits per weight (8.5 and 5).
+// bytes): the file's bits per weight (8.5 and 5). Q4_K: as Q4_1 with float32 scales
+// and mins (384 bytes: 6 bits a weight where the file has 4.5), each sub-block's d sc
+// and -dmin m, exact.
 //
 // Dot products: AVX-512 VNNI (KVR_Q_VNNI) vpdpbusd, unsigned codes x signed
 // activations, 4 products a lane; Q8_0's signed codes are flipped to code + 128 on
@@ -66,6 +68,9 @@ static inline vi iadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline void scales(const uint8_t* h, vf out[kVecs]) {
   out[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h));
 }
+static inline void scales32(const uint8_t* h, vf out[kVecs]) {
+  out[0] = _mm512_loadu_ps((const float*)h);
+}
 constexpr int kTileRows = 8;
 constexpr int blocks_per_tile(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 2 : 1; }
 #else
@@ -100,6 +105,10 @@ static inline vi iadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline void scales(const uint8_t* h, vf out[kVecs]) {
   out[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
   out[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + 16)));
+}
+static inline void scales32(const uint8_t* h, vf out[kVecs]) {
+  out[0] = _mm256_loadu_ps((const float*)h);
+  out[1] = _mm256_loadu_ps((const float*)(h + 32));
 }
 // 16 ymm: MR * 2 int sums + MR * 2 float sums + 4 codes + broadcasts.
 #ifndef KVR_Q_AVX2_ROWS
@@ -180,6 +189,7 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t*
 struct Q8_0 {
   static constexpr int kBytes = 32 + kGroup * kCols;
   static constexpr bool kMin = kQ8Bias != 0;  // VNNI: m = -128 dw
+  static inline void d(const uint8_t* g, vf out[kVecs]) { scales(g, out); }
   template <int MR, int NB>
   static inline void dots(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
                           vi (&acc)[MR][NB * kVecs]) {
@@ -200,9 +210,18 @@ struct Q8_0 {
   }
 };
 
-struct Q4_1 {
-  static constexpr int kBytes = 64 + kGroup * kCols / 2;
+// Q4_1, or with F32 (Q4_K) float32 scales and mins
+template <bool F32>
+struct Q4 {
+  static constexpr int kHead = F32 ? 128 : 64;  // scales and mins, then the codes
+  static constexpr int kBytes = kHead + kGroup * kCols / 2;
   static constexpr bool kMin = true;
+  static inline void d(const uint8_t* g, vf out[kVecs]) {
+    if constexpr (F32)
+      scales32(g, out);
+    else
+      scales(g, out);
+  }
   template <int MR, int NB>
   static inline void dots(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
                           vi (&acc)[MR][NB * kVecs]) {
@@ -213,7 +232,7 @@ struct Q4_1 {
       vi lo[NB * kVecs], hi[NB * kVecs];
       for (int j = 0; j < NB; ++j)
         for (int v = 0; v < kVecs; ++v) {
-          const vi raw = iload(base[j] + 64 + c * 64 + v * (64 / kVecs));
+          const vi raw = iload(base[j] + kHead + c * 64 + v * (64 / kVecs));
           lo[j * kVecs + v] = nib_lo(raw);
           hi[j * kVecs + v] = nib_hi(raw);
         }
@@ -226,9 +245,14 @@ struct Q4_1 {
       for (int j = 0; j < NB * kVecs; ++j) acc[m][j] = iadd32(acc[m][j], q4_widen(s[m][j]));
   }
   static inline void mins(const uint8_t* g, const vf[kVecs], vf out[kVecs]) {
-    scales(g + 32, out);
+    if constexpr (F32)
+      scales32(g + 64, out);
+    else
+      scales(g + 32, out);
   }
 };
+using Q4_1 = Q4<false>;
+using Q4_K = Q4<true>;
 
 template <class Q>
 struct Kern {
@@ -278,7 +302,7 @@ struct Kern {
       Q::template dots<MR, NB>(base, a.xq + g * kGroup, a.K, acc);
       for (int j = 0; j < NB; ++j) {
         vf d[kVecs], mn[kVecs];
-        scales(base[j], d);
+        Q::d(base[j], d);
         if constexpr (Q::kMin) Q::mins(base[j], d, mn);
         for (int m = 0; m < MR; ++m) {
           const vf ddx = f32::vset1(a.dx[m * G + g]);
@@ -301,6 +325,9 @@ static void gemm_any(int type, const int8_t* xq, const float* dx, const float* s
   if (type == int(QType::Q8_0))
     f32::walk<Kern<Q8_0>>({xq, dx, sx, wp, K, G, bias, y, ldy, N}, M, K, blk0, blk1,
                           G * Q8_0::kBytes);
+  else if (type == int(QType::Q4_K))
+    f32::walk<Kern<Q4_K>>({xq, dx, sx, wp, K, G, bias, y, ldy, N}, M, K, blk0, blk1,
+                          G * Q4_K::kBytes);
   else
     f32::walk<Kern<Q4_1>>({xq, dx, sx, wp, K, G, bias, y, ldy, N}, M, K, blk0, blk1,
                           G * Q4_1::kBytes);

@@ -126,12 +126,13 @@ void prefill_amx_unit(const uint16_t* qt, const uint16_t* kp, int D, const uint1
                       uint16_t* out, int64_t ldo, uint16_t* ps, RescaleEvent* events);
 
 // GGUF block types the quantized decode GEMM takes (their ggml type codes).
-enum class QType : int { Q4_1 = 3, Q8_0 = 8 };
+enum class QType : int { Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };
 
 // GGUF-quantized GEMM for decode-sized M (gemm_q_impl.h): AVX-512 VNNI
 // (isa_avx512_vnni.cpp) or AVX2 (isa_avx2.cpp). The (N, K) weight, as the file stores it
-// (N rows of K / 32 blocks), is repacked by pack_gguf_blocks into ceil(N/16) * (K/32)
-// groups of gguf_group_bytes(type) bytes; quantize_q8_<isa> turns x (M, K) float32 (or
+// (N rows of K / 32 blocks; Q4_K: K / 256 super-blocks of 144 bytes, gguf_block_bytes
+// 18 a 32 values), is repacked by pack_gguf_blocks into ceil(N/16) * (K/32) groups of
+// gguf_group_bytes(type) bytes; quantize_q8_<isa> turns x (M, K) float32 (or
 // bfloat16: bf16, read as the float32 values they are) into
 // int8 codes xq (M, K), a scale dx and sx = dx * sum of codes per 32 values (M, K/32),
 // which gemm_q_<isa> takes.
