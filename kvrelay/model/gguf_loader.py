@@ -41,10 +41,12 @@ _GLOBAL_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # Types the native quantized GEMM serves as stored (``--quantization gguf``): Q4_0 as
 # Q4_1 with min -8 d (the same values), Q4_K's sub-blocks as Q4_1 groups with float32
-# scales (csrc/gemm_q_impl.h). Others (Q5_*, Q6_K, ...) are dequantized at load.
+# scales, Q6_K's as int8 codes with a float32 scale a 16 (csrc/gemm_q_impl.h). Others
+# (Q5_*, Q2_K, Q3_K, IQ*) are dequantized at load.
 SERVED_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0,
-                          GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K})
-SERVED_NAMES = "Q8_0, Q4_0, Q4_1 or Q4_K"
+                          GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K,
+                          GGMLQuantizationType.Q6_K})
+SERVED_NAMES = "Q8_0, Q4_0, Q4_1, Q4_K or Q6_K"
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,31 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(rows, k // 256 * 144)
 
 
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """Rows of w (K a multiple of 256) as Q6_K blocks, the layout ggml reads: per 256
+    values 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one a 16
+    values) and f16 d, value = d sc (q - 32). A plain max-abs quantizer, as quantize_q4_k."""
+    rows, k = w.shape
+    if k % 256:
+        raise ValueError(f"Q6_K needs rows of a multiple of 256 values, got {k}")
+    nb = k // 256
+    x = w.astype(np.float32).reshape(rows, nb, 16, 16)
+    scale = np.abs(x).max(-1) / 31.0
+    d = (scale.max(-1) / 127.0).astype(np.float16)
+    df = d.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)),
+                 -128, 127).astype(np.int8)
+    step = (df * sc)[..., None]
+    q = np.divide(x, step, out=np.zeros_like(x), where=step != 0)
+    code = (np.clip(np.round(q), -32, 31) + 32).astype(np.uint8).reshape(rows, nb, 2, 4, 32)
+    q1, q2, q3, q4 = (code[:, :, :, t] for t in range(4))  # (rows, nb, half, 32)
+    ql = np.concatenate([(q1 & 15) | ((q3 & 15) << 4), (q2 & 15) | ((q4 & 15) << 4)], axis=-1)
+    qh = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
+    out = np.concatenate([ql.reshape(rows, nb, 128), qh.reshape(rows, nb, 64),
+                          sc.view(np.uint8), d[..., None].view(np.uint8)], axis=-1)
+    return out.reshape(rows, nb * 210)
+
+
 def gguf_name(hf: str) -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
@@ -109,7 +134,10 @@ def write_gguf(
         name = gguf_name(hf)
         kind = name.split(".")[-2]
         qtype = kinds.get(kind, Q.F32) if w.ndim == 2 else Q.F32
-        data = quantize_q4_k(w) if qtype == Q.Q4_K else quantize(w, qtype)
+        if qtype in (Q.Q4_K, Q.Q6_K):
+            data = quantize_q4_k(w) if qtype == Q.Q4_K else quantize_q6_k(w)
+        else:
+            data = quantize(w, qtype)
         back = dequantize(data, qtype).reshape(w.shape).astype(np.float32)
         decoded[hf] = back
         if kind in ("attn_q", "attn_k"):

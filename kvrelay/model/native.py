@@ -12,6 +12,8 @@ other than the CPU, or a self-check at load that disagrees with torch.
 from __future__ import annotations
 
 import importlib
+import itertools
+import math
 import os
 from collections.abc import Mapping, Sequence
 from types import ModuleType
@@ -186,8 +188,8 @@ def small_gemm_unavailable(mod: Any, dtype: torch.dtype) -> str | None:
 
 
 class NativeGgufGemm:
-    """y = x W^T + b with W as a GGUF file stores it (Q8_0, Q4_1 or Q4_K codes, repacked
-    into 16-column groups; csrc/gemm_q_impl.h): a decode step streams 8.5, 5 or 6 bits a
+    """y = x W^T + b with W as a GGUF file stores it (Q8_0, Q4_1, Q4_K or Q6_K codes,
+    repacked into 16-column groups; csrc/gemm_q_impl.h): a decode step streams 5-10 bits a
     weight instead of 32 (float32) or 16 (bfloat16). x (float32 or bfloat16) is quantized
     to 8 bits per 32 values and multiplied in integers (AVX-512 VNNI or AVX2), llama.cpp's
     route; the result in x's dtype."""
@@ -220,9 +222,42 @@ class NativeGgufGemm:
         return y
 
 
+class NativeGgufParts:
+    """A fused Linear whose parts are stored in different served types (a Q4_K_M file's
+    q and k in Q4_K beside v in Q6_K in some layers): one quantized GEMM per run of parts
+    of one type, their packed codes in one flat uint8 tensor (each run at a 64-byte
+    offset), the outputs side by side. Without it such a Linear kept the float weight."""
+
+    def __init__(self, mod: Any, runs: Sequence[tuple[int, int, int, tuple[int, ...]]],
+                 label: str, max_rows: int) -> None:
+        """``runs``: (qtype, output columns, byte offset, packed shape) each."""
+        self._mod, self._runs, self.label, self.max_rows = mod, list(runs), label, max_rows
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        return None  # packed by GgufGemms.pack
+
+    def rows_for(self, weight: torch.Tensor) -> int:
+        return self.max_rows
+
+    def run_silu(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
+        return None  # gate and up apart: silu_mul of run's output
+
+    def run(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+            bias: torch.Tensor | None) -> torch.Tensor:
+        ys, col = [], 0
+        for qtype, cols, off, shape in self._runs:
+            w = packed[off:off + math.prod(shape)].view(shape)
+            b = None if bias is None else bias[col:col + cols]
+            ys.append(self._mod.gguf_gemm(x, w, qtype, cols, b))
+            col += cols
+        return torch.cat(ys, dim=1)
+
+
 class GgufGemms:
     """The quantized GEMMs of one model: ``pack(names)`` gives a (fused) Linear's kernel
-    and packed codes when all its parts are stored in one served type, else None."""
+    and packed codes when all its parts are stored in served types (NativeGgufParts where
+    they differ), else None."""
 
     def __init__(self, mod: Any, quantized: Mapping[str, QuantWeight],
                  dtype: torch.dtype, amx: bool = False) -> None:
@@ -234,18 +269,32 @@ class GgufGemms:
                           else GGUF_AMX_ROWS if amx else F32_GEMM_ROWS)
         self._kernels: dict[int, NativeGgufGemm] = {}
 
-    def pack(self, names: Sequence[str]) -> tuple[NativeGgufGemm, torch.Tensor] | None:
+    def pack(self, names: Sequence[str]
+             ) -> tuple[NativeGgufGemm | NativeGgufParts, torch.Tensor] | None:
         parts = [self._quantized.get(n) for n in names]
         if any(p is None for p in parts):
             return None
         qws = [p for p in parts if p is not None]
-        if len({(q.qtype, q.k) for q in qws}) != 1:
+        if len({q.k for q in qws}) != 1:
             return None
+        if len({q.qtype for q in qws}) != 1:
+            return self._pack_parts(qws)
         qtype, k = qws[0].qtype, qws[0].k
         kernel = self._kernels.setdefault(
             qtype, NativeGgufGemm(self._mod, qtype, self.label, self._max_rows))
         raw = qws[0].raw if len(qws) == 1 else torch.cat([q.raw for q in qws])
         return kernel, kernel.pack_raw(raw, k)
+
+    def _pack_parts(self, qws: Sequence[QuantWeight]) -> tuple[NativeGgufParts, torch.Tensor]:
+        runs, flats, off = [], [], 0
+        for qtype, group in itertools.groupby(qws, key=lambda q: q.qtype):
+            raw = torch.cat([q.raw for q in group])
+            packed = self._mod.pack_gguf_gemm(raw, qtype, qws[0].k)
+            runs.append((qtype, raw.shape[0], off, tuple(packed.shape)))
+            pad = -packed.numel() % 64
+            flats += [packed.view(-1), packed.new_zeros(pad)]
+            off += packed.numel() + pad
+        return NativeGgufParts(self._mod, runs, self.label, self._max_rows), torch.cat(flats)
 
 
 def gguf_gemms(backend: Any, quantized: Mapping[str, QuantWeight]) -> GgufGemms:

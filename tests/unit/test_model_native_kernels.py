@@ -966,17 +966,17 @@ def _gguf_quantize(w: torch.Tensor, qtype: int) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from kvrelay.model.gguf_writer import quantize_q4_k
+    from kvrelay.model.gguf_writer import quantize_q4_k, quantize_q6_k
 
-    if qtype == 12:
-        return quantize_q4_k(w.numpy())
+    if qtype in (12, 14):
+        return (quantize_q4_k if qtype == 12 else quantize_q6_k)(w.numpy())
     return np.ascontiguousarray(quantize(w.numpy(), GGMLQuantizationType(qtype)))
 
 
 @pytest.mark.parametrize(("qtype", "n", "k"), [
     *[(q, n, k) for q in (8, 3) for n, k in [(16, 64), (40, 96), (832, 576), (576, 1536)]],
-    *[(12, n, k) for n, k in [(16, 256), (40, 512), (576, 1536)]],
-], ids=lambda v: {8: "Q8_0", 3: "Q4_1", 12: "Q4_K"}.get(v, str(v)))
+    *[(q, n, k) for q in (12, 14) for n, k in [(16, 256), (40, 512), (576, 1536)]],
+], ids=lambda v: {8: "Q8_0", 3: "Q4_1", 12: "Q4_K", 14: "Q6_K"}.get(v, str(v)))
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 32])
 def test_gguf_gemm_matches_the_dequantized_weight(isa: str, qtype: int, rows: int, n: int,
                                                    k: int) -> None:
@@ -985,7 +985,8 @@ def test_gguf_gemm_matches_the_dequantized_weight(isa: str, qtype: int, rows: in
     the activations quantized to 8 bits per 32 values as the kernel does: within float32
     rounding of the same sums (float32 and bfloat16 x). Against the unquantized x the
     mean relative error is the 8-bit activations' (under 1%). Q4_K's sub-blocks carry
-    float32 scales and mins (d sc, -dmin m), so they too give the file's exact values."""
+    float32 scales and mins (d sc, -dmin m), Q6_K's halves float32 scales, so they too
+    give the file's exact values."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -1165,8 +1166,9 @@ def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str)
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_quantization_gguf_serves_k_quants(tmp_path: Path, dtype: str) -> None:
-    """A GGUF of Q4_K (q/k/v, gate, up) and Q4_0 (down) matrices, as a Q4_K_M file holds
-    them: every layer GEMM runs on the stored codes, and the logits of 16 positions are
+    """A GGUF typed as llama.cpp's Q4_K_M (Q4_K q, k, o, gate, up; Q6_K v, down and the
+    lm_head): every GEMM runs on the stored codes, the fused q/k/v in two calls (Q4_K q
+    and k, then Q6_K v: NativeGgufParts), and the logits of 16 positions are
     within the 8-bit activations' error of the dequantized model's (2.2% of the logits'
     mean size here, as with the same model in Q4_1: every layer GEMM of a 4x wider model
     takes the 8-bit activations; a wrong Q4_K scale or code order is ~100%)."""
@@ -1178,15 +1180,61 @@ def test_quantization_gguf_serves_k_quants(tmp_path: Path, dtype: str) -> None:
     logits = {}
     for quant in ("gguf", "none"):
         runner = LLM(path, dtype=dtype, quantization=quant).model.runner  # type: ignore[attr-defined]
-        layer = runner.model.layers[1]
-        served = [isinstance(getattr(f.small, "__self__", None), native.NativeGgufGemm)
-                  for f in (layer.qkv, layer.gate_up, layer.down)]
-        assert served == [quant == "gguf"] * 3
+        model = runner.model
+        kernels = [type(getattr(f.small, "__self__", None)) for f in (
+            model.layers[1].qkv, model.layers[1].o, model.layers[1].gate_up,
+            model.layers[1].down, model.lm_head)]
+        if quant == "gguf":
+            assert kernels == [native.NativeGgufParts] + [native.NativeGgufGemm] * 4
+        else:
+            assert native.NativeGgufGemm not in kernels and native.NativeGgufParts not in kernels
         blocks = list(range(-(-len(ids) // runner.block_size)))
         logits[quant] = runner._forward(ids, list(range(len(ids))),
                                         [ChunkSpec(0, len(ids), blocks)], list(range(len(ids))))
     diff = (logits["gguf"] - logits["none"]).abs().mean() / logits["none"].abs().mean()
     assert 0 < diff < 0.04, diff
+
+
+def test_fused_parts_of_different_types_run_as_one_linear() -> None:
+    """GgufGemms.pack of parts in different types (Q4_K, Q4_K, Q6_K, Q8_0): one call per
+    run of a type over one flat tensor, the outputs side by side, each run's bias slice
+    its own: the same as each part's GEMM alone (bit for bit) and within float32
+    rounding of the 8-bit activations times the dequantized weights."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from kvrelay.model.gguf_loader import QuantWeight
+
+    assert _mod is not None
+    g = torch.Generator().manual_seed(7)
+    k, rows = 512, [48, 16, 16, 32]
+    types = [12, 12, 14, 8]
+    raws = [_gguf_quantize(torch.randn(n, k, generator=g), t)
+            for n, t in zip(rows, types, strict=True)]
+    quantized = {f"p{i}": QuantWeight(t, torch.from_numpy(r), k)
+                 for i, (t, r) in enumerate(zip(types, raws, strict=True))}
+    gemms = native.GgufGemms(_mod, quantized, torch.float32)
+    served = gemms.pack([f"p{i}" for i in range(4)])
+    assert served is not None
+    kernel, flat = served
+    assert isinstance(kernel, native.NativeGgufParts) and flat.dtype is torch.uint8
+    x, bias = torch.randn(5, k, generator=g), torch.randn(sum(rows), generator=g)
+    out = kernel.run(x, flat, sum(rows), bias)
+    alone = torch.cat([
+        _mod.gguf_gemm(x, _mod.pack_gguf_gemm(torch.from_numpy(np.concatenate(raws[:2])), 12, k),
+                       12, 64, bias[:64]),
+        _mod.gguf_gemm(x, _mod.pack_gguf_gemm(torch.from_numpy(raws[2]), 14, k), 14, 16,
+                       bias[64:80]),
+        _mod.gguf_gemm(x, _mod.pack_gguf_gemm(torch.from_numpy(raws[3]), 8, k), 8, 32,
+                       bias[80:]),
+    ], dim=1)
+    assert torch.equal(out, alone)
+    w = torch.cat([torch.from_numpy(np.asarray(dequantize(r, GGMLQuantizationType(t)),
+                                               dtype=np.float64)).view(-1, k)
+                   for r, t in zip(raws, types, strict=True)])
+    ref = _q8_activations(x).double() @ w.T + bias.double()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * k**0.5)
+    assert kernel.run_silu(x, flat, sum(rows), bias) is None
 
 
 def test_q4_0_is_served_as_the_q4_1_blocks_of_the_same_values() -> None:

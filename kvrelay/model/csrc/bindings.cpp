@@ -33,11 +33,27 @@ void pack_f32_blocks(const float* w, int64_t N, int64_t K, float* out) {
       }
 }
 
-int64_t gguf_block_bytes(int type) {
-  return type == int(QType::Q8_0) ? 34 : type == int(QType::Q4_K) ? 18 : 20;
+int64_t gguf_block_values(int type) {
+  return type == int(QType::Q4_K) || type == int(QType::Q6_K) ? 256 : 32;
+}
+int64_t gguf_row_bytes(int type, int64_t K) {
+  const int64_t blocks = K / gguf_block_values(type);
+  switch (QType(type)) {
+    case QType::Q8_0: return blocks * 34;
+    case QType::Q4_1: return blocks * 20;
+    case QType::Q4_K: return blocks * 144;
+    case QType::Q6_K: return blocks * 210;
+  }
+  return 0;
 }
 int64_t gguf_group_bytes(int type) {
-  return type == int(QType::Q8_0) ? 544 : type == int(QType::Q4_K) ? 384 : 320;
+  switch (QType(type)) {
+    case QType::Q8_0: return 544;
+    case QType::Q4_1: return 320;
+    case QType::Q4_K: return 384;
+    case QType::Q6_K: return 640;
+  }
+  return 0;
 }
 
 // Q4_K's 6-bit scale and min of sub-block j (0-7) from its 12 packed bytes (ggml's
@@ -53,14 +69,16 @@ static void q4k_scale_min(int j, const uint8_t* q, int& sc, int& m) {
 
 // GGUF rows (N rows of K / 32 blocks: Q8_0 f16 d + 32 int8; Q4_1 f16 d, f16 m + 16
 // bytes, k < 16 in the low nibbles; Q4_K super-blocks of 256: f16 d, f16 dmin, 12 bytes
-// of 6-bit scales and mins, 128 bytes of nibbles) -> the groups of gemm_q_impl.h, codes
-// in chunks of [16 columns][4 k]. A Q4_K sub-block of 32 is a group as Q4_1's, value
-// d sc q - dmin m, with its scale d sc and min -dmin m in float32 (exact: an f16 times
-// a 6-bit integer) where Q4_1 has f16. Columns past N get zero scales, mins and codes.
-// Generic code, once per weight at load.
+// of 6-bit scales and mins, 128 bytes of nibbles; Q6_K super-blocks of 256: 128 bytes of
+// low nibbles, 64 of high bit pairs, 16 int8 scales, f16 d) -> the groups of
+// gemm_q_impl.h, codes in chunks of [16 columns][4 k]. A Q4_K sub-block of 32 is a group
+// as Q4_1's, value d sc q - dmin m, with its scale d sc and min -dmin m in float32
+// (exact: an f16 times a 6-bit integer) where Q4_1 has f16. A Q6_K group holds its codes
+// less 32 (int8, as Q8_0's) and the float32 d sc of each half (exact: f16 times int8).
+// Columns past N get zero scales, mins and codes. Generic code, once per weight at load.
 void pack_gguf_blocks(int type, const uint8_t* raw, int64_t N, int64_t K, uint8_t* out) {
-  const int64_t G = K / 32, nblk = (N + 15) / 16, bb = gguf_block_bytes(type);
-  const int64_t gb = gguf_group_bytes(type);
+  const int64_t G = K / 32, nblk = (N + 15) / 16, bb = gguf_row_bytes(type, 32);
+  const int64_t gb = gguf_group_bytes(type), row = gguf_row_bytes(type, K);
   std::memset(out, 0, size_t(nblk * G * gb));
   // the group's codes: k < 16 in the low nibbles, as Q4_1 stores them
   const auto put4 = [](uint8_t* codes, int64_t c, int k, uint8_t code) {
@@ -70,8 +88,24 @@ void pack_gguf_blocks(int type, const uint8_t* raw, int64_t N, int64_t K, uint8_
     const int64_t b = n / 16, c = n % 16;
     for (int64_t g = 0; g < G; ++g) {
       uint8_t* dst = out + (b * G + g) * gb;
+      if (type == int(QType::Q6_K)) {
+        const uint8_t* sb = raw + n * row + g / 8 * 210;
+        const float d = float(c10::Half(uint16_t(sb[208] | sb[209] << 8), c10::Half::from_bits()));
+        const int v0 = int(g % 8) * 32, half = v0 / 128, t = v0 % 128 / 32;  // ggml's loop
+        const uint8_t* ql = sb + 64 * half + (t % 2) * 32;
+        const uint8_t* qh = sb + 128 + 32 * half;
+        const int8_t* sc = (const int8_t*)(sb + 192) + 8 * half + 2 * t;
+        const float s0 = d * float(sc[0]), s1 = d * float(sc[1]);  // k 0-15, k 16-31
+        std::memcpy(dst + 4 * c, &s0, 4);
+        std::memcpy(dst + 64 + 4 * c, &s1, 4);
+        for (int k = 0; k < 32; ++k) {
+          const int lo = t < 2 ? ql[k] & 0x0f : ql[k] >> 4, hi = (qh[k] >> (2 * t)) & 3;
+          dst[128 + (k / 4) * 64 + c * 4 + k % 4] = uint8_t(int8_t((lo | hi << 4) - 32));
+        }
+        continue;
+      }
       if (type == int(QType::Q4_K)) {
-        const uint8_t* sb = raw + n * (K / 256) * 144 + g / 8 * 144;
+        const uint8_t* sb = raw + n * row + g / 8 * 144;
         const int j = int(g % 8);
         int sc, m;
         q4k_scale_min(j, sb + 4, sc, m);
@@ -815,19 +849,21 @@ torch::Tensor f32_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t 
 }
 
 bool gguf_type_known(int64_t type) {
-  return type == int(QType::Q8_0) || type == int(QType::Q4_1) || type == int(QType::Q4_K);
+  return type == int(QType::Q8_0) || type == int(QType::Q4_1) || type == int(QType::Q4_K) ||
+         type == int(QType::Q6_K);
 }
 
 // GGUF raw rows (N, K / 32 * block bytes) uint8 -> (ceil(N/16), K/32, group bytes).
 torch::Tensor pack_gguf_gemm(const torch::Tensor& raw, int64_t type, int64_t K) {
   TORCH_CHECK(gguf_type_known(type),
-              "pack_gguf_gemm takes GGUF types Q8_0 (8), Q4_1 (3) or Q4_K (12), got ", type);
-  const int64_t per = type == int(QType::Q4_K) ? 256 : 32;  // values a block
+              "pack_gguf_gemm takes GGUF types Q8_0 (8), Q4_1 (3), Q4_K (12) or Q6_K (14), got ",
+              type);
+  const int64_t per = gguf_block_values(int(type));
   TORCH_CHECK(K > 0 && K % per == 0, "K must be a positive multiple of ", per, ", got ", K);
   TORCH_CHECK(raw.device().is_cpu() && raw.dim() == 2 && raw.is_contiguous() &&
                   raw.scalar_type() == torch::kUInt8 &&
-                  raw.size(1) == K / 32 * gguf_block_bytes(int(type)),
-              "raw must be contiguous uint8 (N, K / 32 * ", gguf_block_bytes(int(type)), ")");
+                  raw.size(1) == gguf_row_bytes(int(type), K),
+              "raw must be contiguous uint8 (N, ", gguf_row_bytes(int(type), K), ")");
   const int64_t N = raw.size(0);
   auto out = torch::empty({(N + 15) / 16, K / 32, gguf_group_bytes(int(type))}, raw.options());
   pack_gguf_blocks(int(type), raw.data_ptr<uint8_t>(), N, K, out.data_ptr<uint8_t>());
@@ -867,21 +903,22 @@ torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int6
   thread_local std::vector<float> scratch;  // [y] [scales, scaled sums]
   thread_local std::vector<int8_t> codes;
   const bool y_is_out = !silu && !bf16;
-  scratch.resize(size_t((y_is_out ? 0 : M * N) + 2 * M * G));
+  scratch.resize(size_t((y_is_out ? 0 : M * N) + 4 * M * G));
   codes.resize(size_t(M * K));
   float* yp = y_is_out ? out.data_ptr<float>() : scratch.data();
   float* dxp = scratch.data() + (y_is_out ? 0 : M * N);
   float* sxp = dxp + M * G;
+  float* shp = sxp + M * G;
   int8_t* xqp = codes.data();
   const bool vnni = gguf_isa() == "avx512";
   (vnni ? quantize_q8_avx512 : quantize_q8_avx2)(x_in.data_ptr(), bf16, x_in.stride(0), M, K,
-                                                 xqp, dxp, sxp);
+                                                 xqp, dxp, sxp, shp);
   auto* run = vnni ? gemm_q_avx512 : gemm_q_avx2;
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   uint16_t* ob = bf16 && !silu ? (uint16_t*)out.data_ptr() : nullptr;
   run_gemm(N, K, M, silu, yp, kernels_for(x_in), bf16, out.data_ptr(), [&](int64_t b0, int64_t b1) {
-    run(int(type), xqp, dxp, sxp, M, wpp, K, b0, b1, bp, yp, N, N);
+    run(int(type), xqp, dxp, sxp, shp, M, wpp, K, b0, b1, bp, yp, N, N);
     if (ob)
       for (int64_t m = 0; m < M; ++m)
         round_bf16(yp + m * N + b0 * 16, ob + m * N + b0 * 16, std::min(N, b1 * 16) - b0 * 16);

@@ -15,7 +15,7 @@
 // chunk i holding k = 4i + t in its low and k = 16 + 4i + t in its high nibble] (320
 // bytes): the file's bits per weight (8.5 and 5). Q4_K: as Q4_1 with float32 scales
 // and mins (384 bytes: 6 bits a weight where the file has 4.5), each sub-block's d sc
-// and -dmin m, exact.
+// and -dmin m, exact. Q6_K: see the struct.
 //
 // Dot products: AVX-512 VNNI (KVR_Q_VNNI) vpdpbusd, unsigned codes x signed
 // activations, 4 products a lane; Q8_0's signed codes are flipped to code + 128 on
@@ -133,12 +133,12 @@ static inline vf xload(const uint16_t* p) {
 }
 #endif
 
-// Row m's int8 codes of x (M, K; float32 or bfloat16 T), its scale per group dx (M, K/32)
-// and sx = dx * sum of the group's codes. Round to nearest (even), like llama.cpp's vector
-// paths.
+// Row m's int8 codes of x (M, K; float32 or bfloat16 T), its scale per group dx (M, K/32),
+// sx = dx * sum of the group's codes, and sh (M, K/16) the same of each half group (Q6_K's
+// sub-blocks of 16). Round to nearest (even), like llama.cpp's vector paths.
 template <typename T>
 static void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq,
-                          float* dx, float* sx) {
+                          float* dx, float* sx, float* sh) {
   const int64_t G = K / kGroup;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
@@ -152,7 +152,8 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t*
       const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
       _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(qa));
       _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(qb));
-      const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      const int sum_a = _mm512_reduce_add_epi32(qa), sum_b = _mm512_reduce_add_epi32(qb);
+      const int sum = sum_a + sum_b;
 #else
       __m256 v[4];
       __m256 mx = _mm256_setzero_ps();
@@ -169,12 +170,15 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t*
       __m256i qi[4];
       for (int i = 0; i < 4; ++i)
         qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
-      const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
-                                           _mm256_add_epi32(qi[2], qi[3]));
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-      const int sum = _mm_cvtsi128_si32(s4);
+      const auto hsum = [](__m256i v) {
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        return _mm_cvtsi128_si32(s4);
+      };
+      const int sum_a = hsum(_mm256_add_epi32(qi[0], qi[1]));
+      const int sum_b = hsum(_mm256_add_epi32(qi[2], qi[3]));
+      const int sum = sum_a + sum_b;
       // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it
       const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
                                              _mm256_packs_epi32(qi[2], qi[3]));
@@ -183,12 +187,16 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t*
 #endif
       dx[m * G + g] = d;
       sx[m * G + g] = d * float(sum);
+      sh[(m * G + g) * 2] = d * float(sum_a);
+      sh[(m * G + g) * 2 + 1] = d * float(sum_b);
     }
 }
 
 struct Q8_0 {
   static constexpr int kBytes = 32 + kGroup * kCols;
   static constexpr bool kMin = kQ8Bias != 0;  // VNNI: m = -128 dw
+  static constexpr bool kHalves = false;
+  static constexpr int kMaxRows = kTileRows;
   static inline void d(const uint8_t* g, vf out[kVecs]) { scales(g, out); }
   template <int MR, int NB>
   static inline void dots(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
@@ -216,6 +224,8 @@ struct Q4 {
   static constexpr int kHead = F32 ? 128 : 64;  // scales and mins, then the codes
   static constexpr int kBytes = kHead + kGroup * kCols / 2;
   static constexpr bool kMin = true;
+  static constexpr bool kHalves = false;
+  static constexpr int kMaxRows = kTileRows;
   static inline void d(const uint8_t* g, vf out[kVecs]) {
     if constexpr (F32)
       scales32(g, out);
@@ -254,22 +264,54 @@ struct Q4 {
 using Q4_1 = Q4<false>;
 using Q4_K = Q4<true>;
 
+// Q6_K: its 6-bit codes less 32 as int8, in Q8_0's chunks, and a float32 scale d sc for
+// each half group (sub-blocks of 16): [16 scales, k 0-15][16 scales, k 16-31][8 chunks]
+// (640 bytes, 10 bits a weight where the file has 6.56). The halves sum apart (dots
+// into acc and acc2); with VNNI each takes its own -128 d sh term (dot_q8's bias).
+struct Q6_K {
+  static constexpr int kBytes = 128 + kGroup * kCols;
+  static constexpr bool kMin = false;
+  static constexpr bool kHalves = true;
+  // two sets of sums: under AVX2 2 rows (12 of the 16 ymm), with AVX-512 8 (24 of 32)
+  static constexpr int kMaxRows = KVR_F32_LANES == 16 ? kTileRows : 2;
+  static inline void d(const uint8_t* g, vf out[kVecs]) { scales32(g, out); }
+  template <int MR, int NB>
+  static inline void dots(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
+                          vi (&acc)[MR][NB * kVecs], vi (&acc2)[MR][NB * kVecs]) {
+    for (int c = 0; c < kGroup / 4; ++c) {
+      vi w[NB * kVecs];
+      for (int j = 0; j < NB; ++j)
+        for (int v = 0; v < kVecs; ++v)
+          w[j * kVecs + v] = iload(base[j] + 128 + c * 64 + v * (64 / kVecs));
+      for (int m = 0; m < MR; ++m) {
+        const vi xb = iset1(xq + m * ldq + 4 * c);
+        for (int j = 0; j < NB * kVecs; ++j) {
+          vi& t = c < 4 ? acc[m][j] : acc2[m][j];
+          t = dot_q8(t, w[j], xb);
+        }
+      }
+    }
+  }
+};
+
 template <class Q>
 struct Kern {
   struct Args {
     const int8_t* xq;  // (M, K) codes
     const float* dx;   // (M, G) scales
     const float* sx;   // (M, G) dx * sum of codes
+    const float* sh;   // (M, 2G) the same of each half group
     const uint8_t* wp;
     int64_t K, G;
     const float* bias;
     float* y;
     int64_t ldy, N;
     Args at_row(int64_t m) const {
-      return {xq + m * K, dx + m * G, sx + m * G, wp, K, G, bias, y + m * ldy, ldy, N};
+      return {xq + m * K, dx + m * G, sx + m * G, sh + m * 2 * G, wp, K, G, bias,
+              y + m * ldy, ldy, N};
     }
   };
-  static constexpr int kTileRows = q::kTileRows;
+  static constexpr int kTileRows = Q::kMaxRows;
   static constexpr int kStepK = kGroup;
   static constexpr int blocks_per_tile(int mr) { return q::blocks_per_tile(mr); }
 
@@ -299,7 +341,33 @@ struct Kern {
       vi acc[MR][NV];
       for (int m = 0; m < MR; ++m)
         for (int j = 0; j < NV; ++j) acc[m][j] = izero();
-      Q::template dots<MR, NB>(base, a.xq + g * kGroup, a.K, acc);
+      if constexpr (Q::kHalves) {
+        vi acc2[MR][NV];
+        for (int m = 0; m < MR; ++m)
+          for (int j = 0; j < NV; ++j) acc2[m][j] = izero();
+        Q::template dots<MR, NB>(base, a.xq + g * kGroup, a.K, acc, acc2);
+        for (int j = 0; j < NB; ++j) {
+          vf d[kVecs], d2[kVecs];
+          Q::d(base[j], d);
+          Q::d(base[j] + 64, d2);
+          for (int m = 0; m < MR; ++m) {
+            const vf ddx = f32::vset1(a.dx[m * G + g]);
+            for (int v = 0; v < kVecs; ++v) {
+              vf& s = sum[m][j * kVecs + v];
+              s = f32::vfma(to_f(acc[m][j * kVecs + v]), fmul(d[v], ddx), s);
+              s = f32::vfma(to_f(acc2[m][j * kVecs + v]), fmul(d2[v], ddx), s);
+              if constexpr (kQ8Bias != 0) {
+                const vf flip = f32::vset1(-float(kQ8Bias));
+                s = f32::vfma(fmul(d[v], flip), f32::vset1(a.sh[(m * G + g) * 2]), s);
+                s = f32::vfma(fmul(d2[v], flip), f32::vset1(a.sh[(m * G + g) * 2 + 1]), s);
+              }
+            }
+          }
+        }
+        continue;
+      } else {
+        Q::template dots<MR, NB>(base, a.xq + g * kGroup, a.K, acc);
+      }
       for (int j = 0; j < NB; ++j) {
         vf d[kVecs], mn[kVecs];
         Q::d(base[j], d);
@@ -318,19 +386,23 @@ struct Kern {
   }
 };
 
-static void gemm_any(int type, const int8_t* xq, const float* dx, const float* sx, int64_t M,
-                     const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1,
-                     const float* bias, float* y, int64_t ldy, int64_t N) {
+static void gemm_any(int type, const int8_t* xq, const float* dx, const float* sx,
+                     const float* sh, int64_t M, const uint8_t* wp, int64_t K, int64_t blk0,
+                     int64_t blk1, const float* bias, float* y, int64_t ldy, int64_t N) {
   const int64_t G = K / kGroup;
+  const auto run = [&](auto kern, int64_t group_bytes) {
+    using KernT = decltype(kern);
+    f32::walk<KernT>({xq, dx, sx, sh, wp, K, G, bias, y, ldy, N}, M, K, blk0, blk1,
+                     G * group_bytes);
+  };
   if (type == int(QType::Q8_0))
-    f32::walk<Kern<Q8_0>>({xq, dx, sx, wp, K, G, bias, y, ldy, N}, M, K, blk0, blk1,
-                          G * Q8_0::kBytes);
+    run(Kern<Q8_0>{}, Q8_0::kBytes);
   else if (type == int(QType::Q4_K))
-    f32::walk<Kern<Q4_K>>({xq, dx, sx, wp, K, G, bias, y, ldy, N}, M, K, blk0, blk1,
-                          G * Q4_K::kBytes);
+    run(Kern<Q4_K>{}, Q4_K::kBytes);
+  else if (type == int(QType::Q6_K))
+    run(Kern<Q6_K>{}, Q6_K::kBytes);
   else
-    f32::walk<Kern<Q4_1>>({xq, dx, sx, wp, K, G, bias, y, ldy, N}, M, K, blk0, blk1,
-                          G * Q4_1::kBytes);
+    run(Kern<Q4_1>{}, Q4_1::kBytes);
 }
 
 }  // namespace q

@@ -9,16 +9,16 @@
 #include "gemm_q_impl.h"
 
 namespace kvr {
-void quantize_q8_avx512(const void* x, bool bf16, int64_t ldx, int64_t M, int64_t K,
-                        int8_t* xq, float* dx, float* sx) {
+void quantize_q8_avx512(const void* x, bool bf16, int64_t ldx, int64_t M, int64_t K, int8_t* xq,
+                        float* dx, float* sx, float* sh) {
   if (bf16)
-    avx512vnni::q::quantize_rows((const uint16_t*)x, ldx, M, K, xq, dx, sx);
+    avx512vnni::q::quantize_rows((const uint16_t*)x, ldx, M, K, xq, dx, sx, sh);
   else
-    avx512vnni::q::quantize_rows((const float*)x, ldx, M, K, xq, dx, sx);
+    avx512vnni::q::quantize_rows((const float*)x, ldx, M, K, xq, dx, sx, sh);
 }
-void gemm_q_avx512(int type, const int8_t* xq, const float* dx, const float* sx, int64_t M,
-                   const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1, const float* bias,
-                   float* y, int64_t ldy, int64_t N) {
-  avx512vnni::q::gemm_any(type, xq, dx, sx, M, wp, K, blk0, blk1, bias, y, ldy, N);
+void gemm_q_avx512(int type, const int8_t* xq, const float* dx, const float* sx, const float* sh,
+                   int64_t M, const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1,
+                   const float* bias, float* y, int64_t ldy, int64_t N) {
+  avx512vnni::q::gemm_any(type, xq, dx, sx, sh, M, wp, K, blk0, blk1, bias, y, ldy, N);
 }
 }  // namespace kvr

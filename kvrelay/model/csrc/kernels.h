@@ -126,29 +126,30 @@ void prefill_amx_unit(const uint16_t* qt, const uint16_t* kp, int D, const uint1
                       uint16_t* out, int64_t ldo, uint16_t* ps, RescaleEvent* events);
 
 // GGUF block types the quantized decode GEMM takes (their ggml type codes).
-enum class QType : int { Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };
+enum class QType : int { Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
 // GGUF-quantized GEMM for decode-sized M (gemm_q_impl.h): AVX-512 VNNI
 // (isa_avx512_vnni.cpp) or AVX2 (isa_avx2.cpp). The (N, K) weight, as the file stores it
-// (N rows of K / 32 blocks; Q4_K: K / 256 super-blocks of 144 bytes, gguf_block_bytes
-// 18 a 32 values), is repacked by pack_gguf_blocks into ceil(N/16) * (K/32) groups of
-// gguf_group_bytes(type) bytes; quantize_q8_<isa> turns x (M, K) float32 (or
-// bfloat16: bf16, read as the float32 values they are) into
-// int8 codes xq (M, K), a scale dx and sx = dx * sum of codes per 32 values (M, K/32),
+// (N rows of gguf_row_bytes: K / 32 blocks, or K / 256 super-blocks for Q4_K and Q6_K),
+// is repacked by pack_gguf_blocks into ceil(N/16) * (K/32) groups of
+// gguf_group_bytes(type) bytes; quantize_q8_<isa> turns x (M, K) float32 (or bfloat16:
+// bf16, read as the float32 values they are) into int8 codes xq (M, K), a scale dx and
+// sx = dx * sum of codes per 32 values (M, K/32), and sh, the same per 16 (M, K/16),
 // which gemm_q_<isa> takes.
-int64_t gguf_block_bytes(int type);
+int64_t gguf_block_values(int type);
+int64_t gguf_row_bytes(int type, int64_t K);
 int64_t gguf_group_bytes(int type);
 void pack_gguf_blocks(int type, const uint8_t* raw, int64_t N, int64_t K, uint8_t* out);
 void quantize_q8_avx512(const void* x, bool bf16, int64_t ldx, int64_t M, int64_t K,
-                        int8_t* xq, float* dx, float* sx);
+                        int8_t* xq, float* dx, float* sx, float* sh);
 void quantize_q8_avx2(const void* x, bool bf16, int64_t ldx, int64_t M, int64_t K, int8_t* xq,
-                      float* dx, float* sx);
-void gemm_q_avx512(int type, const int8_t* xq, const float* dx, const float* sx, int64_t M,
-                   const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1, const float* bias,
-                   float* y, int64_t ldy, int64_t N);
-void gemm_q_avx2(int type, const int8_t* xq, const float* dx, const float* sx, int64_t M,
-                 const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1, const float* bias,
-                 float* y, int64_t ldy, int64_t N);
+                      float* dx, float* sx, float* sh);
+void gemm_q_avx512(int type, const int8_t* xq, const float* dx, const float* sx,
+                   const float* sh, int64_t M, const uint8_t* wp, int64_t K, int64_t blk0,
+                   int64_t blk1, const float* bias, float* y, int64_t ldy, int64_t N);
+void gemm_q_avx2(int type, const int8_t* xq, const float* dx, const float* sx, const float* sh,
+                 int64_t M, const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1,
+                 const float* bias, float* y, int64_t ldy, int64_t N);
 
 // float32 GEMM for decode-sized M (gemm_f32_impl.h, compiled per ISA). The weight
 // (N, K) is packed by pack_f32_blocks into ceil(N/16) * K * 16 values, one layout for
