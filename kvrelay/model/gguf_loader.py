@@ -40,13 +40,14 @@ _GLOBAL_NAMES = {
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # Types the native quantized GEMM serves as stored (``--quantization gguf``): Q4_0 as
-# Q4_1 with min -8 d (the same values), Q4_K's sub-blocks as Q4_1 groups with float32
-# scales, Q6_K's as int8 codes with a float32 scale a 16 (csrc/gemm_q_impl.h). Others
-# (Q5_*, Q2_K, Q3_K, IQ*) are dequantized at load.
+# Q4_1 with min -8 d, Q5_0 as Q8_0 with codes q - 16 (the same values: what llama.cpp
+# writes for a Q4_K_M matrix whose rows are not a multiple of 256), Q4_K's sub-blocks as
+# Q4_1 groups with float32 scales, Q6_K's as int8 codes with a float32 scale a 16
+# (csrc/gemm_q_impl.h). Others (Q5_1, Q5_K, Q2_K, Q3_K, IQ*) are dequantized at load.
 SERVED_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0,
-                          GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K,
-                          GGMLQuantizationType.Q6_K})
-SERVED_NAMES = "Q8_0, Q4_0, Q4_1, Q4_K or Q6_K"
+                          GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+                          GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
+SERVED_NAMES = "Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +129,7 @@ class GgufModel:
 
     def quantized_weights(self) -> dict[str, QuantWeight]:
         """The 2-D weights of SERVED_TYPES under HF names, their bytes as stored (Q4_0's
-        as the Q4_1 blocks of the same values)."""
+        and Q5_0's as the Q4_1 and Q8_0 blocks of the same values)."""
         out: dict[str, QuantWeight] = {}
         for name, t in self.tensors.items():
             if t.tensor_type not in SERVED_TYPES or len(t.shape) != 2:
@@ -138,6 +139,9 @@ class GgufModel:
             if t.tensor_type == GGMLQuantizationType.Q4_0:
                 data = q4_0_as_q4_1(np.asarray(data))
                 qtype = int(GGMLQuantizationType.Q4_1)
+            elif t.tensor_type == GGMLQuantizationType.Q5_0:
+                data = q5_0_as_q8_0(np.asarray(data))
+                qtype = int(GGMLQuantizationType.Q8_0)
             if data is None:
                 continue  # a Q4_0 scale too large for the min -8 d: dequantized instead
             raw = torch.from_numpy(data)
@@ -147,6 +151,19 @@ class GgufModel:
                 raw = _unpermute(raw, heads).contiguous()  # whole rows move: bytes as stored
             out[hf_name] = QuantWeight(qtype, raw, int(t.shape[0]))
         return out
+
+
+def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 rows (blocks of f16 d, 4 bytes of fifth bits, 16 bytes of nibbles; value
+    d (q - 16)) as Q8_0 rows (the same d, 32 int8 codes q - 16): the same values."""
+    blocks = raw.reshape(raw.shape[0], -1, 22)
+    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # bit j: element j's fifth
+    qs = blocks[..., 6:22]
+    nib = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
+    high = (qh >> np.arange(32, dtype=np.uint32)) & 1
+    codes = (nib | (high.astype(np.int16) << 4)) - 16
+    out = np.concatenate([blocks[..., 0:2], codes.astype(np.int8).view(np.uint8)], axis=-1)
+    return np.ascontiguousarray(out.reshape(raw.shape[0], -1))
 
 
 def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:

@@ -176,8 +176,9 @@ def write_tiny_gguf(path: Path, seed: int = 0, *, reference_dir: Path | None = N
     With ``reference_dir``, also writes an HF directory holding exactly the weights
     the GGUF file decodes to (after quantization), for comparison with transformers.
     ``k_quants``: a wider model (hidden 256, intermediate 512: K-quant super-blocks are
-    256 values) typed as llama.cpp's Q4_K_M mix: q, k, o, gate and up Q4_K, v, down and
-    the output Q6_K (so q/k/v mixes types), the embedding Q4_0.
+    256 values) typed as llama.cpp's Q4_K_M mix: q, k, gate and up Q4_K, v, down and the
+    output Q6_K (so q/k/v mixes types), o Q5_0 (llama.cpp's Q4_K stand-in where rows are
+    not a multiple of 256), the embedding Q4_0.
     """
     from gguf import GGMLQuantizationType as Q
 
@@ -190,7 +191,7 @@ def write_tiny_gguf(path: Path, seed: int = 0, *, reference_dir: Path | None = N
     if k_quants:
         cfg.update(hidden_size=256, intermediate_size=512,
                    head_dim=256 // cfg["num_attention_heads"])
-        types = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K,
+        types = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_0,
                  "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K,
                  "output": Q.Q6_K, "token_embd": Q.Q4_0}
     decoded = write_gguf(Path(path), cfg, tiny_weights(cfg, seed), tok, CHATML_TEMPLATE, types)

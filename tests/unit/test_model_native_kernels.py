@@ -1166,9 +1166,9 @@ def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str)
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_quantization_gguf_serves_k_quants(tmp_path: Path, dtype: str) -> None:
-    """A GGUF typed as llama.cpp's Q4_K_M (Q4_K q, k, o, gate, up; Q6_K v, down and the
-    lm_head): every GEMM runs on the stored codes, the fused q/k/v in two calls (Q4_K q
-    and k, then Q6_K v: NativeGgufParts), and the logits of 16 positions are
+    """A GGUF typed as llama.cpp's Q4_K_M (Q4_K q, k, gate, up; Q6_K v, down and the
+    lm_head; Q5_0 o): every GEMM runs on the stored codes, the fused q/k/v in two calls
+    (Q4_K q and k, then Q6_K v: NativeGgufParts), and the logits of 16 positions are
     within the 8-bit activations' error of the dequantized model's (2.2% of the logits'
     mean size here, as with the same model in Q4_1: every layer GEMM of a 4x wider model
     takes the 8-bit activations; a wrong Q4_K scale or code order is ~100%)."""
@@ -1237,13 +1237,20 @@ def test_fused_parts_of_different_types_run_as_one_linear() -> None:
     assert kernel.run_silu(x, flat, sum(rows), bias) is None
 
 
-def test_q4_0_is_served_as_the_q4_1_blocks_of_the_same_values() -> None:
-    """The loader's Q4_0 -> Q4_1 rewrite (min -8 d) decodes to the same floats, bit for
-    bit; a scale whose -8 d overflows f16 leaves the tensor to be dequantized."""
+def test_q4_0_and_q5_0_are_served_as_blocks_of_the_same_values() -> None:
+    """The loader's rewrites, Q4_0 -> Q4_1 (min -8 d) and Q5_0 -> Q8_0 (codes q - 16),
+    decode to the same floats, bit for bit; a Q4_0 scale whose -8 d overflows f16 leaves
+    the tensor to be dequantized."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize, quantize
 
-    from kvrelay.model.gguf_loader import q4_0_as_q4_1
+    from kvrelay.model.gguf_loader import q4_0_as_q4_1, q5_0_as_q8_0
+
+    w = np.random.default_rng(1).standard_normal((8, 128)).astype(np.float32)
+    q5 = quantize(w, Q.Q5_0)
+    as_q8 = q5_0_as_q8_0(q5)
+    assert as_q8.shape == (8, 4 * 34)
+    assert np.array_equal(dequantize(as_q8, Q.Q8_0), dequantize(q5, Q.Q5_0))
 
     raw = quantize(np.random.default_rng(0).standard_normal((8, 128)).astype(np.float32), Q.Q4_0)
     as_q41 = q4_0_as_q4_1(raw)
