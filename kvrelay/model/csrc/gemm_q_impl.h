@@ -266,29 +266,27 @@ using Q4_K = Q4<true>;
 
 // Q6_K: its 6-bit codes less 32 as int8, in Q8_0's chunks, and a float32 scale d sc for
 // each half group (sub-blocks of 16): [16 scales, k 0-15][16 scales, k 16-31][8 chunks]
-// (640 bytes, 10 bits a weight where the file has 6.56). The halves sum apart (dots
-// into acc and acc2); with VNNI each takes its own -128 d sh term (dot_q8's bias).
+// (640 bytes, 10 bits a weight where the file has 6.56). The halves sum one after the
+// other into the same registers, each scaled with its own d (Kern::tile); with VNNI each
+// takes its own -128 d sh term (dot_q8's bias).
 struct Q6_K {
   static constexpr int kBytes = 128 + kGroup * kCols;
   static constexpr bool kMin = false;
   static constexpr bool kHalves = true;
-  // two sets of sums: under AVX2 2 rows (12 of the 16 ymm), with AVX-512 8 (24 of 32)
-  static constexpr int kMaxRows = KVR_F32_LANES == 16 ? kTileRows : 2;
+  static constexpr int kMaxRows = kTileRows;
   static inline void d(const uint8_t* g, vf out[kVecs]) { scales32(g, out); }
-  template <int MR, int NB>
-  static inline void dots(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
-                          vi (&acc)[MR][NB * kVecs], vi (&acc2)[MR][NB * kVecs]) {
-    for (int c = 0; c < kGroup / 4; ++c) {
+  // half h's chunks (k 16 h .. 16 h + 15) into acc
+  template <int MR, int NB, int H>
+  static inline void half(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
+                          vi (&acc)[MR][NB * kVecs]) {
+    for (int c = 4 * H; c < 4 * H + 4; ++c) {
       vi w[NB * kVecs];
       for (int j = 0; j < NB; ++j)
         for (int v = 0; v < kVecs; ++v)
           w[j * kVecs + v] = iload(base[j] + 128 + c * 64 + v * (64 / kVecs));
       for (int m = 0; m < MR; ++m) {
         const vi xb = iset1(xq + m * ldq + 4 * c);
-        for (int j = 0; j < NB * kVecs; ++j) {
-          vi& t = c < 4 ? acc[m][j] : acc2[m][j];
-          t = dot_q8(t, w[j], xb);
-        }
+        for (int j = 0; j < NB * kVecs; ++j) acc[m][j] = dot_q8(acc[m][j], w[j], xb);
       }
     }
   }
@@ -322,6 +320,28 @@ struct Kern {
   // at 1 row or under AVX2, whose 8 rows are compute-bound (docs/model.md).
   static constexpr int kAheadGroups = (3072 + Q::kBytes - 1) / Q::kBytes;
 
+  // Q6_K: half H of group g into acc (zero), then into the sums with its own scales
+  template <int MR, int NB, int H>
+  static inline void half_group(const Args& a, const uint8_t* const base[NB], int64_t g,
+                                vi (&acc)[MR][NB * kVecs], vf (&sum)[MR][NB * kVecs]) {
+    const int64_t G = a.G;
+    Q::template half<MR, NB, H>(base, a.xq + g * kGroup, a.K, acc);
+    for (int j = 0; j < NB; ++j) {
+      vf d[kVecs], mn[kVecs];
+      Q::d(base[j] + 64 * H, d);
+      for (int v = 0; v < kVecs; ++v) mn[v] = fmul(d[v], f32::vset1(-float(kQ8Bias)));
+      for (int m = 0; m < MR; ++m) {
+        const vf ddx = f32::vset1(a.dx[m * G + g]);
+        for (int v = 0; v < kVecs; ++v) {
+          vf& s = sum[m][j * kVecs + v];
+          s = f32::vfma(to_f(acc[m][j * kVecs + v]), fmul(d[v], ddx), s);
+          if constexpr (kQ8Bias != 0)
+            s = f32::vfma(mn[v], f32::vset1(a.sh[(m * G + g) * 2 + H]), s);
+        }
+      }
+    }
+  }
+
   template <int MR, int NB>
   static inline void tile(const Args& a, int64_t blk, Ahead& ahead) {
     constexpr int NV = NB * kVecs;
@@ -342,28 +362,10 @@ struct Kern {
       for (int m = 0; m < MR; ++m)
         for (int j = 0; j < NV; ++j) acc[m][j] = izero();
       if constexpr (Q::kHalves) {
-        vi acc2[MR][NV];
+        half_group<MR, NB, 0>(a, base, g, acc, sum);
         for (int m = 0; m < MR; ++m)
-          for (int j = 0; j < NV; ++j) acc2[m][j] = izero();
-        Q::template dots<MR, NB>(base, a.xq + g * kGroup, a.K, acc, acc2);
-        for (int j = 0; j < NB; ++j) {
-          vf d[kVecs], d2[kVecs];
-          Q::d(base[j], d);
-          Q::d(base[j] + 64, d2);
-          for (int m = 0; m < MR; ++m) {
-            const vf ddx = f32::vset1(a.dx[m * G + g]);
-            for (int v = 0; v < kVecs; ++v) {
-              vf& s = sum[m][j * kVecs + v];
-              s = f32::vfma(to_f(acc[m][j * kVecs + v]), fmul(d[v], ddx), s);
-              s = f32::vfma(to_f(acc2[m][j * kVecs + v]), fmul(d2[v], ddx), s);
-              if constexpr (kQ8Bias != 0) {
-                const vf flip = f32::vset1(-float(kQ8Bias));
-                s = f32::vfma(fmul(d[v], flip), f32::vset1(a.sh[(m * G + g) * 2]), s);
-                s = f32::vfma(fmul(d2[v], flip), f32::vset1(a.sh[(m * G + g) * 2 + 1]), s);
-              }
-            }
-          }
-        }
+          for (int j = 0; j < NV; ++j) acc[m][j] = izero();
+        half_group<MR, NB, 1>(a, base, g, acc, sum);
         continue;
       } else {
         Q::template dots<MR, NB>(base, a.xq + g * kGroup, a.K, acc);
