@@ -157,13 +157,18 @@ def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
     """Q5_0 rows (blocks of f16 d, 4 bytes of fifth bits, 16 bytes of nibbles; value
     d (q - 16)) as Q8_0 rows (the same d, 32 int8 codes q - 16): the same values."""
     blocks = raw.reshape(raw.shape[0], -1, 22)
-    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # bit j: element j's fifth
-    qs = blocks[..., 6:22]
-    nib = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
-    high = (qh >> np.arange(32, dtype=np.uint32)) & 1
-    codes = (nib | (high.astype(np.int16) << 4)) - 16
-    out = np.concatenate([blocks[..., 0:2], codes.astype(np.int8).view(np.uint8)], axis=-1)
-    return np.ascontiguousarray(out.reshape(raw.shape[0], -1))
+    out = np.empty((*blocks.shape[:2], 34), np.uint8)
+    out[..., 0:2] = blocks[..., 0:2]
+    # bit j of qh: element j's fifth bit; 1,024 rows at a time (the temporaries are a
+    # few bytes a weight)
+    bits = np.arange(32, dtype=np.uint32)
+    for r in range(0, blocks.shape[0], 1024):
+        b = blocks[r:r + 1024]
+        qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")
+        nib = np.concatenate([b[..., 6:22] & 0x0F, b[..., 6:22] >> 4], axis=-1)
+        codes = (nib | (((qh >> bits) & 1).astype(np.uint8) << 4)).astype(np.int16) - 16
+        out[r:r + 1024, :, 2:] = codes.astype(np.int8).view(np.uint8)
+    return out.reshape(raw.shape[0], -1)
 
 
 def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:

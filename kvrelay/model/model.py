@@ -199,8 +199,9 @@ class LlamaModel:
 
         def linear(names: Sequence[str], weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
             """One (fused) Linear: the GGUF codes as stored when every part has them in
-            one type (with ``large`` for the calls above theirs), else the float weight
-            (packed for ``small`` if there is one)."""
+            served types (one call per type where they differ: native.NativeGgufParts;
+            with ``large`` for the calls above theirs), else the float weight (packed for
+            ``small`` if there is one)."""
             if gguf is not None:
                 served = gguf.pack(names)
                 if served is not None:

@@ -1012,22 +1012,46 @@ def test_gguf_gemm_matches_the_dequantized_weight(isa: str, qtype: int, rows: in
             assert rel < 0.01, rel
 
 
-@pytest.mark.parametrize("qtype", [8, 3], ids=["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", [12, 14], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 8, 17])
+def test_k_quant_gemm_on_any_block_bytes(isa: str, qtype: int, rows: int) -> None:
+    """Any bytes are a valid Q4_K or Q6_K block (the quantizers above write only some of
+    them): every 6-bit scale and min of Q4_K, Q6_K's negative int8 scales and its code -32
+    (llama.cpp's quantizer writes both). The GEMM gives the gguf package's dequantization
+    of them, to float32 rounding of the same sums."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    assert _mod is not None
+    rng = np.random.default_rng(rows * 100 + qtype)
+    n, k = 40, 512
+    size, d_at = (144, slice(0, 4)) if qtype == 12 else (210, slice(208, 210))
+    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
+    d = rng.uniform(1e-4, 1e-3, size=(n, k // 256, (d_at.stop - d_at.start) // 2))
+    blocks[..., d_at] = d.astype(np.float16).view(np.uint8)
+    raw = blocks.reshape(n, -1)
+    w = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType(qtype)),
+                                    dtype=np.float64)).view(n, k)
+    if qtype == 14:
+        assert (blocks[..., 192:208].view(np.int8) < 0).any()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    out = _mod.gguf_gemm(x, _mod.pack_gguf_gemm(torch.from_numpy(raw), qtype, k), qtype, n)
+    ref = _q8_activations(x).double() @ w.T
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+
+
+@pytest.mark.parametrize("qtype", [8, 3, 12, 14], ids=["Q8_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 8, 17])
 def test_gguf_gemm_bfloat16_x_gives_the_float32_result_rounded(isa: str, qtype: int,
                                                                rows: int) -> None:
     """bfloat16 x is read and its result rounded inside the call (no conversions around
     it): the float32 call on the same values rounded as .to() rounds, exactly (a NaN's
     bits aside), rows with a stride past K, one row holding an infinity included."""
-    import numpy as np
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
     assert _mod is not None
-    n, k = 80, 96
+    n, k = 80, 96 if qtype in (8, 3) else 256
     g = torch.Generator().manual_seed(rows + qtype)
-    raw = quantize(torch.randn(n, k, generator=g).numpy(), GGMLQuantizationType(qtype))
-    packed = _mod.pack_gguf_gemm(torch.from_numpy(np.ascontiguousarray(raw)), qtype, k)
+    raw = _gguf_quantize(torch.randn(n, k, generator=g), qtype)
+    packed = _mod.pack_gguf_gemm(torch.from_numpy(raw), qtype, k)
     x = (100 * torch.randn(rows, k + 32, generator=g)).bfloat16()[:, :k]
     x[-1, 5] = float("inf")
     for b in (None, torch.randn(n, generator=g)):
@@ -1150,7 +1174,7 @@ def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str)
             assert isinstance(model.lm_head.small.__self__, native.NativeGgufGemm)
             assert isinstance(model.layers[0].gate_up.small.__self__, native.NativeGgufGemm)
             assert not isinstance(getattr(model.layers[0].qkv.small, "__self__", None),
-                                  native.NativeGgufGemm)
+                                  (native.NativeGgufGemm, native.NativeGgufParts))
         blocks = list(range(-(-len(ids) // runner.block_size)))
         logits[quant] = runner._forward(ids, list(range(len(ids))),
                                         [ChunkSpec(0, len(ids), blocks)], list(range(len(ids))))
@@ -1235,6 +1259,20 @@ def test_fused_parts_of_different_types_run_as_one_linear() -> None:
     ref = _q8_activations(x).double() @ w.T + bias.double()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * k**0.5)
     assert kernel.run_silu(x, flat, sum(rows), bias) is None
+    # K = 96: a Q8_0 run of 16 rows is 1,632 bytes, so the Q4_1 run after it starts
+    # 32 bytes of padding further on
+    raws = [_gguf_quantize(torch.randn(16, 96, generator=g), t) for t in (8, 3)]
+    gemms = native.GgufGemms(_mod, {f"p{i}": QuantWeight(t, torch.from_numpy(r), 96)
+                                    for i, (t, r) in enumerate(zip((8, 3), raws, strict=True))},
+                             torch.float32)
+    served = gemms.pack(["p0", "p1"])
+    assert served is not None
+    kernel, flat = served
+    assert flat.numel() == 1632 + 32 + 960
+    x = torch.randn(3, 96, generator=g)
+    alone = [_mod.gguf_gemm(x, _mod.pack_gguf_gemm(torch.from_numpy(r), t, 96), t, 16)
+             for t, r in zip((8, 3), raws, strict=True)]
+    assert torch.equal(kernel.run(x, flat, 32, None), torch.cat(alone, dim=1))
 
 
 def test_q4_0_and_q5_0_are_served_as_blocks_of_the_same_values() -> None:
@@ -1264,7 +1302,7 @@ def test_q4_0_and_q5_0_are_served_as_blocks_of_the_same_values() -> None:
 def test_quantization_auto_serves_the_codes_where_it_can(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The default, ``auto``: a GGUF's Q8_0/Q4_1 codes when the native kernels run; the
+    """The default, ``auto``: a GGUF's codes when the native kernels run; the
     float weights for an HF directory, and (not an error, as ``gguf`` is) where the
     native kernels were not chosen. In float32 (and under AVX2 in any dtype) the codes
     serve prefill-sized calls too, without oneDNN's copy of the float weight."""

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -878,13 +879,30 @@ std::string gguf_isa() {
   return isa() == "none" ? "none" : "avx2";
 }
 
+// A grow-only buffer of a thread's, not zero-filled (std::vector's resize fills it), kept
+// between calls up to kKeep elements (a prefill chunk's), not at a rare larger call's size.
+template <typename T>
+struct Scratch {
+  static constexpr int64_t kKeep = (int64_t(64) << 20) / int64_t(sizeof(T));
+  std::unique_ptr<T[]> buf;
+  int64_t cap = 0;
+  T* get(int64_t n) {
+    if (n > cap) buf.reset(new T[size_t(n)]), cap = n;
+    return buf.get();
+  }
+  void trim() {
+    if (cap > kKeep) buf.reset(), cap = 0;
+  }
+};
+
 // y = x W^T (+ bias), W packed by pack_gguf_gemm; x (M, K) float32 or bfloat16, quantized
 // to int8 per 32 values (gemm_q_impl.h), the result in x's dtype.
 torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int64_t type,
                         int64_t N, const c10::optional<torch::Tensor>& bias, bool silu) {
   TORCH_CHECK(has_f32_gemm(), "gguf_gemm needs AVX2 + FMA or AVX-512");
   check_rows(x_in, "x");
-  TORCH_CHECK(gguf_type_known(type), "unknown GGUF type ", type);
+  TORCH_CHECK(gguf_type_known(type), "unknown GGUF type ", type,
+              "; gguf_gemm takes Q8_0 (8), Q4_1 (3), Q4_K (12) or Q6_K (14)");
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 || x_in.scalar_type() == torch::kBFloat16,
               "gguf_gemm takes float32 or bfloat16 x");
   const bool bf16 = x_in.scalar_type() == torch::kBFloat16;
@@ -900,16 +918,15 @@ torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int6
   // a 15-55 us call at 8 rows).
   auto out = torch::empty({M, silu ? N / 2 : N}, x_in.options());
   if (M == 0 || N == 0) return out;
-  thread_local std::vector<float> scratch;  // [y] [scales, scaled sums]
-  thread_local std::vector<int8_t> codes;
+  thread_local Scratch<float> scratch;  // [y] [scales, scaled sums, half sums]
+  thread_local Scratch<int8_t> codes;
   const bool y_is_out = !silu && !bf16;
-  scratch.resize(size_t((y_is_out ? 0 : M * N) + 4 * M * G));
-  codes.resize(size_t(M * K));
-  float* yp = y_is_out ? out.data_ptr<float>() : scratch.data();
-  float* dxp = scratch.data() + (y_is_out ? 0 : M * N);
+  float* sp = scratch.get((y_is_out ? 0 : M * N) + 4 * M * G);
+  float* yp = y_is_out ? out.data_ptr<float>() : sp;
+  float* dxp = sp + (y_is_out ? 0 : M * N);
   float* sxp = dxp + M * G;
   float* shp = sxp + M * G;
-  int8_t* xqp = codes.data();
+  int8_t* xqp = codes.get(M * K);
   const bool vnni = gguf_isa() == "avx512";
   (vnni ? quantize_q8_avx512 : quantize_q8_avx2)(x_in.data_ptr(), bf16, x_in.stride(0), M, K,
                                                  xqp, dxp, sxp, shp);
@@ -923,9 +940,8 @@ torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int6
       for (int64_t m = 0; m < M; ++m)
         round_bf16(yp + m * N + b0 * 16, ob + m * N + b0 * 16, std::min(N, b1 * 16) - b0 * 16);
   });
-  // kept between calls up to 64 MiB (a prefill chunk's), not at a rare larger call's size
-  if (scratch.size() > (size_t(16) << 20)) std::vector<float>().swap(scratch);
-  if (codes.size() > (size_t(64) << 20)) std::vector<int8_t>().swap(codes);
+  scratch.trim();
+  codes.trim();
   return out;
 }
 

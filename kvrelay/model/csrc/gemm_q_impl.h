@@ -1,12 +1,13 @@
-// GGUF-quantized decode GEMM (Q8_0, Q4_1) with 8-bit activations, llama.cpp's route on
-// CPUs; included once per ISA after gemm_f32_impl.h (whose vectors, epilogue and tile
-// walk it shares): y (M, N) = x (M, K) W^T + b, W kept as its integer codes.
+// GGUF-quantized decode GEMM (Q8_0, Q4_1, Q4_K, Q6_K) with 8-bit activations, llama.cpp's
+// route on CPUs; included once per ISA after gemm_f32_impl.h (whose vectors, epilogue and
+// tile walk it shares): y (M, N) = x (M, K) W^T + b, W kept as its integer codes.
 //
 // Activations: each row's 32-value groups are quantized to int8 with one float scale
 // per group (quantize_rows: d = max |x| / 127, q = round(x / d)), as llama.cpp's Q8_0
 // and Q8_1. Integer dot products of the codes then replace the float FMAs:
 //   sum_k (dw qw_k + m) (dx qx_k) = dw dx sum_k qw_k qx_k + m (dx sum_k qx_k),
-// the min term only for Q4_1, with the per-row group sums sx = dx sum qx.
+// the min term for Q4_1 and Q4_K, with the per-row group sums sx = dx sum qx (Q6_K: two
+// scales a group, and the sums sh of each half).
 //
 // Layout (pack_gguf_blocks): [N/16][K/32 groups][group], a group being the 32 k x 16
 // columns of one column block, its codes in chunks of [16 columns][4 k] bytes (one
@@ -153,7 +154,7 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t*
       _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(qa));
       _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(qb));
       const int sum_a = _mm512_reduce_add_epi32(qa), sum_b = _mm512_reduce_add_epi32(qb);
-      const int sum = sum_a + sum_b;
+      const int sum = int(uint32_t(sum_a) + uint32_t(sum_b));  // wraps (NaN x) as before
 #else
       __m256 v[4];
       __m256 mx = _mm256_setzero_ps();
@@ -178,7 +179,7 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t*
       };
       const int sum_a = hsum(_mm256_add_epi32(qi[0], qi[1]));
       const int sum_b = hsum(_mm256_add_epi32(qi[2], qi[3]));
-      const int sum = sum_a + sum_b;
+      const int sum = int(uint32_t(sum_a) + uint32_t(sum_b));  // wraps (NaN x) as before
       // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it
       const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
                                              _mm256_packs_epi32(qi[2], qi[3]));
