@@ -193,6 +193,23 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t*
     }
 }
 
+// acc += chunks [C0, C1) of int8 codes (4 k each) from byte `head` of each group, against
+// x's codes (Q8_0; Q6_K, a half at a time)
+template <int MR, int NB, int C0, int C1>
+static inline void int8_chunks(const uint8_t* const base[NB], int head, const int8_t* xq,
+                               int64_t ldq, vi (&acc)[MR][NB * kVecs]) {
+  for (int c = C0; c < C1; ++c) {
+    vi w[NB * kVecs];
+    for (int j = 0; j < NB; ++j)
+      for (int v = 0; v < kVecs; ++v)
+        w[j * kVecs + v] = iload(base[j] + head + c * 64 + v * (64 / kVecs));
+    for (int m = 0; m < MR; ++m) {
+      const vi xb = iset1(xq + m * ldq + 4 * c);
+      for (int j = 0; j < NB * kVecs; ++j) acc[m][j] = dot_q8(acc[m][j], w[j], xb);
+    }
+  }
+}
+
 struct Q8_0 {
   static constexpr int kBytes = 32 + kGroup * kCols;
   static constexpr bool kMin = kQ8Bias != 0;  // VNNI: m = -128 dw
@@ -202,16 +219,7 @@ struct Q8_0 {
   template <int MR, int NB>
   static inline void dots(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
                           vi (&acc)[MR][NB * kVecs]) {
-    for (int c = 0; c < kGroup / 4; ++c) {
-      vi w[NB * kVecs];
-      for (int j = 0; j < NB; ++j)
-        for (int v = 0; v < kVecs; ++v)
-          w[j * kVecs + v] = iload(base[j] + 32 + c * 64 + v * (64 / kVecs));
-      for (int m = 0; m < MR; ++m) {
-        const vi xb = iset1(xq + m * ldq + 4 * c);
-        for (int j = 0; j < NB * kVecs; ++j) acc[m][j] = dot_q8(acc[m][j], w[j], xb);
-      }
-    }
+    int8_chunks<MR, NB, 0, kGroup / 4>(base, 32, xq, ldq, acc);
   }
   static inline void mins(const uint8_t* g, const vf d[kVecs], vf out[kVecs]) {
     for (int v = 0; v < kVecs; ++v) out[v] = fmul(d[v], f32::vset1(-float(kQ8Bias)));
@@ -276,20 +284,11 @@ struct Q6_K {
   static constexpr bool kHalves = true;
   static constexpr int kMaxRows = kTileRows;
   static inline void d(const uint8_t* g, vf out[kVecs]) { scales32(g, out); }
-  // half h's chunks (k 16 h .. 16 h + 15) into acc
+  // half H's chunks (k 16 H .. 16 H + 15) into acc
   template <int MR, int NB, int H>
   static inline void half(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
                           vi (&acc)[MR][NB * kVecs]) {
-    for (int c = 4 * H; c < 4 * H + 4; ++c) {
-      vi w[NB * kVecs];
-      for (int j = 0; j < NB; ++j)
-        for (int v = 0; v < kVecs; ++v)
-          w[j * kVecs + v] = iload(base[j] + 128 + c * 64 + v * (64 / kVecs));
-      for (int m = 0; m < MR; ++m) {
-        const vi xb = iset1(xq + m * ldq + 4 * c);
-        for (int j = 0; j < NB * kVecs; ++j) acc[m][j] = dot_q8(acc[m][j], w[j], xb);
-      }
-    }
+    int8_chunks<MR, NB, 4 * H, 4 * H + 4>(base, 128, xq, ldq, acc);
   }
 };
 
