@@ -214,7 +214,6 @@ struct Q8_0 {
   static constexpr int kBytes = 32 + kGroup * kCols;
   static constexpr bool kMin = kQ8Bias != 0;  // VNNI: m = -128 dw
   static constexpr bool kHalves = false;
-  static constexpr int kMaxRows = kTileRows;
   static inline void d(const uint8_t* g, vf out[kVecs]) { scales(g, out); }
   template <int MR, int NB>
   static inline void dots(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
@@ -234,7 +233,6 @@ struct Q4 {
   static constexpr int kBytes = kHead + kGroup * kCols / 2;
   static constexpr bool kMin = true;
   static constexpr bool kHalves = false;
-  static constexpr int kMaxRows = kTileRows;
   static inline void d(const uint8_t* g, vf out[kVecs]) {
     if constexpr (F32)
       scales32(g, out);
@@ -282,7 +280,6 @@ struct Q6_K {
   static constexpr int kBytes = 128 + kGroup * kCols;
   static constexpr bool kMin = false;
   static constexpr bool kHalves = true;
-  static constexpr int kMaxRows = kTileRows;
   static inline void d(const uint8_t* g, vf out[kVecs]) { scales32(g, out); }
   // half H's chunks (k 16 H .. 16 H + 15) into acc
   template <int MR, int NB, int H>
@@ -309,7 +306,7 @@ struct Kern {
               y + m * ldy, ldy, N};
     }
   };
-  static constexpr int kTileRows = Q::kMaxRows;
+  static constexpr int kTileRows = q::kTileRows;
   static constexpr int kStepK = kGroup;
   static constexpr int blocks_per_tile(int mr) { return q::blocks_per_tile(mr); }
 
