@@ -42,12 +42,14 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # Types the native quantized GEMM serves as stored (``--quantization gguf``): Q4_0 as
 # Q4_1 with min -8 d, Q5_0 as Q8_0 with codes q - 16 (the same values: what llama.cpp
 # writes for a Q4_K_M matrix whose rows are not a multiple of 256), Q4_K's sub-blocks as
-# Q4_1 groups with float32 scales, Q6_K's as int8 codes with a float32 scale a 16
-# (csrc/gemm_q_impl.h). Others (Q5_1, Q5_K, Q2_K, Q3_K, IQ*) are dequantized at load.
+# Q4_1 groups with float32 scales, Q6_K's as int8 codes with a float32 scale a 16, Q5_1's
+# and Q5_K's as byte codes with a float32 scale and min (csrc/gemm_q_impl.h). Others (Q2_K,
+# Q3_K, IQ*, ...) are dequantized at load.
 SERVED_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0,
                           GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-                          GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
-SERVED_NAMES = "Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K"
+                          GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K,
+                          GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K})
+SERVED_NAMES = "Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K"
 
 
 @dataclass(frozen=True, slots=True)

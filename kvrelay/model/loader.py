@@ -31,7 +31,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_KV_CACHE_GB = 1.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *_DTYPES)
-# none: every weight dequantized at load; gguf: Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K served
+# none: every weight dequantized at load; gguf: Q8_0, Q4_0/1, Q5_0/1, Q4_K-Q6_K served
 # as stored (vLLM's name)
 QUANTIZATION_CHOICES = ("auto", "none", "gguf")
 # --kv-cache-dtype (vLLM's flag): auto keeps the model's dtype; bfloat16 under a float32
@@ -86,7 +86,7 @@ def load_model(
 ) -> Model:
     """``enforce_eager``: no CUDA graphs for decode steps (they are used on CUDA
     devices only, for batches up to ``max_num_seqs``; graphs.py). ``quantization``:
-    ``gguf`` serves a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights as stored (the
+    ``gguf`` serves a GGUF's Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K and Q6_K weights as stored (the
     native kernels' job; on AVX-512 VNNI prefill-sized GEMMs keep the dequantized
     weights), ``none`` dequantizes every weight at load, ``auto`` is ``gguf`` for a GGUF
     file with such weights where the native kernels run, else ``none`` (docs/model.md).

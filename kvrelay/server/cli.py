@@ -95,9 +95,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "bf16 natively (avx512_bf16, amx_bf16), else float32, whatever the "
                    "checkpoint stores; on CUDA the checkpoint's")
     p.add_argument("--quantization", choices=["auto", "none", "gguf"], default="auto",
-                   help="gguf: serve a GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K weights as stored "
-                   "(native kernels, 8-bit activations); none: dequantize at load; auto: gguf "
-                   "for a GGUF with such weights where the native kernels run, else none")
+                   help="gguf: serve a GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights as "
+                   "stored (native kernels, 8-bit activations); none: dequantize at load; auto: "
+                   "gguf for a GGUF with such weights where the native kernels run, else none")
     p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="KV cache dtype; auto: the model's (--dtype). bfloat16 under a float32 "
                    "model halves the cache's memory and the bytes a decode step reads")

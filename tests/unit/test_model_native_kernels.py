@@ -974,9 +974,9 @@ def _gguf_quantize(w: torch.Tensor, qtype: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("qtype", "n", "k"), [
-    *[(q, n, k) for q in (8, 3) for n, k in [(16, 64), (40, 96), (832, 576), (576, 1536)]],
+    *[(q, n, k) for q in (8, 3, 7) for n, k in [(16, 64), (40, 96), (832, 576), (576, 1536)]],
     *[(q, n, k) for q in (12, 14) for n, k in [(16, 256), (40, 512), (576, 1536)]],
-], ids=lambda v: {8: "Q8_0", 3: "Q4_1", 12: "Q4_K", 14: "Q6_K"}.get(v, str(v)))
+], ids=lambda v: {8: "Q8_0", 3: "Q4_1", 7: "Q5_1", 12: "Q4_K", 14: "Q6_K"}.get(v, str(v)))
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 32])
 def test_gguf_gemm_matches_the_dequantized_weight(isa: str, qtype: int, rows: int, n: int,
                                                    k: int) -> None:
@@ -1012,22 +1012,24 @@ def test_gguf_gemm_matches_the_dequantized_weight(isa: str, qtype: int, rows: in
             assert rel < 0.01, rel
 
 
-@pytest.mark.parametrize("qtype", [12, 14], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", [12, 13, 14, 7], ids=["Q4_K", "Q5_K", "Q6_K", "Q5_1"])
 @pytest.mark.parametrize("rows", [1, 8, 17])
 def test_k_quant_gemm_on_any_block_bytes(isa: str, qtype: int, rows: int) -> None:
-    """Any bytes are a valid Q4_K or Q6_K block (the quantizers above write only some of
-    them): every 6-bit scale and min of Q4_K, Q6_K's negative int8 scales and its code -32
-    (llama.cpp's quantizer writes both). The GEMM gives the gguf package's dequantization
-    of them, to float32 rounding of the same sums."""
+    """Any bytes are a valid Q4_K, Q5_K, Q6_K or Q5_1 block (the quantizers write only
+    some of them): every 6-bit scale and min of Q4_K and Q5_K, Q6_K's negative int8
+    scales and its code -32 (llama.cpp's quantizer writes both), every fifth bit. The
+    GEMM gives the gguf package's dequantization of them, to float32 rounding of the
+    same sums."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     assert _mod is not None
     rng = np.random.default_rng(rows * 100 + qtype)
     n, k = 40, 512
-    size, d_at = (144, slice(0, 4)) if qtype == 12 else (210, slice(208, 210))
-    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
-    d = rng.uniform(1e-4, 1e-3, size=(n, k // 256, (d_at.stop - d_at.start) // 2))
+    per, size, d_at = {12: (256, 144, slice(0, 4)), 13: (256, 176, slice(0, 4)),
+                       14: (256, 210, slice(208, 210)), 7: (32, 24, slice(0, 4))}[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
+    d = rng.uniform(1e-4, 1e-3, size=(n, k // per, (d_at.stop - d_at.start) // 2))
     blocks[..., d_at] = d.astype(np.float16).view(np.uint8)
     raw = blocks.reshape(n, -1)
     w = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType(qtype)),

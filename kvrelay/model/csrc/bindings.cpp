@@ -35,14 +35,18 @@ void pack_f32_blocks(const float* w, int64_t N, int64_t K, float* out) {
 }
 
 int64_t gguf_block_values(int type) {
-  return type == int(QType::Q4_K) || type == int(QType::Q6_K) ? 256 : 32;
+  return type == int(QType::Q4_K) || type == int(QType::Q5_K) || type == int(QType::Q6_K)
+             ? 256
+             : 32;
 }
 int64_t gguf_row_bytes(int type, int64_t K) {
   const int64_t blocks = K / gguf_block_values(type);
   switch (QType(type)) {
     case QType::Q8_0: return blocks * 34;
     case QType::Q4_1: return blocks * 20;
+    case QType::Q5_1: return blocks * 24;
     case QType::Q4_K: return blocks * 144;
+    case QType::Q5_K: return blocks * 176;
     case QType::Q6_K: return blocks * 210;
   }
   return 0;
@@ -52,6 +56,8 @@ int64_t gguf_group_bytes(int type) {
     case QType::Q8_0: return 544;
     case QType::Q4_1: return 320;
     case QType::Q4_K: return 384;
+    case QType::Q5_1:
+    case QType::Q5_K:
     case QType::Q6_K: return 640;
   }
   return 0;
@@ -76,6 +82,9 @@ static void q4k_scale_min(int j, const uint8_t* q, int& sc, int& m) {
 // as Q4_1's, value d sc q - dmin m, with its scale d sc and min -dmin m in float32
 // (exact: an f16 times a 6-bit integer) where Q4_1 has f16. A Q6_K group holds its codes
 // less 32 (int8, as Q8_0's) and the float32 d sc of each half (exact: f16 times int8).
+// Q5_1 (f16 d, f16 m, 4 bytes of fifth bits, 16 of nibbles) and Q5_K (Q4_K's with 32
+// bytes of fifth bits before the nibbles) groups hold the 5-bit codes as bytes, with a
+// float32 scale and min (Q5_K's d sc and -dmin m, exact).
 // Columns past N get zero scales, mins and codes. Generic code, once per weight at load.
 void pack_gguf_blocks(int type, const uint8_t* raw, int64_t N, int64_t K, uint8_t* out) {
   const int64_t G = K / 32, nblk = (N + 15) / 16, bb = gguf_row_bytes(type, 32);
@@ -102,6 +111,35 @@ void pack_gguf_blocks(int type, const uint8_t* raw, int64_t N, int64_t K, uint8_
         for (int k = 0; k < 32; ++k) {
           const int lo = t < 2 ? ql[k] & 0x0f : ql[k] >> 4, hi = (qh[k] >> (2 * t)) & 3;
           dst[128 + (k / 4) * 64 + c * 4 + k % 4] = uint8_t(int8_t((lo | hi << 4) - 32));
+        }
+        continue;
+      }
+      if (type == int(QType::Q5_1) || type == int(QType::Q5_K)) {
+        const bool k5 = type == int(QType::Q5_K);
+        const uint8_t* sb = raw + n * row + (k5 ? g / 8 * 176 : g * 24);
+        const int j = int(g % 8);  // Q5_K's sub-block
+        const float d = float(c10::Half(uint16_t(sb[0] | sb[1] << 8), c10::Half::from_bits()));
+        const float m2 = float(c10::Half(uint16_t(sb[2] | sb[3] << 8), c10::Half::from_bits()));
+        float scale = d, min = m2;
+        if (k5) {
+          int sc, m;
+          q4k_scale_min(j, sb + 4, sc, m);
+          scale = d * float(sc), min = -m2 * float(m);
+        }
+        std::memcpy(dst + 4 * c, &scale, 4);
+        std::memcpy(dst + 64 + 4 * c, &min, 4);
+        for (int k = 0; k < 32; ++k) {
+          int q;
+          if (k5) {  // low nibbles of 32 j / 2 .. for even j, high for odd; bit j of qh[k]
+            const uint8_t b = sb[48 + 32 * (j / 2) + k];
+            q = (j % 2 == 0 ? b & 0x0f : b >> 4) | ((sb[16 + k] >> j) & 1) << 4;
+          } else {  // k < 16 in the low nibbles; bit k of the 32-bit qh
+            const uint32_t qh = uint32_t(sb[4]) | uint32_t(sb[5]) << 8 | uint32_t(sb[6]) << 16 |
+                                uint32_t(sb[7]) << 24;
+            const uint8_t b = sb[8 + k % 16];
+            q = (k < 16 ? b & 0x0f : b >> 4) | int((qh >> k) & 1) << 4;
+          }
+          dst[128 + (k / 4) * 64 + c * 4 + k % 4] = uint8_t(q);
         }
         continue;
       }
@@ -850,15 +888,15 @@ torch::Tensor f32_gemm(const torch::Tensor& x, const torch::Tensor& wp, int64_t 
 }
 
 bool gguf_type_known(int64_t type) {
-  return type == int(QType::Q8_0) || type == int(QType::Q4_1) || type == int(QType::Q4_K) ||
-         type == int(QType::Q6_K);
+  return type == int(QType::Q8_0) || type == int(QType::Q4_1) || type == int(QType::Q5_1) ||
+         type == int(QType::Q4_K) || type == int(QType::Q5_K) || type == int(QType::Q6_K);
 }
 
 // GGUF raw rows (N, K / 32 * block bytes) uint8 -> (ceil(N/16), K/32, group bytes).
 torch::Tensor pack_gguf_gemm(const torch::Tensor& raw, int64_t type, int64_t K) {
   TORCH_CHECK(gguf_type_known(type),
-              "pack_gguf_gemm takes GGUF types Q8_0 (8), Q4_1 (3), Q4_K (12) or Q6_K (14), got ",
-              type);
+              "pack_gguf_gemm takes GGUF types Q8_0 (8), Q4_1 (3), Q5_1 (7), Q4_K (12), Q5_K "
+              "(13) or Q6_K (14), got ", type);
   const int64_t per = gguf_block_values(int(type));
   TORCH_CHECK(K > 0 && K % per == 0, "K must be a positive multiple of ", per, ", got ", K);
   TORCH_CHECK(raw.device().is_cpu() && raw.dim() == 2 && raw.is_contiguous() &&
@@ -902,7 +940,8 @@ torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int6
   TORCH_CHECK(has_f32_gemm(), "gguf_gemm needs AVX2 + FMA or AVX-512");
   check_rows(x_in, "x");
   TORCH_CHECK(gguf_type_known(type), "unknown GGUF type ", type,
-              "; gguf_gemm takes Q8_0 (8), Q4_1 (3), Q4_K (12) or Q6_K (14)");
+              "; gguf_gemm takes Q8_0 (8), Q4_1 (3), Q5_1 (7), Q4_K (12), Q5_K (13) or Q6_K "
+              "(14)");
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 || x_in.scalar_type() == torch::kBFloat16,
               "gguf_gemm takes float32 or bfloat16 x");
   const bool bf16 = x_in.scalar_type() == torch::kBFloat16;

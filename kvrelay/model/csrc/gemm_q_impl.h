@@ -193,9 +193,10 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t*
     }
 }
 
-// acc += chunks [C0, C1) of int8 codes (4 k each) from byte `head` of each group, against
-// x's codes (Q8_0; Q6_K, a half at a time)
-template <int MR, int NB, int C0, int C1>
+// acc += chunks [C0, C1) of byte codes (4 k each) from byte `head` of each group, against
+// x's codes: int8 (Q8_0; Q6_K, a half at a time), or with U unsigned (Q5_1, Q5_K: 0-31,
+// whose pairs of products stay in int16 under AVX2's maddubs)
+template <int MR, int NB, int C0, int C1, bool U = false>
 static inline void int8_chunks(const uint8_t* const base[NB], int head, const int8_t* xq,
                                int64_t ldq, vi (&acc)[MR][NB * kVecs]) {
   for (int c = C0; c < C1; ++c) {
@@ -205,7 +206,8 @@ static inline void int8_chunks(const uint8_t* const base[NB], int head, const in
         w[j * kVecs + v] = iload(base[j] + head + c * 64 + v * (64 / kVecs));
     for (int m = 0; m < MR; ++m) {
       const vi xb = iset1(xq + m * ldq + 4 * c);
-      for (int j = 0; j < NB * kVecs; ++j) acc[m][j] = dot_q8(acc[m][j], w[j], xb);
+      for (int j = 0; j < NB * kVecs; ++j)
+        acc[m][j] = U ? dot_u(acc[m][j], w[j], xb) : dot_q8(acc[m][j], w[j], xb);
     }
   }
 }
@@ -270,6 +272,24 @@ struct Q4 {
 };
 using Q4_1 = Q4<false>;
 using Q4_K = Q4<true>;
+
+// Q5_1 and Q5_K: 5-bit codes as bytes (unsigned, Q8_0's chunks) with a float32 scale and
+// min: [16 scales][16 mins][8 chunks] (640 bytes, 10 bits a weight where the files have
+// 6 and 5.5).
+struct Q5 {
+  static constexpr int kBytes = 128 + kGroup * kCols;
+  static constexpr bool kMin = true;
+  static constexpr bool kHalves = false;
+  static inline void d(const uint8_t* g, vf out[kVecs]) { scales32(g, out); }
+  template <int MR, int NB>
+  static inline void dots(const uint8_t* const base[NB], const int8_t* xq, int64_t ldq,
+                          vi (&acc)[MR][NB * kVecs]) {
+    int8_chunks<MR, NB, 0, kGroup / 4, true>(base, 128, xq, ldq, acc);
+  }
+  static inline void mins(const uint8_t* g, const vf[kVecs], vf out[kVecs]) {
+    scales32(g + 64, out);
+  }
+};
 
 // Q6_K: its 6-bit codes less 32 as int8, in Q8_0's chunks, and a float32 scale d sc for
 // each half group (sub-blocks of 16): [16 scales, k 0-15][16 scales, k 16-31][8 chunks]
@@ -400,6 +420,8 @@ static void gemm_any(int type, const int8_t* xq, const float* dx, const float* s
     run(Kern<Q4_K>{}, Q4_K::kBytes);
   else if (type == int(QType::Q6_K))
     run(Kern<Q6_K>{}, Q6_K::kBytes);
+  else if (type == int(QType::Q5_1) || type == int(QType::Q5_K))
+    run(Kern<Q5>{}, Q5::kBytes);
   else
     run(Kern<Q4_1>{}, Q4_1::kBytes);
 }

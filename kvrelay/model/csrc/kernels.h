@@ -126,11 +126,11 @@ void prefill_amx_unit(const uint16_t* qt, const uint16_t* kp, int D, const uint1
                       uint16_t* out, int64_t ldo, uint16_t* ps, RescaleEvent* events);
 
 // GGUF block types the quantized decode GEMM takes (their ggml type codes).
-enum class QType : int { Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum class QType : int { Q4_1 = 3, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 // GGUF-quantized GEMM for decode-sized M (gemm_q_impl.h): AVX-512 VNNI
 // (isa_avx512_vnni.cpp) or AVX2 (isa_avx2.cpp). The (N, K) weight, as the file stores it
-// (N rows of gguf_row_bytes: K / 32 blocks, or K / 256 super-blocks for Q4_K and Q6_K),
+// (N rows of gguf_row_bytes: K / 32 blocks, or K / 256 super-blocks for the K types),
 // is repacked by pack_gguf_blocks into ceil(N/16) * (K/32) groups of
 // gguf_group_bytes(type) bytes; quantize_q8_<isa> turns x (M, K) float32 (or bfloat16:
 // bf16, read as the float32 values they are) into int8 codes xq (M, K), a scale dx and
