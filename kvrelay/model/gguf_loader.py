@@ -136,16 +136,15 @@ class GgufModel:
         for name, t in self.tensors.items():
             if t.tensor_type not in SERVED_TYPES or len(t.shape) != 2:
                 continue
-            data: np.ndarray | None = np.array(t.data, dtype=np.uint8, order="C")
+            data = np.array(t.data, dtype=np.uint8, order="C")
             qtype = int(t.tensor_type)
             if t.tensor_type == GGMLQuantizationType.Q4_0:
-                data = q4_0_as_q4_1(np.asarray(data))
-                qtype = int(GGMLQuantizationType.Q4_1)
+                as_q4_1 = q4_0_as_q4_1(data)
+                if as_q4_1 is None:
+                    continue  # a scale too large for the min -8 d: dequantized instead
+                data, qtype = as_q4_1, int(GGMLQuantizationType.Q4_1)
             elif t.tensor_type == GGMLQuantizationType.Q5_0:
-                data = q5_0_as_q8_0(np.asarray(data))
-                qtype = int(GGMLQuantizationType.Q8_0)
-            if data is None:
-                continue  # a Q4_0 scale too large for the min -8 d: dequantized instead
+                data, qtype = q5_0_as_q8_0(data), int(GGMLQuantizationType.Q8_0)
             raw = torch.from_numpy(data)
             hf_name, kind = _hf_name(name)
             if kind in ("attn_q", "attn_k") and self.config.architecture == "llama":

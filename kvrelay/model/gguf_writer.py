@@ -97,6 +97,16 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(rows, nb * 210)
 
 
+def quantize_as(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """w's rows as GGUF blocks of qtype: the gguf package's quantizer, or ours for the K
+    types it lacks (Q4_K, Q6_K)."""
+    if qtype == Q.Q4_K:
+        return quantize_q4_k(w)
+    if qtype == Q.Q6_K:
+        return quantize_q6_k(w)
+    return np.ascontiguousarray(quantize(w, qtype))
+
+
 def gguf_name(hf: str) -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
@@ -134,10 +144,7 @@ def write_gguf(
         name = gguf_name(hf)
         kind = name.split(".")[-2]
         qtype = kinds.get(kind, Q.F32) if w.ndim == 2 else Q.F32
-        if qtype in (Q.Q4_K, Q.Q6_K):
-            data = quantize_q4_k(w) if qtype == Q.Q4_K else quantize_q6_k(w)
-        else:
-            data = quantize(w, qtype)
+        data = quantize_as(w, qtype)
         back = dequantize(data, qtype).reshape(w.shape).astype(np.float32)
         decoded[hf] = back
         if kind in ("attn_q", "attn_k"):

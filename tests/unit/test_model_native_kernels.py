@@ -961,16 +961,12 @@ def _q8_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gguf_quantize(w: torch.Tensor, qtype: int) -> np.ndarray:
-    """w's rows as GGUF blocks of qtype (Q4_K by the writer's quantizer: the gguf package
-    has none for K types)."""
+    """w's rows as GGUF blocks of qtype (gguf_writer.quantize_as)."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
 
-    from kvrelay.model.gguf_writer import quantize_q4_k, quantize_q6_k
+    from kvrelay.model.gguf_writer import quantize_as
 
-    if qtype in (12, 14):
-        return (quantize_q4_k if qtype == 12 else quantize_q6_k)(w.numpy())
-    return np.ascontiguousarray(quantize(w.numpy(), GGMLQuantizationType(qtype)))
+    return quantize_as(w.numpy(), GGMLQuantizationType(qtype))
 
 
 @pytest.mark.parametrize(("qtype", "n", "k"), [

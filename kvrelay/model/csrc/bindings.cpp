@@ -63,15 +63,18 @@ int64_t gguf_group_bytes(int type) {
   return 0;
 }
 
-// Q4_K's 6-bit scale and min of sub-block j (0-7) from its 12 packed bytes (ggml's
-// get_scale_min_k4).
-static void q4k_scale_min(int j, const uint8_t* q, int& sc, int& m) {
-  if (j < 4) {
-    sc = q[j] & 63, m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+// The f16 at p (little-endian), as float.
+static float f16_at(const uint8_t* p) {
+  return float(c10::Half(uint16_t(p[0] | p[1] << 8), c10::Half::from_bits()));
+}
+
+// A Q4_K or Q5_K super-block's sub-block j (0-7): scale d sc and min -dmin m, from f16 d
+// and dmin and the 6-bit sc and m packed in its 12 bytes (ggml's get_scale_min_k4).
+static void k_scale_min(const uint8_t* sb, int j, float& scale, float& min) {
+  const uint8_t* q = sb + 4;
+  const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+  const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  scale = f16_at(sb) * float(sc), min = -f16_at(sb + 2) * float(m);
 }
 
 // GGUF rows (N rows of K / 32 blocks: Q8_0 f16 d + 32 int8; Q4_1 f16 d, f16 m + 16
@@ -90,83 +93,75 @@ void pack_gguf_blocks(int type, const uint8_t* raw, int64_t N, int64_t K, uint8_
   const int64_t G = K / 32, nblk = (N + 15) / 16, bb = gguf_row_bytes(type, 32);
   const int64_t gb = gguf_group_bytes(type), row = gguf_row_bytes(type, K);
   std::memset(out, 0, size_t(nblk * G * gb));
-  // the group's codes: k < 16 in the low nibbles, as Q4_1 stores them
+  // column c's code of k in a group's chunks: a byte, or a nibble (k < 16 in the low
+  // nibbles, as Q4_1 stores them)
+  const auto put8 = [](uint8_t* codes, int64_t c, int k, uint8_t code) {
+    codes[(k / 4) * 64 + c * 4 + k % 4] = code;
+  };
   const auto put4 = [](uint8_t* codes, int64_t c, int k, uint8_t code) {
     codes[(k % 16 / 4) * 64 + c * 4 + k % 4] |= uint8_t(code << (k < 16 ? 0 : 4));
+  };
+  // column c's two float32 scales (or scale and min) of the K types' groups
+  const auto put_f32 = [](uint8_t* dst, int64_t c, float a, float b) {
+    std::memcpy(dst + 4 * c, &a, 4);
+    std::memcpy(dst + 64 + 4 * c, &b, 4);
   };
   for (int64_t n = 0; n < N; ++n) {
     const int64_t b = n / 16, c = n % 16;
     for (int64_t g = 0; g < G; ++g) {
       uint8_t* dst = out + (b * G + g) * gb;
+      const int j = int(g % 8);  // the K types' sub-block of 32 in its super-block
       if (type == int(QType::Q6_K)) {
         const uint8_t* sb = raw + n * row + g / 8 * 210;
-        const float d = float(c10::Half(uint16_t(sb[208] | sb[209] << 8), c10::Half::from_bits()));
-        const int v0 = int(g % 8) * 32, half = v0 / 128, t = v0 % 128 / 32;  // ggml's loop
+        const int half = j / 4, t = j % 4;  // ggml's loop
         const uint8_t* ql = sb + 64 * half + (t % 2) * 32;
         const uint8_t* qh = sb + 128 + 32 * half;
         const int8_t* sc = (const int8_t*)(sb + 192) + 8 * half + 2 * t;
-        const float s0 = d * float(sc[0]), s1 = d * float(sc[1]);  // k 0-15, k 16-31
-        std::memcpy(dst + 4 * c, &s0, 4);
-        std::memcpy(dst + 64 + 4 * c, &s1, 4);
+        const float d = f16_at(sb + 208);
+        put_f32(dst, c, d * float(sc[0]), d * float(sc[1]));  // k 0-15, k 16-31
         for (int k = 0; k < 32; ++k) {
           const int lo = t < 2 ? ql[k] & 0x0f : ql[k] >> 4, hi = (qh[k] >> (2 * t)) & 3;
-          dst[128 + (k / 4) * 64 + c * 4 + k % 4] = uint8_t(int8_t((lo | hi << 4) - 32));
+          put8(dst + 128, c, k, uint8_t(int8_t((lo | hi << 4) - 32)));
         }
-        continue;
-      }
-      if (type == int(QType::Q5_1) || type == int(QType::Q5_K)) {
-        const bool k5 = type == int(QType::Q5_K);
-        const uint8_t* sb = raw + n * row + (k5 ? g / 8 * 176 : g * 24);
-        const int j = int(g % 8);  // Q5_K's sub-block
-        const float d = float(c10::Half(uint16_t(sb[0] | sb[1] << 8), c10::Half::from_bits()));
-        const float m2 = float(c10::Half(uint16_t(sb[2] | sb[3] << 8), c10::Half::from_bits()));
-        float scale = d, min = m2;
-        if (k5) {
-          int sc, m;
-          q4k_scale_min(j, sb + 4, sc, m);
-          scale = d * float(sc), min = -m2 * float(m);
-        }
-        std::memcpy(dst + 4 * c, &scale, 4);
-        std::memcpy(dst + 64 + 4 * c, &min, 4);
+      } else if (type == int(QType::Q5_K)) {
+        const uint8_t* sb = raw + n * row + g / 8 * 176;
+        float scale, min;
+        k_scale_min(sb, j, scale, min);
+        put_f32(dst, c, scale, min);
+        // the nibbles of sub-blocks 2i and 2i + 1 share bytes 32 i ..: low and high; the
+        // fifth bit of each is bit j of the same 32 bytes
         for (int k = 0; k < 32; ++k) {
-          int q;
-          if (k5) {  // low nibbles of 32 j / 2 .. for even j, high for odd; bit j of qh[k]
-            const uint8_t b = sb[48 + 32 * (j / 2) + k];
-            q = (j % 2 == 0 ? b & 0x0f : b >> 4) | ((sb[16 + k] >> j) & 1) << 4;
-          } else {  // k < 16 in the low nibbles; bit k of the 32-bit qh
-            const uint32_t qh = uint32_t(sb[4]) | uint32_t(sb[5]) << 8 | uint32_t(sb[6]) << 16 |
-                                uint32_t(sb[7]) << 24;
-            const uint8_t b = sb[8 + k % 16];
-            q = (k < 16 ? b & 0x0f : b >> 4) | int((qh >> k) & 1) << 4;
-          }
-          dst[128 + (k / 4) * 64 + c * 4 + k % 4] = uint8_t(q);
+          const uint8_t q = sb[48 + 32 * (j / 2) + k];
+          put8(dst + 128, c, k, uint8_t((j % 2 == 0 ? q & 0x0f : q >> 4) |
+                                        ((sb[16 + k] >> j) & 1) << 4));
         }
-        continue;
-      }
-      if (type == int(QType::Q4_K)) {
+      } else if (type == int(QType::Q5_1)) {
+        const uint8_t* src = raw + n * row + g * 24;
+        put_f32(dst, c, f16_at(src), f16_at(src + 2));
+        const uint32_t qh = uint32_t(src[4]) | uint32_t(src[5]) << 8 |
+                            uint32_t(src[6]) << 16 | uint32_t(src[7]) << 24;  // bit k: k's
+        for (int k = 0; k < 32; ++k) {
+          const uint8_t q = src[8 + k % 16];
+          put8(dst + 128, c, k, uint8_t((k < 16 ? q & 0x0f : q >> 4) | ((qh >> k) & 1) << 4));
+        }
+      } else if (type == int(QType::Q4_K)) {
         const uint8_t* sb = raw + n * row + g / 8 * 144;
-        const int j = int(g % 8);
-        int sc, m;
-        q4k_scale_min(j, sb + 4, sc, m);
-        const float d = float(c10::Half(uint16_t(sb[0] | sb[1] << 8), c10::Half::from_bits()));
-        const float dmin = float(c10::Half(uint16_t(sb[2] | sb[3] << 8), c10::Half::from_bits()));
-        const float scale = d * float(sc), min = -dmin * float(m);
-        std::memcpy(dst + 4 * c, &scale, 4);
-        std::memcpy(dst + 64 + 4 * c, &min, 4);
-        // sub-blocks 2i and 2i + 1 share bytes 32 i .. 32 i + 31: low and high nibbles
-        const uint8_t* qs = sb + 16 + 32 * (j / 2);
+        float scale, min;
+        k_scale_min(sb, j, scale, min);
+        put_f32(dst, c, scale, min);
+        const uint8_t* qs = sb + 16 + 32 * (j / 2);  // as Q5_K's nibbles
         for (int k = 0; k < 32; ++k)
           put4(dst + 128, c, k, uint8_t(j % 2 == 0 ? qs[k] & 0x0f : qs[k] >> 4));
-        continue;
-      }
-      const uint8_t* src = raw + (n * G + g) * bb;
-      std::memcpy(dst + 2 * c, src, 2);  // the scale d, f16
-      if (type == int(QType::Q8_0)) {
-        for (int k = 0; k < 32; ++k) dst[32 + (k / 4) * 64 + c * 4 + k % 4] = src[2 + k];
       } else {
-        std::memcpy(dst + 32 + 2 * c, src + 2, 2);  // the min m, f16
-        for (int k = 0; k < 32; ++k)
-          put4(dst + 64, c, k, uint8_t(k < 16 ? src[4 + k] & 0x0f : src[4 + k - 16] >> 4));
+        const uint8_t* src = raw + (n * G + g) * bb;
+        std::memcpy(dst + 2 * c, src, 2);  // the scale d, f16
+        if (type == int(QType::Q8_0)) {
+          for (int k = 0; k < 32; ++k) put8(dst + 32, c, k, src[2 + k]);
+        } else {
+          std::memcpy(dst + 32 + 2 * c, src + 2, 2);  // the min m, f16
+          for (int k = 0; k < 32; ++k)
+            put4(dst + 64, c, k, uint8_t(k < 16 ? src[4 + k] & 0x0f : src[4 + k - 16] >> 4));
+        }
       }
     }
   }

@@ -193,6 +193,15 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t*
     }
 }
 
+// quantize_rows of x as bf16 says: bfloat16 or float32 values (the ISA entry points')
+static void quantize_any(const void* x, bool bf16, int64_t ldx, int64_t M, int64_t K,
+                         int8_t* xq, float* dx, float* sx, float* sh) {
+  if (bf16)
+    quantize_rows((const uint16_t*)x, ldx, M, K, xq, dx, sx, sh);
+  else
+    quantize_rows((const float*)x, ldx, M, K, xq, dx, sx, sh);
+}
+
 // acc += chunks [C0, C1) of byte codes (4 k each) from byte `head` of each group, against
 // x's codes: int8 (Q8_0; Q6_K, a half at a time), or with U unsigned (Q5_1, Q5_K: 0-31,
 // whose pairs of products stay in int16 under AVX2's maddubs)

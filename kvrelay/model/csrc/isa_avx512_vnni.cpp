@@ -11,10 +11,7 @@
 namespace kvr {
 void quantize_q8_avx512(const void* x, bool bf16, int64_t ldx, int64_t M, int64_t K, int8_t* xq,
                         float* dx, float* sx, float* sh) {
-  if (bf16)
-    avx512vnni::q::quantize_rows((const uint16_t*)x, ldx, M, K, xq, dx, sx, sh);
-  else
-    avx512vnni::q::quantize_rows((const float*)x, ldx, M, K, xq, dx, sx, sh);
+  avx512vnni::q::quantize_any(x, bf16, ldx, M, K, xq, dx, sx, sh);
 }
 void gemm_q_avx512(int type, const int8_t* xq, const float* dx, const float* sx, const float* sh,
                    int64_t M, const uint8_t* wp, int64_t K, int64_t blk0, int64_t blk1,
