@@ -307,15 +307,49 @@ def gguf_gemms(backend: Any, quantized: Mapping[str, QuantWeight]) -> GgufGemms:
     return GgufGemms(backend._ops, quantized, backend.dtype, amx=backend.amx_off is None)
 
 
+# Where prompt chunks leave the native tiles for torch's SDPA: a chunk that attends to at
+# least this many positions (its cached context and its own tokens), by the model's
+# dtype. The tiles' cost per query grows with the context faster than SDPA's, and SDPA
+# costs more per call. One prefill step, 30 layers, 2 threads, attention ms tiles / SDPA
+# (docs/model.md, "Prompt attention by length", has the whole table): float32 on an AMX
+# Xeon 8 x 128 tokens 88 / 130, 1 x 640 171 / 173, 1 x 768 239 / 210, 1 x 2,000
+# 1,520 / 954 (held to AVX2: 114 / 142 at 8 x 128, 287 / 267 at 768); bfloat16 without
+# AMX 4 x 256 105 / 110, 2 x 384 107 / 95. bfloat16 on a CPU with AMX-BF16: SDPA (on
+# AMX itself) for every chunk, or the AMX kernel where it can (prefill_amx_available).
+SDPA_FROM = {torch.float32: 640, torch.bfloat16: 320}
+EVERY_PROMPT_CHUNK = 2  # a prompt chunk has two tokens or more, so attends to 2 or more
+NEVER = 1 << 62  # no chunk attends to this many positions
+
+
+def prefill_sdpa_from(dtype: torch.dtype) -> int | None:
+    """From how many attended positions a prompt chunk goes to torch's SDPA instead of the
+    native tiles, or None for never (KVRELAY_PREFILL_SDPA=1: every prompt chunk, =0:
+    none; default: SDPA_FROM by dtype, every chunk for bfloat16 on AMX-BF16)."""
+    env = os.environ.get("KVRELAY_PREFILL_SDPA")
+    if env in ("0", "1"):
+        return EVERY_PROMPT_CHUNK if env == "1" else None
+    from kvrelay.model.loader import CPUINFO
+
+    if dtype is torch.bfloat16:
+        try:
+            if "amx_bf16" in CPUINFO.read_text().split():
+                return EVERY_PROMPT_CHUNK
+        except OSError:
+            pass
+    return SDPA_FROM.get(dtype)
+
+
 class NativeStep:
     """Per-step inputs of the attention kernel, built once for every layer."""
 
-    __slots__ = ("continued", "fresh", "k_rows", "positions", "prompts", "seqs", "tables")
+    __slots__ = ("continued", "fresh", "k_rows", "positions", "prompts", "seqs", "skip_from",
+                 "tables")
 
     def __init__(
         self, positions: torch.Tensor, k_rows: torch.Tensor, seqs: torch.Tensor,
         tables: torch.Tensor, fresh: Sequence[FreshPrompts] = (),
         continued: Sequence[ContinuedPrompt] = (), prompts: PromptChunks | None = None,
+        skip_from: int = NEVER,
     ) -> None:
         self.positions = positions
         self.k_rows = k_rows  # (T,) layer-0 K rows (of KVH * D values) of each token's slot
@@ -324,6 +358,7 @@ class NativeStep:
         self.fresh = fresh  # prompts' first chunks whose attention SDPA computes
         self.continued = continued  # and their later chunks (after cached context)
         self.prompts = prompts  # or every prompt chunk, for the AMX kernel instead
+        self.skip_from = skip_from  # the native call leaves those chunks' attention to them
 
 
 class FreshPrompts:
@@ -382,23 +417,6 @@ def prefill_amx_available(mod: Any, dtype: torch.dtype, cfg: ModelConfig) -> boo
             and bool(mod.has_amx_prefill_attention()))
 
 
-def prefill_sdpa_wanted() -> bool:
-    """Whether prompt chunks attend apart from the native tiles: through torch's SDPA, or
-    the AMX kernel where prefill_amx_available (KVRELAY_PREFILL_SDPA=1/0; default: where
-    the CPU has AMX). On an AMX Xeon,
-    8 prompts of 128 tokens, 30 layers, 2 threads: SDPA 17 ms in bfloat16 (48 in
-    float32) against the native tiles' 60 (72), measured alone (docs/model.md)."""
-    env = os.environ.get("KVRELAY_PREFILL_SDPA")
-    if env in ("0", "1"):
-        return env == "1"
-    from kvrelay.model.loader import CPUINFO
-
-    try:
-        return "amx_bf16" in CPUINFO.read_text().split()
-    except OSError:
-        return False
-
-
 class NativeBackend:
     name = "native"
 
@@ -413,16 +431,27 @@ class NativeBackend:
         self.eps = cfg.rms_norm_eps
         self.gemm_off = small_gemm_unavailable(mod, dtype)
         self.amx_off = self.gemm_off or amx_gemm_unavailable(mod, dtype)
-        self.prefill_sdpa = prefill_sdpa_wanted()
-        # where SDPA would take the prompt chunks, the AMX kernel does if it can
-        self.prefill_amx = prefill_amx_available(mod, dtype, cfg)
+        self.sdpa_from = prefill_sdpa_from(dtype)
+        # where SDPA would take prompt chunks, the AMX kernel takes every one if it can
+        self.prefill_amx = self.sdpa_from is not None and prefill_amx_available(mod, dtype, cfg)
         self._triangles: dict[torch.dtype, torch.Tensor] = {}
 
     def prompt_route(self) -> str:
-        """Where prompt chunks attend (kernel_choice.record_prompt_attention)."""
-        if not self.prefill_sdpa:
+        """Where prompt chunks attend (kernel_choice.record_prompt_attention): ``amx``,
+        ``sdpa``, ``native-tiles``, or ``native-tiles+sdpa>=N`` (SDPA from N positions)."""
+        if self.prefill_amx:
+            return "amx"
+        if self.sdpa_from is None:
             return "native-tiles"
-        return "amx" if self.prefill_amx else "sdpa"
+        return "sdpa" if self.sdpa_from <= EVERY_PROMPT_CHUNK else (
+            f"native-tiles+sdpa>={self.sdpa_from}")
+
+    def skip_from(self) -> int:
+        """The native attention call leaves the prompt chunks that attend to this many
+        positions or more to SDPA or the AMX kernel (build_metadata routes the same)."""
+        if self.prefill_amx:
+            return EVERY_PROMPT_CHUNK
+        return NEVER if self.sdpa_from is None else self.sdpa_from
 
     def small_gemm(self) -> NativeSmallGemm | None:
         if self.gemm_off is not None:
@@ -445,6 +474,7 @@ class NativeBackend:
         continued: list[ContinuedPrompt] = []
         prompts: list[tuple[int, int, int, int]] = []  # for the AMX kernel
         prompt_rows: list[int] = []
+        skip_from = self.skip_from()
         t = 0
         for c in chunks:
             bt = c.block_ids
@@ -453,7 +483,7 @@ class NativeBackend:
             k_rows.extend(rows)
             seqs.append((t, c.length, c.start))
             tables.append(bt[: -(-end // block_size)])
-            if self.prefill_sdpa and c.length > 1:  # as skip_fresh
+            if c.length > 1 and end >= skip_from:  # as the native call skips them
                 if c.start == 0 and not self.prefill_amx:
                     toks, krs = fresh.setdefault(c.length, ([], []))
                     toks.extend(range(t, t + c.length))
@@ -476,6 +506,7 @@ class NativeBackend:
             [FreshPrompts(n, toks, krs) for n, (toks, krs) in fresh.items()],
             continued,
             PromptChunks(prompts, prompt_rows) if prompts else None,
+            skip_from,
         )
 
     def attention(
@@ -487,7 +518,7 @@ class NativeBackend:
         out: torch.Tensor = self._ops.attention(
             qkv, meta.positions, self.cos, self.sin, meta.k_rows, meta.seqs, meta.tables,
             kv_cache, layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            bs, cfg.num_layers, bool(meta.fresh or meta.continued or meta.prompts),
+            bs, cfg.num_layers, meta.skip_from,
         )
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if meta.prompts is not None:

@@ -24,6 +24,7 @@ from kvrelay.model import kernel_choice, native
 from kvrelay.model.attention import ChunkSpec
 from kvrelay.model.backend import TorchBackend, select_backend
 from kvrelay.model.config import ModelConfig
+from kvrelay.model.loader import CPUINFO
 from kvrelay.model.model import Linear, LlamaModel
 from kvrelay.model.rope import RotaryTable
 
@@ -102,12 +103,13 @@ def _random_step(
 def _attend_both(
     cfg: ModelConfig, dtype: torch.dtype, chunks: list[ChunkSpec], block_size: int,
     num_blocks: int, layer: int, seed: int, cache_dtype: torch.dtype | None = None,
-    prefill_sdpa: bool = False, prefill_amx: bool = False,
+    sdpa_from: int | None = None, prefill_amx: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both backends on one step, with the same history in the cache (of dtype
-    ``cache_dtype``, default ``dtype``); ``prefill_sdpa``: the native backend hands
-    prompt chunks to SDPA (native.prefill_sdpa_wanted), or with ``prefill_amx`` to the
-    AMX kernel (native.prefill_amx_available)."""
+    ``cache_dtype``, default ``dtype``); ``sdpa_from``: the native backend hands the
+    prompt chunks that attend to that many positions or more to SDPA
+    (native.prefill_sdpa_from), or with ``prefill_amx`` every one to the AMX kernel
+    (native.prefill_amx_available)."""
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
     cache = torch.randn(shape, generator=g).to(cache_dtype or dtype)
@@ -116,15 +118,17 @@ def _attend_both(
     qkv = torch.randn(T, width, generator=g).to(dtype)
     pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
     ref_b, nat_b = _backends(cfg, dtype)
-    nat_b.prefill_sdpa, nat_b.prefill_amx = prefill_sdpa or prefill_amx, prefill_amx
+    nat_b.prefill_amx = prefill_amx
+    nat_b.sdpa_from = native.EVERY_PROMPT_CHUNK if prefill_amx else sdpa_from
+    cut = native.NEVER if nat_b.sdpa_from is None else nat_b.sdpa_from
     ref_cache, nat_cache = cache.clone(), cache.clone()
     ref = ref_b.attention(qkv.clone(), ref_cache, layer,
                           ref_b.build_metadata(chunks, pos, block_size))
     meta = nat_b.build_metadata(chunks, pos, block_size)
-    assert bool(meta.fresh) == (prefill_sdpa and any(c.start == 0 and c.length > 1
-                                                     for c in chunks))
-    assert len(meta.continued) == (prefill_sdpa and sum(c.start > 0 and c.length > 1
-                                                        for c in chunks))
+    sdpa = [] if prefill_amx else [c for c in chunks
+                                   if c.length > 1 and c.start + c.length >= cut]
+    assert sum(f.count for f in meta.fresh) == sum(c.start == 0 for c in sdpa)
+    assert len(meta.continued) == sum(c.start > 0 for c in sdpa)
     prompts = sum(c.length > 1 for c in chunks) if prefill_amx else 0
     assert (0 if meta.prompts is None else len(meta.prompts.chunks)) == prompts
     nat_qkv = qkv.clone()
@@ -170,21 +174,28 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("prefill", ["tiles", "sdpa"])
+# Where prompt chunks attend in the tests below: the native tiles, SDPA, or split by the
+# positions a chunk attends to (native.SDPA_FROM's rule; 24: the random steps' prompt
+# chunks fall on both sides).
+SDPA_FROM = {"tiles": None, "sdpa": native.EVERY_PROMPT_CHUNK, "split": 24}
+
+
+@pytest.mark.parametrize("prefill", ["tiles", "sdpa", "split"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-h{}-kv{}-bs{}-b{}".format(*s))
 def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...], prefill: str) -> None:
-    """Native against torch on a mixed step; prompts' first chunks by the native tiles
-    or by SDPA (the default on AMX CPUs), the rest by the tiles either way."""
+    """Native against torch on a mixed step; prompt chunks by the native tiles, by
+    SDPA, or split between them by length (the default), decode rows by the tiles."""
     D, H, KVH, bs, batch = shape
     cfg = _cfg(H, KVH, D)
     rng = random.Random(hash(shape) % 1000)
     nb = batch * (-(-200 // bs)) + 1
     chunks = _random_step(rng, batch, bs, nb)
-    if prefill == "sdpa":  # two prompts' first chunks of one length: one batched call
+    if prefill != "tiles":  # two prompts' first chunks of one length: one batched call
         free = sorted(set(range(nb)) - {b for c in chunks for b in c.block_ids})
-        chunks += [ChunkSpec(0, 9, free[i * 3 : i * 3 + -(-9 // bs)]) for i in range(2)]
+        n = 9 if prefill == "sdpa" else 30
+        chunks += [ChunkSpec(0, n, free[i * 3 : i * 3 + -(-n // bs)]) for i in range(2)]
     ref, out, ref_cache, nat_cache = _attend_both(cfg, torch.float32, chunks, bs, nb, 1, 7,
-                                                  prefill_sdpa=prefill == "sdpa")
+                                                  sdpa_from=SDPA_FROM[prefill])
     scale = ref.abs().max().item()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * scale)
     # The fused rope + KV write put the same rotated K and the same V in the same slots.
@@ -192,12 +203,14 @@ def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...], prefi
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prefill", ["tiles", "sdpa", "amx"])
+@pytest.mark.parametrize("prefill", ["tiles", "sdpa", "split", "amx"])
 def test_later_prompt_chunks_match_float64(isa: str, prefill: str, dtype: torch.dtype) -> None:
     """Prompt chunks after cached context (chunked prefill, a pulled or cached prefix):
     by the native tiles, by SDPA over the context gathered from the blocks with a
     mask that keeps each query from the positions after its own, native.CONTINUED_ROWS
-    queries a call (the 300-token chunk takes two), or (bfloat16) by the AMX kernel.
+    queries a call (the 300-token chunk takes two), split between the two by the
+    positions they attend to (from 200: the chunks ending at 400 and 333 by SDPA), or
+    (bfloat16) by the AMX kernel.
     Against float64 attention over what the native cache holds, beside a decode row and
     a first chunk; within float32 rounding, or for bfloat16 within its rounding of the
     output."""
@@ -210,7 +223,8 @@ def test_later_prompt_chunks_match_float64(isa: str, prefill: str, dtype: torch.
     random.Random(2).shuffle(free)
     chunks = [ChunkSpec(s, n, [free.pop() for _ in range(-(-(s + n) // bs))]) for s, n in spans]
     _, out, _, nat_cache = _attend_both(cfg, dtype, chunks, bs, nb, 1, 3,
-                                        prefill_sdpa=prefill == "sdpa",
+                                        sdpa_from=200 if prefill == "split"
+                                        else SDPA_FROM.get(prefill),
                                         prefill_amx=prefill == "amx")
     exact = _attend_over_cache(cfg, chunks, _NATIVE_Q[0], nat_cache, 1, bs)
     scale = exact.abs().max().item()
@@ -262,7 +276,7 @@ def test_amx_prompt_attention_matches_float64(head_dim: int, heads: int, kv_head
     cache, qkv = cache.to(torch.bfloat16), qkv.to(torch.bfloat16)
     pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
     _, nat = _backends(cfg, torch.bfloat16)
-    nat.prefill_sdpa = nat.prefill_amx = True
+    nat.sdpa_from, nat.prefill_amx = native.EVERY_PROMPT_CHUNK, True
     meta = nat.build_metadata(chunks, pos, bs)
     assert meta.prompts is not None and len(meta.prompts.chunks) == 9
     threads = torch.get_num_threads()
@@ -382,7 +396,7 @@ def test_attention_float32_over_a_bfloat16_cache_matches_torch(
         chunks.append(ChunkSpec(0, 7, free[: -(-7 // bs)]))
     ref, out, ref_cache, nat_cache = _attend_both(cfg, torch.float32, chunks, bs, nb, 1,
                                                   seed, cache_dtype=torch.bfloat16,
-                                                  prefill_sdpa=prefill == "sdpa")
+                                                  sdpa_from=SDPA_FROM[prefill])
     assert nat_cache.dtype is torch.bfloat16 and out.dtype is torch.float32
     exact = _attend_over_cache(cfg, chunks, _NATIVE_Q[0], nat_cache, 1, bs)
     scale = exact.abs().max().item()
@@ -426,7 +440,8 @@ def test_attention_bfloat16_no_worse_than_torch(isa: str, shape: tuple[int, ...]
     errs = []
     for b in _backends(cfg, torch.bfloat16):
         if isinstance(b, native.NativeBackend):
-            b.prefill_sdpa, b.prefill_amx = prefill != "tiles", prefill == "amx"
+            b.prefill_amx = prefill == "amx"
+            b.sdpa_from = None if prefill == "tiles" else native.EVERY_PROMPT_CHUNK
         meta = b.build_metadata(chunks, pos, bs)
         if isinstance(meta, native.NativeStep):
             assert bool(meta.fresh) == (prefill == "sdpa")
@@ -460,7 +475,7 @@ def test_attention_bf16_kernels_match_the_generic_kernel(shape: tuple[int, ...],
     qkv = torch.randn(sum(c.length for c in chunks), width, generator=g).to(torch.bfloat16)
     pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
     _, nat = _backends(cfg, torch.bfloat16)
-    nat.prefill_sdpa = nat.prefill_amx = False  # the prompt chunks by the tiles too
+    nat.sdpa_from, nat.prefill_amx = None, False  # the prompt chunks by the tiles too
     outs = []
     for isa in ("avx512", "avx2"):
         assert _mod.set_isa(isa)
@@ -557,20 +572,31 @@ def test_select_backend_follows_request_and_env(monkeypatch: pytest.MonkeyPatch)
     blank = {"omp_wait_policy": "", "omp_spincount": "", "gemm": "", "prefill_gemm": "",
              "prompt_attention": ""}
     assert kernel_choice.info() | blank == {"backend": "native", "isa": _best} | blank
-    # where prompt chunks attend, named for the log and /metrics: float32 never takes
-    # the AMX kernel; bfloat16 at head_dim 64 does where the CPU has AMX-BF16
-    sdpa = native.prefill_sdpa_wanted()
-    assert kernel_choice.info()["prompt_attention"] == ("sdpa" if sdpa else "native-tiles")
+    # where prompt chunks attend, named for the log and /metrics: float32 on the tiles up
+    # to 640 positions, SDPA from there, never the AMX kernel; bfloat16 at head_dim 64
+    # on the AMX kernel where the CPU has AMX-BF16, else on SDPA for every chunk where
+    # SDPA computes on AMX, else split at 320
+    monkeypatch.delenv("KVRELAY_PREFILL_SDPA", raising=False)
+    monkeypatch.delenv("KVRELAY_PREFILL_AMX", raising=False)
+    assert select_backend(cfg, rope, torch.float32, cpu).name == "native"
+    assert kernel_choice.info()["prompt_attention"] == "native-tiles+sdpa>=640"
+    amx_cpu = "amx_bf16" in CPUINFO.read_text().split()
+    split = "sdpa" if amx_cpu else "native-tiles+sdpa>=320"
     cfg64 = _cfg(4, 2, 64)
     rope64 = RotaryTable(cfg64, 64, torch.bfloat16, cpu)
     assert select_backend(cfg64, rope64, torch.bfloat16, cpu).name == "native"
-    want = "amx" if sdpa and _amx_now() else "sdpa" if sdpa else "native-tiles"
-    assert kernel_choice.info()["prompt_attention"] == want
+    assert kernel_choice.info()["prompt_attention"] == ("amx" if _amx_now() else split)
     monkeypatch.setenv("KVRELAY_PREFILL_AMX", "0")
     select_backend(cfg64, rope64, torch.bfloat16, cpu)
-    assert kernel_choice.info()["prompt_attention"] == ("sdpa" if sdpa else "native-tiles")
+    assert kernel_choice.info()["prompt_attention"] == split
+    monkeypatch.setenv("KVRELAY_PREFILL_SDPA", "1")  # every prompt chunk to SDPA
+    select_backend(cfg, rope, torch.float32, cpu)
+    assert kernel_choice.info()["prompt_attention"] == "sdpa"
     monkeypatch.setenv("KVRELAY_PREFILL_SDPA", "0")
     select_backend(cfg64, rope64, torch.bfloat16, cpu)
+    assert kernel_choice.info()["prompt_attention"] == "native-tiles"
+    monkeypatch.delenv("KVRELAY_PREFILL_AMX")
+    select_backend(cfg64, rope64, torch.bfloat16, cpu)  # =0 keeps the AMX kernel off too
     assert kernel_choice.info()["prompt_attention"] == "native-tiles"
     # float16 and head dims that are not multiples of 16 fall back, never fail.
     assert select_backend(cfg, rope, torch.float16, cpu).name == "torch"

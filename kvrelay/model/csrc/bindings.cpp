@@ -334,7 +334,7 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
                         const torch::Tensor& k_rows, const torch::Tensor& seqs,
                         const torch::Tensor& tables, torch::Tensor& cache, int64_t layer,
                         int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t layers,
-                        bool skip_fresh) {
+                        int64_t skip_from) {
   check_rows(qkv, "qkv");
   const int64_t T = qkv.size(0);
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv width must be (H + 2 KVH) * D");
@@ -374,7 +374,7 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   const int G = int(H / KVH), tile_tokens = G >= 64 ? 1 : 64 / G;
   std::vector<AttnTile> tiles;
   int max_ctx = 1;
-  double work = double(T) * (H + KVH) * D;  // rope (alone where skip_fresh takes the rest)
+  double work = double(T) * (H + KVH) * D;  // rope (alone where skip_from takes the rest)
   for (int64_t s = 0; s < S; ++s) {
     // checked as int64 (no sum can overflow), then narrowed
     TORCH_CHECK(sq[3 * s] >= 0 && sq[3 * s + 1] >= 1 && sq[3 * s + 1] <= T - sq[3 * s] &&
@@ -386,10 +386,11 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
     for (int64_t b = 0; b < (pos0 + n + bs - 1) / bs; ++b)
       TORCH_CHECK(row_table[b] >= 0 && row_table[b] < n_blocks, "block id ", row_table[b],
                   " of seqs row ", s, " is outside the cache (", n_blocks, " blocks)");
-    // skip_fresh: the attention of every prompt chunk (more than one token: a first
-    // chunk, or one after cached context) is the caller's (native.NativeBackend: torch's
-    // SDPA); its rope and KV write stay here.
-    if (skip_fresh && n > 1) continue;
+    // skip_from: the attention of a prompt chunk (more than one token: a first chunk,
+    // or one after cached context) that attends to skip_from positions or more is the
+    // caller's (native.NativeBackend: torch's SDPA or the AMX kernel); its rope and KV
+    // write stay here. Compared as int64: a skip_from past every position skips none.
+    if (n > 1 && int64_t(pos0) + n >= skip_from) continue;
     max_ctx = std::max(max_ctx, pos0 + n);  // sizes the tiles' scratch
     work += double(n) * (pos0 + n) * H * D;
     for (int i = 0; i < n; i += tile_tokens)
@@ -705,7 +706,7 @@ torch::Tensor bf16_gemm_amx(const torch::Tensor& x, const torch::Tensor& wp, int
 // Prompt attention on AMX tiles (attn_prefill_amx.cpp) for bfloat16 at head_dim 64, 128.
 bool has_amx_prefill_attention() { return has_amx_bf16_gemm(); }
 
-// The attention of the prompt chunks that attention() skipped (skip_fresh), into their
+// The attention of the prompt chunks that attention() skipped (skip_from), into their
 // rows of out. chunks (P, 4): first token in the step, cached positions before it
 // (start), its tokens (length), and where its keys' layer-0 K rows begin in k_rows
 // (start + length of them: every position up to the chunk's last). q is in qkv, rotated,
