@@ -209,7 +209,8 @@ def record_gemm(gemm: str, why: str, prefill: str = "") -> None:
 
 def record_prompt_attention(route: str) -> None:
     """Where prompt chunks (more than one token) attend: ``amx`` (kvrelay's AMX kernel),
-    ``sdpa`` (torch's), ``native-tiles`` or ``torch`` (the torch backend); see
+    ``sdpa`` (torch's), ``native-tiles``, ``native-tiles+sdpa>=N`` (SDPA for the chunks
+    that attend to N positions or more) or ``torch`` (the torch backend); see
     native.NativeBackend.prompt_route."""
     _kernels.update(prompt_attention=route)
     log.info("prompt attention: %s", route)

@@ -34,13 +34,22 @@ _module: ModuleType | None = None
 _load_error: str | None = None
 
 
+# The bindings' version (csrc/bindings.cpp, m.attr("API")): 2 since attention() takes
+# skip_from (an int) where it took skip_fresh (a bool).
+API = 2
+
+
 def load() -> ModuleType | None:
     """The extension module, imported once; None (with ``load_error()``) if it fails."""
     global _module, _load_error
     if _module is None and _load_error is None:
         try:
             _native = importlib.import_module("kvrelay.model._native")
-            if _native.isa() == "none":
+            built = getattr(_native, "API", 1)
+            if built != API:
+                _load_error = (f"extension built from other sources (bindings API {built}, "
+                               f"this kvrelay needs {API}); rebuild it with `make`")
+            elif _native.isa() == "none":
                 _load_error = "the CPU has neither AVX2 nor AVX-512"
             else:
                 _module = _native
@@ -316,7 +325,14 @@ def gguf_gemms(backend: Any, quantized: Mapping[str, QuantWeight]) -> GgufGemms:
 # 1,520 / 954 (held to AVX2: 114 / 142 at 8 x 128, 287 / 267 at 768); bfloat16 without
 # AMX 4 x 256 105 / 110, 2 x 384 107 / 95. bfloat16 on a CPU with AMX-BF16: SDPA (on
 # AMX itself) for every chunk, or the AMX kernel where it can (prefill_amx_available).
+# A chunk of fewer than SDPA_MIN_TOKENS tokens stays on the tiles however long its
+# context: SDPA gathers the whole context's K/V for it. Prompts after a cached prefix,
+# 30 layers, 2 threads, attention ms tiles / SDPA (docs/model.md): float32 on the AMX
+# Xeon 4 x 20 tokens after 1,504 28 / 80, 4 x 64 after 1,008 55 / 78, 4 x 128 after
+# 1,504 389 / 346, 2 x 256 after 608 249 / 197; held to AVX2 and in bfloat16 without
+# AMX the same sides.
 SDPA_FROM = {torch.float32: 640, torch.bfloat16: 320}
+SDPA_MIN_TOKENS = 128
 EVERY_PROMPT_CHUNK = 2  # a prompt chunk has two tokens or more, so attends to 2 or more
 NEVER = 1 << 62  # no chunk attends to this many positions
 
@@ -343,13 +359,13 @@ class NativeStep:
     """Per-step inputs of the attention kernel, built once for every layer."""
 
     __slots__ = ("continued", "fresh", "k_rows", "positions", "prompts", "seqs", "skip_from",
-                 "tables")
+                 "skip_tokens", "tables")
 
     def __init__(
         self, positions: torch.Tensor, k_rows: torch.Tensor, seqs: torch.Tensor,
         tables: torch.Tensor, fresh: Sequence[FreshPrompts] = (),
         continued: Sequence[ContinuedPrompt] = (), prompts: PromptChunks | None = None,
-        skip_from: int = NEVER,
+        skip_from: int = NEVER, skip_tokens: int = NEVER,
     ) -> None:
         self.positions = positions
         self.k_rows = k_rows  # (T,) layer-0 K rows (of KVH * D values) of each token's slot
@@ -358,7 +374,9 @@ class NativeStep:
         self.fresh = fresh  # prompts' first chunks whose attention SDPA computes
         self.continued = continued  # and their later chunks (after cached context)
         self.prompts = prompts  # or every prompt chunk, for the AMX kernel instead
-        self.skip_from = skip_from  # the native call leaves those chunks' attention to them
+        # the native call leaves the attention of the chunks of skip_tokens tokens or more
+        # that attend to skip_from positions or more to them
+        self.skip_from, self.skip_tokens = skip_from, skip_tokens
 
 
 class FreshPrompts:
@@ -432,6 +450,7 @@ class NativeBackend:
         self.gemm_off = small_gemm_unavailable(mod, dtype)
         self.amx_off = self.gemm_off or amx_gemm_unavailable(mod, dtype)
         self.sdpa_from = prefill_sdpa_from(dtype)
+        self.sdpa_min_tokens = SDPA_MIN_TOKENS
         # where SDPA would take prompt chunks, the AMX kernel takes every one if it can
         self.prefill_amx = self.sdpa_from is not None and prefill_amx_available(mod, dtype, cfg)
         self._triangles: dict[torch.dtype, torch.Tensor] = {}
@@ -444,14 +463,17 @@ class NativeBackend:
         if self.sdpa_from is None:
             return "native-tiles"
         return "sdpa" if self.sdpa_from <= EVERY_PROMPT_CHUNK else (
-            f"native-tiles+sdpa>={self.sdpa_from}")
+            f"native-tiles+sdpa>={self.sdpa_from}")  # and SDPA_MIN_TOKENS tokens
 
-    def skip_from(self) -> int:
-        """The native attention call leaves the prompt chunks that attend to this many
-        positions or more to SDPA or the AMX kernel (build_metadata routes the same)."""
-        if self.prefill_amx:
-            return EVERY_PROMPT_CHUNK
-        return NEVER if self.sdpa_from is None else self.sdpa_from
+    def skip_from(self) -> tuple[int, int]:
+        """The native attention call leaves the prompt chunks of [1] tokens or more that
+        attend to [0] positions or more to SDPA or the AMX kernel (build_metadata routes
+        the same)."""
+        if self.prefill_amx or self.sdpa_from == EVERY_PROMPT_CHUNK:
+            return EVERY_PROMPT_CHUNK, EVERY_PROMPT_CHUNK
+        if self.sdpa_from is None:
+            return NEVER, NEVER
+        return self.sdpa_from, self.sdpa_min_tokens
 
     def small_gemm(self) -> NativeSmallGemm | None:
         if self.gemm_off is not None:
@@ -474,7 +496,7 @@ class NativeBackend:
         continued: list[ContinuedPrompt] = []
         prompts: list[tuple[int, int, int, int]] = []  # for the AMX kernel
         prompt_rows: list[int] = []
-        skip_from = self.skip_from()
+        skip_from, skip_tokens = self.skip_from()
         t = 0
         for c in chunks:
             bt = c.block_ids
@@ -483,7 +505,7 @@ class NativeBackend:
             k_rows.extend(rows)
             seqs.append((t, c.length, c.start))
             tables.append(bt[: -(-end // block_size)])
-            if c.length > 1 and end >= skip_from:  # as the native call skips them
+            if c.length > 1 and c.length >= skip_tokens and end >= skip_from:  # as skipped
                 if c.start == 0 and not self.prefill_amx:
                     toks, krs = fresh.setdefault(c.length, ([], []))
                     toks.extend(range(t, t + c.length))
@@ -506,7 +528,7 @@ class NativeBackend:
             [FreshPrompts(n, toks, krs) for n, (toks, krs) in fresh.items()],
             continued,
             PromptChunks(prompts, prompt_rows) if prompts else None,
-            skip_from,
+            skip_from, skip_tokens,
         )
 
     def attention(
@@ -518,7 +540,7 @@ class NativeBackend:
         out: torch.Tensor = self._ops.attention(
             qkv, meta.positions, self.cos, self.sin, meta.k_rows, meta.seqs, meta.tables,
             kv_cache, layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            bs, cfg.num_layers, meta.skip_from,
+            bs, cfg.num_layers, meta.skip_from, meta.skip_tokens,
         )
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if meta.prompts is not None:

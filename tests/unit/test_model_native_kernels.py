@@ -103,11 +103,12 @@ def _random_step(
 def _attend_both(
     cfg: ModelConfig, dtype: torch.dtype, chunks: list[ChunkSpec], block_size: int,
     num_blocks: int, layer: int, seed: int, cache_dtype: torch.dtype | None = None,
-    sdpa_from: int | None = None, prefill_amx: bool = False,
+    sdpa_from: int | None = None, prefill_amx: bool = False, min_tokens: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both backends on one step, with the same history in the cache (of dtype
     ``cache_dtype``, default ``dtype``); ``sdpa_from``: the native backend hands the
-    prompt chunks that attend to that many positions or more to SDPA
+    prompt chunks of ``min_tokens`` tokens or more that attend to that many positions
+    or more to SDPA
     (native.prefill_sdpa_from), or with ``prefill_amx`` every one to the AMX kernel
     (native.prefill_amx_available)."""
     g = torch.Generator().manual_seed(seed)
@@ -120,13 +121,14 @@ def _attend_both(
     ref_b, nat_b = _backends(cfg, dtype)
     nat_b.prefill_amx = prefill_amx
     nat_b.sdpa_from = native.EVERY_PROMPT_CHUNK if prefill_amx else sdpa_from
+    nat_b.sdpa_min_tokens = min_tokens
     cut = native.NEVER if nat_b.sdpa_from is None else nat_b.sdpa_from
     ref_cache, nat_cache = cache.clone(), cache.clone()
     ref = ref_b.attention(qkv.clone(), ref_cache, layer,
                           ref_b.build_metadata(chunks, pos, block_size))
     meta = nat_b.build_metadata(chunks, pos, block_size)
-    sdpa = [] if prefill_amx else [c for c in chunks
-                                   if c.length > 1 and c.start + c.length >= cut]
+    sdpa = [] if prefill_amx else [c for c in chunks if c.length > 1 and c.length >= min_tokens
+                                   and c.start + c.length >= cut]
     assert sum(f.count for f in meta.fresh) == sum(c.start == 0 for c in sdpa)
     assert len(meta.continued) == sum(c.start > 0 for c in sdpa)
     prompts = sum(c.length > 1 for c in chunks) if prefill_amx else 0
@@ -203,13 +205,14 @@ def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...], prefi
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prefill", ["tiles", "sdpa", "split", "amx"])
+@pytest.mark.parametrize("prefill", ["tiles", "sdpa", "split", "split-long", "amx"])
 def test_later_prompt_chunks_match_float64(isa: str, prefill: str, dtype: torch.dtype) -> None:
     """Prompt chunks after cached context (chunked prefill, a pulled or cached prefix):
     by the native tiles, by SDPA over the context gathered from the blocks with a
     mask that keeps each query from the positions after its own, native.CONTINUED_ROWS
     queries a call (the 300-token chunk takes two), split between the two by the
-    positions they attend to (from 200: the chunks ending at 400 and 333 by SDPA), or
+    positions they attend to (from 200: the chunks ending at 400 and 333 by SDPA; with
+    ``split-long`` only chunks of 128 tokens or more: the one ending at 333), or
     (bfloat16) by the AMX kernel.
     Against float64 attention over what the native cache holds, beside a decode row and
     a first chunk; within float32 rounding, or for bfloat16 within its rounding of the
@@ -223,9 +226,10 @@ def test_later_prompt_chunks_match_float64(isa: str, prefill: str, dtype: torch.
     random.Random(2).shuffle(free)
     chunks = [ChunkSpec(s, n, [free.pop() for _ in range(-(-(s + n) // bs))]) for s, n in spans]
     _, out, _, nat_cache = _attend_both(cfg, dtype, chunks, bs, nb, 1, 3,
-                                        sdpa_from=200 if prefill == "split"
+                                        sdpa_from=200 if prefill.startswith("split")
                                         else SDPA_FROM.get(prefill),
-                                        prefill_amx=prefill == "amx")
+                                        prefill_amx=prefill == "amx",
+                                        min_tokens=128 if prefill == "split-long" else 2)
     exact = _attend_over_cache(cfg, chunks, _NATIVE_Q[0], nat_cache, 1, bs)
     scale = exact.abs().max().item()
     if dtype is torch.float32:
@@ -1357,3 +1361,21 @@ def test_quantization_auto_serves_the_codes_where_it_can(
     assert not kernel_choice.info()["gemm"].startswith("native-gguf")
     with pytest.raises(ValueError, match="--quantization gguf needs the native kernels"):
         LLM(path, dtype="float32", quantization="gguf")
+
+
+def test_a_module_built_from_other_sources_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The extension's bindings API must be the one this kvrelay speaks: a module built
+    before attention() took skip_from (an int where skip_fresh was a bool, which pybind11
+    would convert silently) is refused at load with a reason, and the torch kernels run."""
+    assert _mod is not None and _mod.API == native.API
+
+    class Old:
+        @staticmethod
+        def isa() -> str:
+            return "avx512"
+
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_load_error", None)
+    monkeypatch.setattr(native.importlib, "import_module", lambda name: Old())
+    assert native.load() is None
+    assert "bindings API 1" in (native.load_error() or "")

@@ -7,7 +7,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-_OFF = ("_is_avx512_supported", "_is_avx512_vnni_supported", "_is_avx512_bf16_supported",
+_OFF = ("_is_avx512_supported", "_is_vnni_supported", "_is_avx512_bf16_supported",
         "_is_amx_tile_supported", "_is_amx_fp16_supported")
 
 

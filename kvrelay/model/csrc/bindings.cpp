@@ -334,7 +334,7 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
                         const torch::Tensor& k_rows, const torch::Tensor& seqs,
                         const torch::Tensor& tables, torch::Tensor& cache, int64_t layer,
                         int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t layers,
-                        int64_t skip_from) {
+                        int64_t skip_from, int64_t skip_tokens) {
   check_rows(qkv, "qkv");
   const int64_t T = qkv.size(0);
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv width must be (H + 2 KVH) * D");
@@ -386,11 +386,12 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
     for (int64_t b = 0; b < (pos0 + n + bs - 1) / bs; ++b)
       TORCH_CHECK(row_table[b] >= 0 && row_table[b] < n_blocks, "block id ", row_table[b],
                   " of seqs row ", s, " is outside the cache (", n_blocks, " blocks)");
-    // skip_from: the attention of a prompt chunk (more than one token: a first chunk,
-    // or one after cached context) that attends to skip_from positions or more is the
-    // caller's (native.NativeBackend: torch's SDPA or the AMX kernel); its rope and KV
-    // write stay here. Compared as int64: a skip_from past every position skips none.
-    if (n > 1 && int64_t(pos0) + n >= skip_from) continue;
+    // skip_from, skip_tokens: the attention of a prompt chunk (more than one token: a
+    // first chunk, or one after cached context) of skip_tokens tokens or more that
+    // attends to skip_from positions or more is the caller's (native.NativeBackend:
+    // torch's SDPA or the AMX kernel); its rope and KV write stay here. Compared as
+    // int64: a skip_from past every position skips none.
+    if (n > 1 && n >= skip_tokens && int64_t(pos0) + n >= skip_from) continue;
     max_ctx = std::max(max_ctx, pos0 + n);  // sizes the tiles' scratch
     work += double(n) * (pos0 + n) * H * D;
     for (int i = 0; i < n; i += tile_tokens)
@@ -985,6 +986,9 @@ torch::Tensor gguf_gemm(const torch::Tensor& x_in, const torch::Tensor& wp, int6
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvrelay native CPU kernels (see kvrelay/model/native.py)";
+  // native.API: bumped whenever a binding's signature changes meaning, so a module built
+  // from older sources is refused at load (pybind11 would, say, take an int for a bool).
+  m.attr("API") = 2;
   m.def("isa", &kvr::isa, "the instruction set the kernels run with");
   m.def("set_isa", &kvr::set_isa, "use the kernels of an instruction set this CPU has");
   m.def("max_threads", []() { return omp_get_max_threads(); });
