@@ -35,7 +35,7 @@ _load_error: str | None = None
 
 
 # The bindings' version (csrc/bindings.cpp, m.attr("API")): 2 since attention() takes
-# skip_from (an int) where it took skip_fresh (a bool).
+# skip_from and skip_tokens (ints) where it took skip_fresh (a bool).
 API = 2
 
 
@@ -465,7 +465,7 @@ class NativeBackend:
         return "sdpa" if self.sdpa_from <= EVERY_PROMPT_CHUNK else (
             f"native-tiles+sdpa>={self.sdpa_from}")  # and SDPA_MIN_TOKENS tokens
 
-    def skip_from(self) -> tuple[int, int]:
+    def skip_rule(self) -> tuple[int, int]:
         """The native attention call leaves the prompt chunks of [1] tokens or more that
         attend to [0] positions or more to SDPA or the AMX kernel (build_metadata routes
         the same)."""
@@ -496,7 +496,7 @@ class NativeBackend:
         continued: list[ContinuedPrompt] = []
         prompts: list[tuple[int, int, int, int]] = []  # for the AMX kernel
         prompt_rows: list[int] = []
-        skip_from, skip_tokens = self.skip_from()
+        skip_from, skip_tokens = self.skip_rule()
         t = 0
         for c in chunks:
             bt = c.block_ids
