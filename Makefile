@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-vllm test-vllm-slow bench-vllm vllm-venv demo lint sim bench bench-peers native clean
 
-# The native CPU kernels (kvrelay/model/csrc), compiled against the torch in the venv
+# The native CPU kernels (kvrelay/model/kernels/csrc), compiled against the torch in the venv
 # (no build isolation: it would fetch an unpinned torch). `make NATIVE_KERNELS=0 test`
 # skips them; kvrelay then runs its pure-torch kernels.
 NATIVE_KERNELS ?= 1
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, nixl_cu12; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
-build/.native: $(STAMP) setup.py $(wildcard kvrelay/model/csrc/*)
+build/.native: $(STAMP) setup.py $(wildcard kvrelay/model/kernels/csrc/*)
 	KVRELAY_BUILD_NATIVE=1 MAX_JOBS=2 $(PY) setup.py -q build_ext --inplace
 	touch $@
 
@@ -78,4 +78,4 @@ bench-peers: $(STAMP) $(NATIVE)
 	PEERS_ROOT=$(PEERS_ROOT) bash bench/peers/run_all.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build kvrelay/model/_native*.so
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build kvrelay/model/kernels/_native*.so

@@ -1,5 +1,5 @@
 """Packaging metadata lives in pyproject.toml; this file only adds the native CPU
-kernels (kvrelay/model/csrc), built against the torch already installed.
+kernels (kvrelay/model/kernels/csrc), built against the torch already installed.
 
 They are built by ``make`` (``KVRELAY_BUILD_NATIVE=1 python setup.py build_ext
 --inplace``), never under pip's build isolation, which would pull an unpinned torch
@@ -16,10 +16,10 @@ cmdclass = {}
 if os.environ.get("KVRELAY_BUILD_NATIVE") == "1":
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-    src = "kvrelay/model/csrc/"
+    src = "kvrelay/model/kernels/csrc/"
     ext_modules.append(
         CppExtension(
-            "kvrelay.model._native",
+            "kvrelay.model.kernels._native",
             [src + "bindings.cpp", src + "isa_avx512.cpp", src + "isa_avx512_vnni.cpp",
              src + "isa_avx2.cpp",
              src + "gemm_bf16.cpp", src + "gemm_bf16_amx.cpp", src + "attn_bf16.cpp",

@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _port() -> int:
-    from kvrelay.server.demo import free_port
+    from kvrelay.demo import free_port
 
     return free_port()
 

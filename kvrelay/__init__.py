@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvrelay.model import kernel_choice as _kernel_choice
+from kvrelay.model.kernels import choice as _kernel_choice
 
 __version__ = "0.1.0"
 

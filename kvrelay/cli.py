@@ -18,20 +18,14 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-EXIT_FAILURE = 1
-EXIT_USAGE = 2  # argparse's own code for a bad command line
-
-
-class UsageError(Exception):
-    """A mistake in the command line or in what it names: one line, exit 2."""
-
+from kvrelay.errors import EXIT_USAGE, UsageError
 
 # Top-level commands, and the `kvrelay bench` subcommands.
 COMMANDS: list[str] = [
     "kvrelay.model.cli",
     "kvrelay.server.cli",
-    "kvrelay.server.proxy",
-    "kvrelay.server.demo",
+    "kvrelay.proxy.app",
+    "kvrelay.demo",
 ]
 BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.core",
@@ -131,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _apply_process_settings(args: argparse.Namespace) -> None:
     import os
 
-    from kvrelay.model import kernel_choice
+    from kvrelay.model.kernels import choice as kernel_choice
 
     if args.kernels:
         os.environ["KVRELAY_KERNELS"] = args.kernels

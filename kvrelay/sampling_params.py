@@ -25,7 +25,7 @@ class StructuredOutput:
     """Constrain the output to JSON: ``json_object`` (any object) or ``json_schema``.
 
     An opaque, already validated spec: ``grammar`` is the compiled grammar the model's
-    grammar engine runs, made by ``kvrelay.model.grammar.structured_output`` (the
+    grammar engine runs, made by ``kvrelay.wire.schema.structured_output`` (the
     server and the model compile; the core, which carries this through
     SamplingParams, imports neither: docs/DESIGN.md, "Layers"). ``schema`` is the JSON
     Schema as JSON text, kept for messages."""
@@ -42,7 +42,7 @@ class StructuredOutput:
         )
         _check(bool(self.grammar), "response_format",
                "a structured output spec needs its compiled grammar "
-               "(kvrelay.model.grammar.structured_output makes one)")
+               "(kvrelay.wire.schema.structured_output makes one)")
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ MAXTOK=32
 step pd 120 "$PY" scripts/device_check.py pd "$MODELS/smollm2-pd" --device "$DEVICE" \
   --max-tokens "$MAXTOK" --out "$OUT/pd.json"
 
-# Decode-step time with and without CUDA graphs (kvrelay/model/graph_bench.py).
+# Decode-step time with and without CUDA graphs (kvrelay/bench/graphs.py).
 GRAPHS=$OUT/graphs.txt
 : >"$GRAPHS"
 if [ "$DEVICE" = cpu ]; then
@@ -73,7 +73,7 @@ else
   GARGS=(--dtype bfloat16 --batch 1 32 256 --context 128 --steps 16)
 fi
 for model in smollm2-135m llama-1b; do
-  step "graphs-$model" 90 "$PY" -m kvrelay.model.graph_bench "$MODELS/$model" \
+  step "graphs-$model" 90 "$PY" -m kvrelay.bench.graphs "$MODELS/$model" \
     --device "$DEVICE" "${GARGS[@]}" >>"$GRAPHS" 2>&1
 done
 cat "$GRAPHS"

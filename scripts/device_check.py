@@ -7,7 +7,7 @@
                                                             1P1D on one device vs colocated
 
 ``models`` writes Hugging Face directories through kvrelay's own writer
-(kvrelay.model.testing: config, tokenizer, generation config) with random weights of
+(kvrelay.testing.models: config, tokenizer, generation config) with random weights of
 real shapes: ``smollm2-135m`` and ``llama-1b`` (the benchmark's), and ``smollm2-pd``
 (SmolLM2's shape with the test tokenizer's vocabulary, so that generated ids are
 text and the 1P1D comparison compares texts). ``--small`` scales every shape down
@@ -80,7 +80,7 @@ def models(out: Path, small: bool, device: str) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from kvrelay.model.testing import tiny_hf_config, tiny_tokenizer_json, write_hf_dir
+    from kvrelay.testing.models import tiny_hf_config, tiny_tokenizer_json, write_hf_dir
 
     tok = tiny_tokenizer_json()
     tok_vocab = len(json.loads(tok)["model"]["vocab"])

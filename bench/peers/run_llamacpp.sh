@@ -38,7 +38,7 @@ for w in $WHICH; do echo "== $w $(date +%T)"
   # no ignore_eos in its API: the EOS tokens get a -100 logit bias instead, so every
   # request still runs OUT_LEN tokens
   waitup 8016 /v1/models; load 8016 $w --eos-bias $($PY -c "
-from kvrelay.model.gguf_loader import GgufModel; from pathlib import Path
+from kvrelay.model.formats.gguf_loader import GgufModel; from pathlib import Path
 print(','.join(map(str, sorted(GgufModel(Path('$G')).tokenizer.eos_token_ids))))"); stop $S;;
  esac
 done; echo "== done $(date +%T)"

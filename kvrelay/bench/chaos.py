@@ -151,7 +151,7 @@ def held_leases(m: dict[str, float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrelay.cli import UsageError
+    from kvrelay.errors import UsageError
 
     if args.concurrency < 1 or args.max_requests < 1 or args.output_len < 5:
         raise UsageError("--concurrency and --max-requests must be >= 1, --output-len >= 5 "
@@ -175,14 +175,14 @@ def model_args(args: argparse.Namespace, logs: Path) -> list[str]:
         return []
     if args.model:
         return [args.model]
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     return [str(write_tiny_hf_model(logs / "tiny-model"))]
 
 
 def storm_on_1p1d(args: argparse.Namespace,
                   logs: Path) -> tuple[list[Shot], Peaks, Ledger]:
-    from kvrelay.server.demo import Deployment, ServerProcess
+    from kvrelay.demo import Deployment, ServerProcess
 
     base = [*model_args(args, logs), "--dtype", args.dtype, "--threads", str(args.threads),
             "--num-blocks", str(args.num_blocks), "--lease-timeout", str(args.lease_timeout)]

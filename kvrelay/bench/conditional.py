@@ -37,7 +37,7 @@ from kvrelay.bench.routing import (
     warm_up,
 )
 from kvrelay.bench.serve import WORDS, RequestResult, percentiles
-from kvrelay.server.proxy_placement import PlacementConfig
+from kvrelay.proxy.placement import PlacementConfig
 
 MODES = ("always", "never", "conditional")  # the reference first
 LABELS = {"always": "always-disaggregated", "never": "always-local"}
@@ -115,7 +115,7 @@ class Outcome:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrelay.cli import UsageError
+    from kvrelay.errors import UsageError
     from kvrelay.model.loader import concrete_dtype
 
     args.dtype = concrete_dtype(args.dtype, args.model, getattr(args, "device", "cpu"))
@@ -154,7 +154,7 @@ class Cluster:
     """1P1D and a proxy with ``--disaggregation mode``."""
 
     def __init__(self, args: argparse.Namespace, mode: str, max_tokens: int) -> None:
-        from kvrelay.server.demo import Deployment, ServerProcess
+        from kvrelay.demo import Deployment, ServerProcess
 
         self.args, self.mode, self.max_tokens = args, mode, max_tokens
         base = ([args.model] if args.model else []) + [

@@ -15,8 +15,8 @@ from typing import Any
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool, request_owner
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import FakeRunner
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import FakeRunner
 
 
 def register(sub: Any) -> None:

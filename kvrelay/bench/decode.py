@@ -130,7 +130,7 @@ def _run(args: argparse.Namespace) -> int:
     (ref, _, _), (mine, _, _) = settings
     llms = {name: _load(args, env, quant) for name, env, quant in settings}
     model = llms[mine].model.runner.model
-    from kvrelay.model import kernel_choice
+    from kvrelay.model.kernels import choice as kernel_choice
 
     nbytes = weight_bytes(model)
     # Fresh prompts for every measurement: no prefix-cache hits between them.

@@ -44,7 +44,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrelay.model.gguf_loader import GgufModel
+    from kvrelay.model.formats.gguf_loader import GgufModel
     from kvrelay.model.loader import default_model_path
 
     tok = GgufModel(default_model_path()).tokenizer
@@ -115,9 +115,10 @@ def _sampler_ratio(tok: Any, ids: list[int], args: argparse.Namespace) -> None:
     import torch
 
     from kvrelay.core.runner import ScheduledRequest
-    from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer, structured_output
-    from kvrelay.model.sampler import Sampler
+    from kvrelay.model.sampling.grammar import GrammarMasks, GrammarTokenizer
+    from kvrelay.model.sampling.sampler import Sampler
     from kvrelay.sampling_params import SamplingParams
+    from kvrelay.wire.schema import structured_output
 
     spec = structured_output("json_schema", json.dumps(SCHEMA))
     sampler = Sampler(0)

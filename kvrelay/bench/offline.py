@@ -59,7 +59,7 @@ def make_prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
 def run(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from kvrelay.cli import UsageError
+    from kvrelay.errors import UsageError
     from kvrelay.model.loader import concrete_dtype
 
     args.dtype = concrete_dtype(args.dtype, args.model, getattr(args, "device", "cpu"))
@@ -197,7 +197,7 @@ def reference_model(path: Any, cfg: Any, dtype: str, device: str) -> Any:
     if path.is_dir():
         auto: Any = transformers.AutoModelForCausalLM
         return auto.from_pretrained(str(path), dtype=torch_dtype).to(device).eval()
-    from kvrelay.model.gguf_loader import GgufModel
+    from kvrelay.model.formats.gguf_loader import GgufModel
 
     state, _ = GgufModel(path).state_dict()
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}

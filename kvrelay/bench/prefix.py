@@ -134,8 +134,8 @@ def _run(args: argparse.Namespace) -> int:
 def _run_pd(args: argparse.Namespace) -> int:
     import httpx
 
+    from kvrelay.demo import Deployment, disaggregated, server_metrics
     from kvrelay.model.loader import load_model
-    from kvrelay.server.demo import Deployment, disaggregated, server_metrics
 
     tokenizer = load_model(args.model, num_blocks=1).tokenizer
     prompts = make_prompts(tokenizer, args.num_requests, args.prefix_len, args.tail_len,

@@ -59,7 +59,7 @@ def perplexity(llm: Any, ids: list[int]) -> float:
     """exp(mean NLL) of ``ids[1:]``, fed through the runner ``_CHUNK`` tokens a step."""
     import torch
 
-    from kvrelay.model.attention import ChunkSpec
+    from kvrelay.model.kernels.attention import ChunkSpec
 
     runner = llm.model.runner
     bs = runner.block_size
@@ -88,7 +88,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
 
 
 def _pair(args: argparse.Namespace, dtype: str, text_ids: list[int]) -> dict[str, Any]:
-    from kvrelay.model import kernel_choice
+    from kvrelay.model.kernels import choice as kernel_choice
     from kvrelay.model.llm import LLM
     from kvrelay.sampling_params import SamplingParams
 
@@ -121,12 +121,12 @@ def _pair(args: argparse.Namespace, dtype: str, text_ids: list[int]) -> dict[str
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvrelay.model.gguf_loader import GgufModel
+    from kvrelay.model.formats.gguf_loader import GgufModel
     from kvrelay.model.loader import default_model_path
 
     text_path = Path(args.text)
     if not text_path.is_file():
-        from kvrelay.cli import UsageError
+        from kvrelay.errors import UsageError
 
         raise UsageError(f"--text {args.text}: no such file (pass a local text file)")
     text = text_path.read_text(errors="replace")

@@ -16,7 +16,6 @@ from typing import Any
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import FakeRunner
 from kvrelay.core.kv_port import PoolLeaseBlocks
 from kvrelay.core.runner import Batch, SampledToken
 from kvrelay.relay import protocol as P
@@ -24,6 +23,7 @@ from kvrelay.relay.client import RelayClient
 from kvrelay.relay.lease import LeaseTable
 from kvrelay.relay.server import RelayServer, RelayServerConfig
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import FakeRunner
 
 
 class SleepingRunner(FakeRunner):

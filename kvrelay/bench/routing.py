@@ -111,7 +111,7 @@ class Outcome:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrelay.cli import UsageError
+    from kvrelay.errors import UsageError
     from kvrelay.model.loader import concrete_dtype
 
     args.dtype = concrete_dtype(args.dtype, args.model, getattr(args, "device", "cpu"))
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def one_routing(args: argparse.Namespace, routing: str, prompts: list[str]) -> Outcome:
-    from kvrelay.server.demo import Deployment, ServerProcess
+    from kvrelay.demo import Deployment, ServerProcess
 
     base = ([args.model] if args.model else []) + [
         "--dtype", args.dtype, "--threads", str(args.threads)]

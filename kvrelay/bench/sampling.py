@@ -65,7 +65,7 @@ def _step_ms(args: argparse.Namespace, make: Any) -> float:
     import torch
 
     from kvrelay.core.runner import ScheduledRequest
-    from kvrelay.model.sampler import Sampler
+    from kvrelay.model.sampling.sampler import Sampler
 
     rng = random.Random(0)
     sampler = Sampler(0)

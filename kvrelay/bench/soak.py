@@ -110,7 +110,7 @@ class Node:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
-        from kvrelay.server.demo import free_port
+        from kvrelay.demo import free_port
 
         self.port = self.port or free_port()
         cmd = [sys.executable, "-m", "kvrelay", *self.args, "--host", self.host,
@@ -465,7 +465,7 @@ class Sampler(threading.Thread):
 
 # -- the run ------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    from kvrelay.cli import UsageError
+    from kvrelay.errors import UsageError
 
     if args.duration_s <= 0 or args.concurrency < 1 or args.sample_every_s <= 0:
         raise UsageError("--duration-s and --sample-every-s must be > 0, --concurrency >= 1")
@@ -498,7 +498,7 @@ def soak(args: argparse.Namespace, net: Rig, logs: Path) -> int:
     base = [*model_args(args, logs), "--dtype", "float32", "--threads", str(args.threads),
             "--num-blocks", str(args.num_blocks)]
     lease = ["--lease-timeout", str(args.lease_timeout), "--lease-max", str(args.lease_max)]
-    from kvrelay.server.demo import free_port
+    from kvrelay.demo import free_port
 
     nodes = {
         "colo": Node("colo", ["serve", *base], net.rest_host, logs / "colo.log", net.rest_ns),

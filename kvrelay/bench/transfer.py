@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvrelay.bench import netns
-    from kvrelay.model.interface import KvGeometry
+    from kvrelay.relay.geometry import KvGeometry
     from kvrelay.relay.transports import nixl
     from kvrelay.relay.transports.shm import ShmKvCache
 

@@ -38,11 +38,12 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from kvrelay.core.prefix_cache import BlockHash
+
 if TYPE_CHECKING:
     from kvrelay.core.kv_events import KvEventLog
 
 Owner = str
-BlockHash = bytes
 
 
 def request_owner(request_id: str) -> Owner:

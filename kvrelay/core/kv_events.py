@@ -1,7 +1,7 @@
 """KV events: what an engine's prefix cache gained and lost, for routers outside it.
 
 The core only records; the server drains the record every step and publishes it
-(kvrelay.server.kv_events: vLLM's KV-events format over ZMQ). Three kinds, as vLLM's:
+(kvrelay.wire.kv_events: vLLM's KV-events format over ZMQ). Three kinds, as vLLM's:
 
     Stored    blocks published in the prefix cache (``BlockPool.publish`` that took):
               their hashes, the hash of the block before the first one (None at the
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvrelay.core.block_pool import BlockHash
+from kvrelay.core.prefix_cache import BlockHash
 
 
 @dataclass(frozen=True, slots=True)

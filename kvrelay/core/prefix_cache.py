@@ -17,7 +17,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrelay.core.block_pool import BlockHash
+# A block's identity in the cache: the hash of its tokens chained to its prefix's.
+BlockHash = bytes
 
 
 def root_hash(salt: str) -> BlockHash:

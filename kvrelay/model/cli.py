@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvrelay.cli import EXIT_USAGE
+from kvrelay.errors import EXIT_USAGE
 
 
 def register(subparsers: Any) -> None:

@@ -12,8 +12,14 @@ from collections.abc import Callable
 
 import torch
 
-from kvrelay.model.backend import GraphableBackend, KernelBackend, supports_graphs
-from kvrelay.model.graphs import Capture, DecodeGraphs, DecodeInputs, GraphHandle, batch_buckets
+from kvrelay.model.kernels.backend import GraphableBackend, KernelBackend, supports_graphs
+from kvrelay.model.kernels.graphs import (
+    Capture,
+    DecodeGraphs,
+    DecodeInputs,
+    GraphHandle,
+    batch_buckets,
+)
 from kvrelay.model.model import LlamaModel
 from kvrelay.model.runner import ModelRunner
 

@@ -16,8 +16,8 @@ from kvrelay.core.engine import Engine
 from kvrelay.core.engine import RequestOutput as EngineOutput
 from kvrelay.core.lifecycle import FinishReason
 from kvrelay.core.runner import TokenLogprobs
-from kvrelay.model.detokenizer import IncrementalDetokenizer
 from kvrelay.model.loader import Model, load_model
+from kvrelay.model.text.detokenizer import IncrementalDetokenizer
 from kvrelay.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]  # text, or token ids

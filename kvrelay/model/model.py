@@ -15,28 +15,22 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvrelay.model import hugepages, kernel_choice, native
-from kvrelay.model.attention import ChunkSpec
-from kvrelay.model.backend import KernelBackend, SmallGemm, StepMetadata, select_backend
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.rope import RotaryTable
+from kvrelay.model.kernels import choice as kernel_choice
+from kvrelay.model.kernels import hugepages
+from kvrelay.model.kernels.attention import ChunkSpec
+from kvrelay.model.kernels.backend import EVERY_ROWS, KernelBackend, SmallGemm, StepMetadata
+from kvrelay.model.kernels.rope import RotaryTable
+from kvrelay.model.kernels.select import select_backend
 
 if TYPE_CHECKING:
-    from kvrelay.model.gguf_loader import QuantWeight
-
-# Up to this many rows (a decode step's batch, a short prefill chunk) a bfloat16
-# GEMM runs the native AVX-512 BF16 kernel over its own packed weight when it has
-# one: 1.2-1.8x faster than oneDNN's packed GEMM at 1-64 rows, on par from 128 rows
-# on; larger prefill chunks keep oneDNN (docs/model.md, "Decode GEMMs"). float32's
-# native GEMM has its own, lower limit (native.F32_GEMM_ROWS).
-SMALL_GEMM_ROWS = native.BF16_GEMM_ROWS
-
+    from kvrelay.model.formats.gguf_loader import QuantWeight
 
 class Linear:
     """y = x W^T + b. On CPU the weight is reordered once, at load, into oneDNN's
     blocked layout: F.linear reorders (bfloat16) or runs an unpacked GEMM (float32)
     on every call; packed is 1.3-2.5x faster at decode batch sizes (docs/model.md).
-    With ``small`` (native.NativeSmallGemm: bfloat16 on an AVX-512 BF16 CPU, float32
+    With ``small`` (the backend's small_gemm: bfloat16 on an AVX-512 BF16 CPU, float32
     with AVX-512 or AVX2) calls of at most ``small.max_rows`` rows go to the native
     kernel instead; with ``large`` (the native AMX bfloat16 GEMM beside the GGUF codes)
     the calls above them go to that one. oneDNN's copy is made only where some calls
@@ -67,15 +61,15 @@ class Linear:
         self.small_k = small if self.small is not None else None
         self.small_rows = small.rows_for(weight) if small is not None and self.small else 0
         self.large = self.large_w = self.large_k = None
-        if (large is not None and self.small_rows < native.EVERY_ROWS
-                and large.rows_for(weight) >= native.EVERY_ROWS):
+        if (large is not None and self.small_rows < EVERY_ROWS
+                and large.rows_for(weight) >= EVERY_ROWS):
             self.large_w = large.pack(weight)
             if arena is not None and self.large_w is not None:
                 self.large_w = arena.copy(self.large_w)
             self.large = large.run if self.large_w is not None else None
             self.large_k = large if self.large is not None else None
         self.packed: torch.Tensor | None = None
-        if pack and self.large is None and self.small_rows < native.EVERY_ROWS:
+        if pack and self.large is None and self.small_rows < EVERY_ROWS:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,21 +171,18 @@ class LlamaModel:
         self.backend: KernelBackend = select_backend(cfg, self.rope, dtype, device, kernels)
         small = self.backend.small_gemm()
         gguf = None
-        if quantized and (not quantized_optional
-                          or isinstance(self.backend, native.NativeBackend)):
-            gguf = native.gguf_gemms(self.backend, quantized)
+        if quantized and (not quantized_optional or self.backend.serves_quantized):
+            gguf = self.backend.quantized_gemms(quantized)
         # Beside the codes: the AMX GEMM for the calls above theirs, where there is one.
-        large = (self.backend.amx_gemm()
-                 if gguf is not None and isinstance(self.backend, native.NativeBackend)
-                 else None)
+        large = self.backend.amx_gemm() if gguf is not None else None
         self.small_gemm = small is not None or gguf is not None  # a native small-M GEMM
         decode = gguf.label if gguf else small.label if small else "onednn" if pack else "torch"
         every = (gguf.every if gguf is not None
-                 else small is not None and small.max_rows >= native.EVERY_ROWS)
+                 else small is not None and small.max_rows >= EVERY_ROWS)
         kernel_choice.record_gemm(
             decode,
             "" if small or gguf
-            else getattr(self.backend, "gemm_off", None) or "not the native backend",
+            else self.backend.gemm_off or "not the native backend",
             prefill=large.label if large else decode if every else "onednn" if pack else "torch",
         )
         # The decode GEMMs' packed weights on 2 MiB pages (hugepages), copied as packed.
@@ -199,7 +190,7 @@ class LlamaModel:
 
         def linear(names: Sequence[str], weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
             """One (fused) Linear: the GGUF codes as stored when every part has them in
-            served types (one call per type where they differ: native.NativeGgufParts;
+            served types (one call per type where they differ: gemms.NativeGgufParts;
             with ``large`` for the calls above theirs), else the float weight (packed for
             ``small`` if there is one)."""
             if gguf is not None:

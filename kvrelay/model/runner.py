@@ -20,10 +20,10 @@ from kvrelay.core.runner import (
     ScheduledRequest,
     StepToken,
 )
-from kvrelay.model.attention import ChunkSpec
-from kvrelay.model.graphs import DecodeGraphs
+from kvrelay.model.kernels.attention import ChunkSpec
+from kvrelay.model.kernels.graphs import DecodeGraphs
 from kvrelay.model.model import LlamaModel
-from kvrelay.model.sampler import Sampler
+from kvrelay.model.sampling.sampler import Sampler
 from kvrelay.sampling_params import SamplingParams
 
 

@@ -12,7 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kvrelay.core.lifecycle import RequestState
+from kvrelay.core.request import Request
+from kvrelay.core.scheduler import RequestRejected
 from kvrelay.sampling_params import SamplingParams
+
+# The engine's names the relay uses (its requests, their states, a refused admission):
+# the relay imports them from here and nothing else of the core.
+__all__ = ["KvLoads", "LeaseBlocks", "Request", "RequestRejected", "RequestState"]
 
 
 class LeaseBlocks(Protocol):

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.core.request import Request
 from kvrelay.relay import protocol as P
 from kvrelay.relay.lease import Answer, LeaseTable
+from kvrelay.relay.port import Request
 
 
 @dataclass

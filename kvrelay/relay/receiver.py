@@ -49,10 +49,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.core.lifecycle import RequestState
-from kvrelay.core.scheduler import RequestRejected
 from kvrelay.relay import protocol as P
-from kvrelay.relay.port import KvLoads
+from kvrelay.relay.port import KvLoads, RequestRejected, RequestState
 from kvrelay.relay.remote import RelayLink, RemoteKv
 from kvrelay.relay.transports.base import TransferState, TransferStatus, Transport
 from kvrelay.sampling_params import SamplingParams

@@ -42,9 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from kvrelay.core.request import Request
 from kvrelay.relay import protocol as P
 from kvrelay.relay.lease import Answer, LeaseTable, Status
+from kvrelay.relay.port import Request
 from kvrelay.relay.prefill import KvTransferParams, PrefillRelay, answer_reply
 from kvrelay.relay.transports.staging import StagedBlocks
 from kvrelay.relay.transports.tcp import HostBlocks

@@ -29,21 +29,27 @@ from fastapi.responses import JSONResponse, Response
 
 from kvrelay import __version__
 from kvrelay.model.interface import Tokenizer
-from kvrelay.model.tokenizer import ChatTemplateError
+from kvrelay.model.text.tokenizer import ChatTemplateError
 from kvrelay.relay.release_keys import ReleaseKeys, check_key
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.relay.resolve import RelayResolver
-from kvrelay.server.drain import DrainState
+from kvrelay.server.bodies import (
+    ChatShape,
+    CompletionShape,
+    Echo,
+    EchoShape,
+    Shape,
+    ToolChatShape,
+    collect,
+    stream_events,
+)
 from kvrelay.server.engine_loop import EngineLoop
 from kvrelay.server.generation import ChoiceSpec, DetokenizerFactory, Generation
 from kvrelay.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from kvrelay.server.protocol import (
+from kvrelay.server.responses_api import ResponsesRoute
+from kvrelay.wire.drain import DrainState
+from kvrelay.wire.http import (
     ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    LogprobFormatter,
-    TokenizeRequest,
     bad_request,
     install_error_handlers,
     load_json,
@@ -53,20 +59,15 @@ from kvrelay.server.protocol import (
     read_body,
     usage,
 )
-from kvrelay.server.responses import (
-    ChatShape,
-    CompletionShape,
-    Echo,
-    EchoShape,
-    EventStream,
-    Shape,
-    ToolChatShape,
-    collect,
-    stream_events,
-    until_disconnect,
+from kvrelay.wire.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LogprobFormatter,
+    TokenizeRequest,
 )
-from kvrelay.server.responses_api import ResponsesRoute
-from kvrelay.server.tools import describe_tools, hermes_calls_text, parser
+from kvrelay.wire.sse import EventStream, until_disconnect
+from kvrelay.wire.tools import describe_tools, hermes_calls_text, parser
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvrelay.cli import EXIT_FAILURE, UsageError
-from kvrelay.model import kernel_choice
+from kvrelay.errors import EXIT_FAILURE, UsageError
+from kvrelay.model.kernels import choice as kernel_choice
 
 if TYPE_CHECKING:
     from kvrelay.model.interface import LoadedModel
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvrelay.serve")
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-# kvrelay.server.tools' parsers (not imported here: it pulls in the grammar engine).
+# kvrelay.wire.tools' parsers (not imported here: it pulls in the grammar engine).
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
@@ -154,7 +154,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     from kvrelay.config import SchedulerConfig
     from kvrelay.core.engine import Engine
     from kvrelay.model import load_model
-    from kvrelay.model.detokenizer import IncrementalDetokenizer
+    from kvrelay.model.text.detokenizer import IncrementalDetokenizer
     from kvrelay.server.api import ServedModel, ServerState
     from kvrelay.server.disagg import (
         DecodeHooks,
@@ -173,7 +173,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     role = getattr(args, "role", "both")
     events_config = None
     if getattr(args, "kv_events_config", None):
-        from kvrelay.server.kv_events import parse_config
+        from kvrelay.wire.kv_events import parse_config
 
         events_config = parse_config(args.kv_events_config)  # ValueError: a usage error
     shm = None
@@ -230,7 +230,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         metrics.register(RelayExport(hooks))  # with model_name, as every engine series
     publisher = None
     if events_config is not None and events_config.enabled:
-        from kvrelay.server.kv_events import ZmqEventPublisher
+        from kvrelay.wire.kv_events import ZmqEventPublisher
 
         # At most one step's events wait in the core: the loop takes them every step.
         engine.record_kv_events(max(4 * model.num_blocks, 1024))
@@ -254,8 +254,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvrelay.server.api import create_app
-    from kvrelay.server.drain import DrainGate
-    from kvrelay.server.graceful import GracefulServer
+    from kvrelay.wire.drain import DrainGate
+    from kvrelay.wire.graceful import GracefulServer
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -28,7 +28,7 @@ from kvrelay.core.kv_events import KvEvent
 from kvrelay.core.lifecycle import FinishReason
 from kvrelay.core.runner import Batch
 from kvrelay.core.scheduler import KvQueueFull
-from kvrelay.model import kernel_choice
+from kvrelay.model.kernels import choice as kernel_choice
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.sampling_params import SamplingParams
 
@@ -132,7 +132,7 @@ class LoopHooks:
 
 
 class KvEventSink(Protocol):
-    """Where each step's KV events go (kvrelay.server.kv_events.ZmqEventPublisher)."""
+    """Where each step's KV events go (kvrelay.wire.kv_events.ZmqEventPublisher)."""
 
     def offer(self, events: list[KvEvent]) -> None:
         """Never blocks, never raises (called by the loop thread under the lock)."""

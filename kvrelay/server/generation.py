@@ -30,7 +30,7 @@ from kvrelay.relay.remote import RemoteKv
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.server.engine_loop import AdmissionFailed, EngineDead, EngineLoop
 from kvrelay.server.metrics import ServerMetrics
-from kvrelay.server.protocol import ApiError
+from kvrelay.wire.http import ApiError
 
 
 class Detokenizer(Protocol):

@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from kvrelay.core.engine import Engine
 from kvrelay.core.scheduler import Scheduler
-from kvrelay.model import kernel_choice
+from kvrelay.model.kernels import choice as kernel_choice
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 

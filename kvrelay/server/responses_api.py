@@ -15,28 +15,39 @@ MAX_STORED_BYTES), least recently used out first; ``store: false`` keeps nothing
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, ClassVar, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvrelay.server.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    _Strict,
-    bad_request,
-    load_json,
-    new_id,
-    read_body,
-    validate,
-)
-from kvrelay.server.responses import EventStream, until_disconnect
+from kvrelay.server.generation import ChoiceSpec, Generation
 from kvrelay.server.responses_output import Output, ResponseStore, Settings, sse_event
-from kvrelay.server.tools import parser
+from kvrelay.wire.http import ApiError, bad_request, load_json, new_id, read_body, validate
+from kvrelay.wire.openai import ChatCompletionRequest, _Strict
+from kvrelay.wire.sse import EventStream, until_disconnect
+from kvrelay.wire.tools import parser
 
-if TYPE_CHECKING:
-    from kvrelay.server.api import _Handlers
+
+class _ToolSettings(Protocol):
+    @property
+    def tool_parser(self) -> str | None: ...
+
+
+class ChatHandlers(Protocol):
+    """What this route uses of the chat route's handlers (kvrelay.server.api): a
+    Responses request is served as the chat request it becomes."""
+
+    @property
+    def state(self) -> _ToolSettings: ...
+    def _check_auth(self, request: Request) -> None: ...
+    def _check_model(self, name: str) -> None: ...
+    def _render_chat(self, body: ChatCompletionRequest) -> list[int]: ...
+    def _specs(self, body: Any, prompts: Sequence[list[int]], max_tokens: int | None,
+               logprobs: int | None) -> list[ChoiceSpec]: ...
+    def _check_extras(self, specs: Sequence[ChoiceSpec]) -> None: ...
+    def _generation(self, prefix: str, param_names: dict[str, str], arrival: float,
+                    kv_params: dict[str, Any] | None = None) -> Generation: ...
 
 MAX_INPUT_ITEMS = 4096
 # Passed to the chat request as they are: OpenAI's temperature and top_p, vLLM's extras.
@@ -278,7 +289,7 @@ def settings(req: ResponsesRequest, chat: ChatCompletionRequest) -> Settings:
 class ResponsesRoute:
     """``POST /v1/responses`` on an engine; shares the chat route's helpers."""
 
-    def __init__(self, handlers: _Handlers, store: ResponseStore | None = None) -> None:
+    def __init__(self, handlers: ChatHandlers, store: ResponseStore | None = None) -> None:
         self.h = handlers
         self.store = store if store is not None else ResponseStore()
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.server.generation import Delta
-from kvrelay.server.protocol import now
-from kvrelay.server.tools import ContentGate, ToolCall, ToolParser, ToolPlan, call_id
+from kvrelay.wire.http import now
+from kvrelay.wire.tools import ContentGate, ToolCall, ToolParser, ToolPlan, call_id
 
 # The store's bounds: fixed here, never sized by what a client sends.
 MAX_STORED = 1024

@@ -36,11 +36,11 @@ from functools import partial
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine, RequestOutput
-from kvrelay.core.fake_runner import FakeDeviceWork, FakeRunner, expected_output
 from kvrelay.core.lifecycle import HOLDS_BLOCKS, FinishReason
 from kvrelay.core.runner import Batch, SampledToken
 from kvrelay.core.scheduler import RequestRejected
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import FakeDeviceWork, FakeRunner, expected_output
 
 EOS = 0
 

@@ -34,13 +34,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.core.fake_runner import expected_output
 from kvrelay.core.lifecycle import RequestState
 from kvrelay.relay import protocol as P
 from kvrelay.relay.receiver import Phase, Policy, ReceiverConfig
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.sim.pd_nodes import VOCAB, Client, DecodeNode, PrefillNode, Proxy
 from kvrelay.sim.pd_world import NetFaults, SimClock, SimKv, SimNetwork, Violation
+from kvrelay.testing.fake_runner import expected_output
 
 MAX_SIM_TIME = 300.0
 MAX_EVENTS = 20_000  # a seed averages under 100 events; far more means it is stuck

@@ -9,9 +9,10 @@ TCP), steps and timers on the ``SimClock``.
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
@@ -25,10 +26,15 @@ from kvrelay.relay.prefill import KvTransferParams, PrefillRelay
 from kvrelay.relay.receiver import Receiver, RemoteKv
 from kvrelay.relay.transports.base import PeerInfo
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.sim.pd_world import SimKv, SimRunner, SimTransport, Violation, run_step
-
-if TYPE_CHECKING:
-    from kvrelay.sim.pd import World
+from kvrelay.sim.pd_world import (
+    SimClock,
+    SimKv,
+    SimNetwork,
+    SimRunner,
+    SimTransport,
+    Violation,
+    run_step,
+)
 
 COMPAT = "sim-compat"
 VOCAB = 997
@@ -39,6 +45,30 @@ LINK_DELAY = 0.001  # proxy <-> engine (reliable, ordered)
 def busy(engine: Engine) -> bool:
     s = engine.scheduler
     return bool(s.waiting or s.running or engine._in_flight)
+
+
+class World(Protocol):
+    """What the nodes use of the simulated world (kvrelay.sim.pd.World builds it)."""
+
+    cfg: Any  # kvrelay.sim.pd.SimConfig
+    clients: dict[str, Client]
+    clock: SimClock
+    net: SimNetwork
+    rng: random.Random
+
+    @property
+    def p(self) -> PrefillNode: ...
+    @property
+    def d(self) -> DecodeNode: ...
+    @property
+    def d2(self) -> DecodeNode: ...
+    @property
+    def proxy(self) -> Proxy: ...
+    def prefill_kv(self, life: int) -> SimKv | None: ...
+    def step_fault(self) -> bool: ...
+    def proxy_later(self, fn: Callable[[], None]) -> None: ...
+    def relay_deliver(self, msg: P.Request, sender: DecodeNode | None) -> None: ...
+    def log(self, text: str) -> None: ...
 
 
 @dataclass(eq=False)

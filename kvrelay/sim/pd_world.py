@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.core.block_pool import BlockPool
-from kvrelay.core.fake_runner import FakeRunner
 from kvrelay.core.runner import PLACEHOLDER, Batch, SampledToken
 from kvrelay.relay.transports.base import PeerInfo, TransferState, TransferStatus
+from kvrelay.testing.fake_runner import FakeRunner
 
 
 class Violation(AssertionError):

@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvrelay.model.interface import KvGeometry
+from kvrelay.relay.geometry import KvGeometry
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.relay.transports.layout import layer_regions
 from kvrelay.vllm.decode import DecodeSide, LoadSpec

@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from kvrelay.core.scheduler import RequestRejected
 from kvrelay.relay import protocol as P
 from kvrelay.relay.client import RelayClient
+from kvrelay.relay.port import RequestRejected
 from kvrelay.relay.receiver import Phase, Policy, Receiver, ReceiverConfig
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.relay.transports.layout import BlockLayout

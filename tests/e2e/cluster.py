@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from kvrelay.server.demo import free_port
+from kvrelay.demo import free_port
 from tests.metrics_util import blocks_released, metrics, sample
 
 REPO = Path(__file__).resolve().parents[2]
@@ -232,7 +232,7 @@ def write_fat_model(dir: Path) -> Path:
     4 tokens, so that a long prompt's transfer takes long enough to be interrupted."""
     import json
 
-    from kvrelay.model.testing import (
+    from kvrelay.testing.models import (
         tiny_hf_config,
         tiny_tokenizer_json,
         tiny_weights,

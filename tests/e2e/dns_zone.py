@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from kvrelay.server.demo import free_port
+from kvrelay.demo import free_port
 
 
 class Records:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import httpx
 import pytest
 
-from kvrelay.model.testing import EOS_ID
+from kvrelay.testing.models import EOS_ID
 from tests.e2e.cluster import Proc, colocated_and_pd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -57,7 +57,7 @@ class Sent:
 
 @pytest.fixture(scope="module")
 def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
     cfg = json.loads((model / "config.json").read_text())

@@ -31,7 +31,7 @@ DOC = ("A long shared document that the decode engine will have cached once it s
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
     c = Cluster(model, tmp_path_factory.mktemp("logs"))

@@ -63,7 +63,7 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
     c = Cluster(model, tmp_path_factory.mktemp("decode-hostile-logs"))

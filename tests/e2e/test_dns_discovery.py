@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.server.demo import free_port
+from kvrelay.demo import free_port
 from tests.e2e.cluster import Cluster, Proc, metrics, pools_free, sample
 from tests.e2e.dns_zone import Records, serve_zone
 from tests.e2e.load import ENGINE_ARGS, Load, wait_for
@@ -37,7 +37,7 @@ def dns() -> Iterator[tuple[Records, int]]:
 def test_engines_that_join_and_leave_by_dns_under_streamed_load(
     tmp_path: Path, dns: tuple[Records, int]
 ) -> None:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     records, dns_port = dns
     model = Path(write_tiny_hf_model(tmp_path / "tiny-model"))

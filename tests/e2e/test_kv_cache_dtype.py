@@ -25,7 +25,7 @@ BF16 = ("--kv-cache-dtype", "bfloat16")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     return Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
 

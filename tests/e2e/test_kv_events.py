@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.server.kv_events import END_SEQ, BlockRemoved, BlockStored, decode_batch
-from kvrelay.server.proxy_events import reachable
+from kvrelay.proxy.events import reachable
+from kvrelay.wire.kv_events import END_SEQ, BlockRemoved, BlockStored, decode_batch
 from tests.e2e.cluster import Cluster, Proc, metric, metrics
 
 zmq = pytest.importorskip("zmq")
@@ -30,7 +30,7 @@ SMALL = ("--num-blocks", "64", "--kv-events-config", EVENTS)  # 64 blocks of 4 t
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     return Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
 

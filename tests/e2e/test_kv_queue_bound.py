@@ -29,7 +29,7 @@ LEASE = ("--lease-timeout", "60")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
     # The delay acts on D's pulls only (P and the proxy never pull).

@@ -36,7 +36,7 @@ LEASE_TIMEOUT = ("--lease-timeout", "60")  # expiry can never stand in for a rel
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
     c = Cluster(model, tmp_path_factory.mktemp("leave-as-p-answers-logs"),

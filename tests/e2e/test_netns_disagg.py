@@ -23,10 +23,10 @@ import httpx
 import openai
 import pytest
 
+from kvrelay.proxy.routing import RELEASE_PATH
 from kvrelay.relay import protocol as P
 from kvrelay.relay.client import RelayClient
 from kvrelay.relay.transports import nixl
-from kvrelay.server.proxy_routing import RELEASE_PATH
 from tests.e2e.cluster import BLOCK_ARGS, Proc, ask, metric, metrics, pools_free
 from tests.e2e.netns import Net, NsProc, unavailable
 
@@ -49,7 +49,7 @@ PROMPTS = (
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     return Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
 

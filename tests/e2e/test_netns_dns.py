@@ -78,7 +78,7 @@ def engine(net: Net, host: str, model: Path, logdir: Path) -> NsProc:
 
 def test_engines_that_join_and_leave_by_dns_across_namespaces_under_load(
         net: Net, tmp_path: Path) -> None:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     model = Path(write_tiny_hf_model(tmp_path / "tiny-model"))
     dns_host = net.hosts["dns"].address

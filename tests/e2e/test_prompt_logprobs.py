@@ -22,7 +22,7 @@ PROMPT = [5, 17, 42, 99, 7, 7, 23, 61, 88, 3, 140, 201, 9, 250, 31, 77, 12, 5, 1
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     return Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
 

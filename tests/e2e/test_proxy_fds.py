@@ -9,7 +9,7 @@ sockets than after warm-up (its keep-alive pool, bounded by the concurrency) and
 its peer has closed (CLOSE_WAIT: a connection nobody reads or closes any more) beyond
 those it held then.
 
-Without ``SweptTransport`` (kvrelay/server/proxy.py) this fails: httpcore strands a NEW
+Without ``SweptTransport`` (kvrelay/proxy/app.py) this fails: httpcore strands a NEW
 connection to D for each call cancelled between its connect and its first request
 (seen: 10 fds at warm-up, 14 settled, 5 connections to D stuck NEW in the pool).
 
@@ -42,7 +42,7 @@ SLACK = 2  # fds over the warm-up level allowed: a pooled connection or two in h
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
     c = Cluster(model, tmp_path_factory.mktemp("proxy-fds-logs"))

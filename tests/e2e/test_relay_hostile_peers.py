@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from kvrelay.kv_testing import TINY_GEOMETRY
 from kvrelay.relay import protocol as P
 from kvrelay.relay.client import RelayClient
+from kvrelay.testing.kv import TINY_GEOMETRY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -16,7 +16,7 @@ from kvrelay.sampling_params import SamplingParams
 from tests.e2e.test_relay_two_process import Node, hand_over
 
 pytestmark = pytest.mark.e2e
-testing = pytest.importorskip("kvrelay.model.testing")
+testing = pytest.importorskip("kvrelay.testing.models")
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,8 @@ import torch
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
-from kvrelay.kv_testing import TINY_GEOMETRY, TensorFakeRunner, kv_shape
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.kv import TINY_GEOMETRY, TensorFakeRunner, kv_shape
 
 pytestmark = pytest.mark.e2e
 

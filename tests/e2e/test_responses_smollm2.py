@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from kvrelay.server.demo import ServerProcess
+from kvrelay.demo import ServerProcess
 from tests.e2e.test_serve_smollm2 import MISSING, env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600),

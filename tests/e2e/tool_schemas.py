@@ -33,7 +33,7 @@ def roomy_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random HF model with a 2,048-token context: the tools' description (a
     system message when the template ignores tools) is long for its character-level
     vocabulary."""
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     model = Path(write_tiny_hf_model(tmp_path_factory.mktemp("tiny-model")))
     cfg = json.loads((model / "config.json").read_text())

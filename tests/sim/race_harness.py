@@ -17,7 +17,6 @@ from typing import Any
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import expected_output
 from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
 from kvrelay.relay import protocol as P
 from kvrelay.relay.lease import LeaseTable
@@ -26,6 +25,7 @@ from kvrelay.relay.receiver import Policy, Receiver, ReceiverConfig, RemoteKv
 from kvrelay.relay.transports.base import PeerInfo, TransferState, TransferStatus
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.sim.pd_world import SimKv, SimRunner
+from kvrelay.testing.fake_runner import expected_output
 
 COMPAT = "test"
 VOCAB = 997

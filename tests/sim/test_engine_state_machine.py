@@ -10,11 +10,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import FakeDeviceWork, FakeRunner, expected_output
 from kvrelay.core.lifecycle import HOLDS_BLOCKS, FinishReason
 from kvrelay.core.runner import Batch, SampledToken
 from kvrelay.core.scheduler import RequestRejected
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import FakeDeviceWork, FakeRunner, expected_output
 
 VOCAB = 20
 EOS = 0

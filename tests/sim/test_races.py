@@ -17,11 +17,9 @@ import torch
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import kv_tags
 from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
 from kvrelay.core.lifecycle import FinishReason, RequestState
 from kvrelay.core.scheduler import RequestRejected
-from kvrelay.kv_testing import TINY_GEOMETRY, TensorFakeRunner, kv_shape
 from kvrelay.relay import protocol as P
 from kvrelay.relay.lease import LeaseState, LeaseTable, ReleaseReason
 from kvrelay.relay.prefill import PrefillRelay
@@ -30,6 +28,8 @@ from kvrelay.relay.transports.base import PeerInfo, TransferState, TransferStatu
 from kvrelay.relay.transports.tcp import TcpTransport
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.sim.pd_world import SimKv, SimRunner, Violation
+from kvrelay.testing.fake_runner import kv_tags
+from kvrelay.testing.kv import TINY_GEOMETRY, TensorFakeRunner, kv_shape
 from tests.sim.race_harness import NBLOCKS, VOCAB, Pair
 
 

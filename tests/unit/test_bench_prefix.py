@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.bench import prefix
-from kvrelay.model.testing import write_tiny_hf_model
+from kvrelay.testing.models import write_tiny_hf_model
 
 
 def test_bench_prefix_prints_identical_outputs_and_a_ratio(

@@ -15,10 +15,10 @@ import jinja2
 import pytest
 from tokenizers import Tokenizer as HfTokenizer
 
-from kvrelay.model.gguf_file import GgufFile
+from kvrelay.model.formats.gguf_file import GgufFile
 from kvrelay.model.loader import default_model_path
-from kvrelay.model.testing import tiny_tokenizer_json
-from kvrelay.model.tokenizer import ChatTemplateError, Tokenizer
+from kvrelay.model.text.tokenizer import ChatTemplateError, Tokenizer
+from kvrelay.testing.models import tiny_tokenizer_json
 
 transformers = pytest.importorskip("transformers")
 

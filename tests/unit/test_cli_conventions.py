@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 
-from kvrelay.cli import EXIT_USAGE, UsageError, build_parser, main
+from kvrelay.cli import build_parser, main
+from kvrelay.demo import server_args
+from kvrelay.errors import EXIT_USAGE, UsageError
 from kvrelay.model import loader
-from kvrelay.model.testing import write_tiny_hf_model
-from kvrelay.server.demo import server_args
+from kvrelay.model.kernels import cpu
+from kvrelay.testing.models import write_tiny_hf_model
 
 
 def _parsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -116,8 +118,8 @@ def test_cpu_bf16_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
                         ("avx512f amx_bf16 amx_tile", True), ("avx512f avx512bw", False)]:
         info = tmp_path / f"cpuinfo-{want}-{len(flags)}"
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-        monkeypatch.setattr(loader, "CPUINFO", info)
-        assert loader.cpu_has_native_bf16() is want, flags
+        monkeypatch.setattr(cpu, "CPUINFO", info)
+        assert cpu.cpu_has_native_bf16() is want, flags
 
 
 def test_bfloat16_is_refused_on_a_cpu_without_native_bf16(
@@ -132,7 +134,7 @@ def test_bfloat16_is_refused_on_a_cpu_without_native_bf16(
 
     d = write_tiny_hf_model(tmp_path / "m")
     info = tmp_path / "cpuinfo"
-    monkeypatch.setattr(loader, "CPUINFO", info)
+    monkeypatch.setattr(cpu, "CPUINFO", info)
     monkeypatch.delenv(loader.ALLOW_SLOW_BF16, raising=False)
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512bw\n")
     with pytest.raises(RefusedChoice, match=r"avx512_bf16.*--dtype float32 or --dtype auto"):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.model.detokenizer import IncrementalDetokenizer
-from kvrelay.model.hf_loader import load_hf_tokenizer
-from kvrelay.model.testing import write_tiny_hf_model
-from kvrelay.model.tokenizer import Tokenizer
+from kvrelay.model.formats.hf_loader import load_hf_tokenizer
+from kvrelay.model.text.detokenizer import IncrementalDetokenizer
+from kvrelay.model.text.tokenizer import Tokenizer
+from kvrelay.testing.models import write_tiny_hf_model
 
 TEXT = "What is the capital of France? Ωmega 中文 🚀 naïve café, Paris!\nDone."
 

@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 
 from kvrelay import cli as top
-from kvrelay.server import cli, proxy
+from kvrelay.proxy import app as proxy
+from kvrelay.server import cli
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

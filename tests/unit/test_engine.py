@@ -1,11 +1,11 @@
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import lease_owner
 from kvrelay.core.engine import Engine, RequestOutput
-from kvrelay.core.fake_runner import FakeRunner, expected_output
 from kvrelay.core.lifecycle import FinishReason, RequestState
 from kvrelay.core.request import Request
 from kvrelay.core.runner import PLACEHOLDER
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import FakeRunner, expected_output
 
 
 def make(async_scheduling: bool = False, num_blocks: int = 32) -> Engine:

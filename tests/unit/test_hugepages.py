@@ -1,4 +1,4 @@
-"""2 MiB pages under the decode weights and the KV cache (kvrelay.model.hugepages)."""
+"""2 MiB pages under the decode weights and the KV cache (kvrelay.model.kernels.hugepages)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrelay.model import hugepages
+from kvrelay.model.kernels import hugepages
 
 
 def _thp_mode() -> str:

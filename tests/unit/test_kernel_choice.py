@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kvrelay.model import kernel_choice
-from kvrelay.model.kernel_choice import decide_wait_policy
+from kvrelay.model.kernels import choice as kernel_choice
+from kvrelay.model.kernels.choice import decide_wait_policy
 
 
 def test_explicit_policies_are_taken_as_given() -> None:
@@ -86,7 +86,7 @@ def test_metrics_export_the_kernels_in_use() -> None:
     kernel_choice.record_prompt_attention("amx")
     from kvrelay.config import SchedulerConfig
     from kvrelay.core.engine import Engine
-    from kvrelay.core.fake_runner import FakeRunner
+    from kvrelay.testing.fake_runner import FakeRunner
 
     engine = Engine(SchedulerConfig(num_blocks=4, block_size=4), FakeRunner(100))
     text = ServerMetrics(engine, "m").render().decode()
@@ -98,7 +98,7 @@ def test_metrics_export_the_kernels_in_use() -> None:
 
 _POOLS = """
 import os, sys, time, torch
-from kvrelay.model import kernel_choice as kc
+from kvrelay.model.kernels import choice as kc
 
 def threads() -> int:
     # Pool workers leave after their thread is joined: count once the number holds still.
@@ -151,9 +151,9 @@ def test_the_engine_loop_thread_takes_the_thread_count_it_is_given() -> None:
 
     from kvrelay.config import SchedulerConfig
     from kvrelay.core.engine import Engine, RequestOutput
-    from kvrelay.core.fake_runner import FakeRunner
     from kvrelay.sampling_params import SamplingParams
     from kvrelay.server.engine_loop import EngineLoop
+    from kvrelay.testing.fake_runner import FakeRunner
 
     seen: list[int] = []
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.model import native
-from kvrelay.model.attention import ChunkSpec
+from kvrelay.model.kernels import ext
+from kvrelay.model.kernels.attention import ChunkSpec
 from kvrelay.model.llm import LLM
-from kvrelay.model.testing import write_tiny_gguf
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.models import write_tiny_gguf
 
-KERNELS = ["torch"] + (["native"] if native.load() is not None else [])
+KERNELS = ["torch"] + (["native"] if ext.load() is not None else [])
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_the_compat_hash_tells_the_models_dtype_apart() -> None:
     """A bfloat16 cache of a float32 model and that of a bfloat16 model hold the same
     bytes but not the same KV: engines must not exchange them. Where the cache takes
     the model's dtype the hash is what it was before the field existed."""
-    from kvrelay.model.interface import KvGeometry
+    from kvrelay.relay.geometry import KvGeometry
 
     def geom(dtype: str, model_dtype: str = "") -> KvGeometry:
         return KvGeometry(architecture="llama", num_layers=2, num_kv_heads=2, head_dim=16,

@@ -2,9 +2,9 @@
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import FakeRunner
 from kvrelay.core.kv_events import Cleared, KvEventLog, Removed, Stored
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import FakeRunner
 
 BS = 4
 

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from kvrelay.core.kv_events import Cleared, Removed, Stored
-from kvrelay.server.kv_events import config_fields, decode_batch, encode_batch, parse_config
+from kvrelay.wire.kv_events import config_fields, decode_batch, encode_batch, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 H0, H1, H2 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
@@ -61,7 +61,7 @@ VLLM_SIDE = textwrap.dedent("""
     from vllm.distributed.kv_events import (
         AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch)
     from kvrelay.core.kv_events import Cleared, Removed, Stored
-    from kvrelay.server.kv_events import encode_batch
+    from kvrelay.wire.kv_events import encode_batch
 
     H0, H1, H2 = b"\\x01" * 32, b"\\x02" * 32, b"\\x03" * 32
     ours = encode_batch(5.25, [Cleared(), Stored((H1, H2), H0, tuple(range(32)), 16),

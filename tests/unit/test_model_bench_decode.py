@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.bench import decode
-from kvrelay.model.testing import write_tiny_hf_model
+from kvrelay.testing.models import write_tiny_hf_model
 
 
 def test_bench_decode_prints_a_row_per_batch(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.bench import offline
-from kvrelay.model.testing import write_tiny_hf_model
+from kvrelay.testing.models import write_tiny_hf_model
 
 pytest.importorskip("transformers")
 

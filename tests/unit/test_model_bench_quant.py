@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvrelay.bench import quant
-from kvrelay.model import native
-from kvrelay.model.testing import write_tiny_gguf
+from kvrelay.model.kernels import ext
+from kvrelay.testing.models import write_tiny_gguf
 
-needs_native = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
+needs_native = pytest.mark.skipif(ext.load() is None, reason="native kernels unavailable")
 
 
 def test_agreement_counts_the_shared_start() -> None:

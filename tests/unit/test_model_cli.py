@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.model import cli
-from kvrelay.model.testing import write_tiny_hf_model
+from kvrelay.testing.models import write_tiny_hf_model
 
 
 def _run(argv: list[str]) -> int:

@@ -1,4 +1,4 @@
-"""Decode graphs (kvrelay/model/graphs.py): the bucket choice at its edges, and on CPU,
+"""Decode graphs (kvrelay/model/kernels/graphs.py): the bucket choice at its edges, and on CPU,
 with a stand-in graph that records captures and replays by re-running the eager
 step on the static buffers, a real tiny model's padded decode step gives the eager
 step's logits for the real rows, padded rows touch only the scratch block, a batch
@@ -21,7 +21,7 @@ from kvrelay.core.engine import Engine
 from kvrelay.core.runner import Batch, ScheduledRequest
 from kvrelay.model import load_model
 from kvrelay.model.graph_runner import enable_decode_graphs, graphs_wanted
-from kvrelay.model.graphs import (
+from kvrelay.model.kernels.graphs import (
     DecodeGraphs,
     GraphHandle,
     RerunGraph,
@@ -30,8 +30,8 @@ from kvrelay.model.graphs import (
 )
 from kvrelay.model.loader import Model
 from kvrelay.model.runner import ModelRunner
-from kvrelay.model.testing import write_tiny_hf_model
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.models import write_tiny_hf_model
 
 BS = 4  # tokens per block
 BLOCKS = 96  # blocks the pool owns; the graph cache has one more, the scratch block

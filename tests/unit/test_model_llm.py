@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import kvrelay
-from kvrelay.model.testing import write_tiny_hf_model
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.models import write_tiny_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_chat_streams_and_token_prompts(llm: kvrelay.LLM) -> None:
 @pytest.mark.slow
 def test_embedded_smollm2_knows_the_capital_of_france() -> None:
     # Under every --quantization ("What is the capital of France?" hangs on a near tie of
-    # its first token, which the default's 8-bit activations flip: kvrelay/server/demo.py)
+    # its first token, which the default's 8-bit activations flip: kvrelay/demo.py)
     for quantization in ("none", "auto"):
         llm = kvrelay.LLM(num_blocks=64, dtype="float32", quantization=quantization)
         (out,) = llm.chat(

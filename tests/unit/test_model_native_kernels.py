@@ -19,20 +19,21 @@ import numpy as np
 import pytest
 import torch
 
-from kvrelay.model import backend as backend_mod
-from kvrelay.model import kernel_choice, native
-from kvrelay.model.attention import ChunkSpec
-from kvrelay.model.backend import TorchBackend, select_backend
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.loader import CPUINFO
+from kvrelay.model.kernels import choice as kernel_choice
+from kvrelay.model.kernels import ext, gemms, native
+from kvrelay.model.kernels.attention import ChunkSpec
+from kvrelay.model.kernels.backend import TorchBackend
+from kvrelay.model.kernels.select import select_backend
+from kvrelay.model.kernels.cpu import cpu_has_amx_bf16
+from kvrelay.model.kernels.rope import RotaryTable
 from kvrelay.model.model import Linear, LlamaModel
-from kvrelay.model.rope import RotaryTable
 
-_mod = native.load()
+_mod = ext.load()
 if _mod is None:
     if os.environ.get("KVRELAY_REQUIRE_NATIVE") == "1":
-        raise RuntimeError(f"KVRELAY_REQUIRE_NATIVE=1 but {native.load_error()}")
-    pytestmark = pytest.mark.skip(reason=f"native kernels unavailable: {native.load_error()}")
+        raise RuntimeError(f"KVRELAY_REQUIRE_NATIVE=1 but {ext.load_error()}")
+    pytestmark = pytest.mark.skip(reason=f"native kernels unavailable: {ext.load_error()}")
 
 _best = _mod.isa() if _mod is not None else "none"
 ISAS = ["avx512", "avx2"] if _best == "avx512" else [_best]
@@ -584,7 +585,7 @@ def test_select_backend_follows_request_and_env(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("KVRELAY_PREFILL_AMX", raising=False)
     assert select_backend(cfg, rope, torch.float32, cpu).name == "native"
     assert kernel_choice.info()["prompt_attention"] == "native-tiles+sdpa>=640"
-    amx_cpu = "amx_bf16" in CPUINFO.read_text().split()
+    amx_cpu = cpu_has_amx_bf16()
     split = "sdpa" if amx_cpu else "native-tiles+sdpa>=320"
     cfg64 = _cfg(4, 2, 64)
     rope64 = RotaryTable(cfg64, 64, torch.bfloat16, cpu)
@@ -610,11 +611,11 @@ def test_select_backend_follows_request_and_env(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_fallback_when_extension_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_module", None)
-    monkeypatch.setattr(native, "_load_error", "extension not loadable (test)")
+    monkeypatch.setattr(ext, "_module", None)
+    monkeypatch.setattr(ext, "_load_error", "extension not loadable (test)")
     cfg = _cfg(4, 2, 16)
     rope = RotaryTable(cfg, 64, torch.float32, torch.device("cpu"))
-    b = backend_mod.select_backend(cfg, rope, torch.float32, torch.device("cpu"), "native")
+    b = select_backend(cfg, rope, torch.float32, torch.device("cpu"), "native")
     assert b.name == "torch"
     assert kernel_choice.info()["backend"] == "torch"
 
@@ -747,28 +748,28 @@ def test_model_runs_every_bf16_gemm_natively_on_amx(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On an AMX CPU a bfloat16 model's GEMMs are all native: one row on vdpbf16ps,
-    from native.AMX_GEMM_ROWS rows on AMX tiles (the same results as calling the kernels
+    from AMX_GEMM_ROWS rows on AMX tiles (the same results as calling the kernels
     directly), with no oneDNN copy of the weights. Beside a GGUF's codes, the calls
     above theirs go to AMX over the float weight. KVRELAY_AMX_GEMM=0 gives oneDNN
     back its calls."""
     from kvrelay.model.llm import LLM
-    from kvrelay.model.testing import write_tiny_gguf
+    from kvrelay.testing.models import write_tiny_gguf
 
     assert _mod is not None
     m = _tiny_model(torch.bfloat16)
     assert kernel_choice.info()["gemm"] == kernel_choice.info()["prefill_gemm"] == (
         "native-bf16-amx")
     for lin in (m.layers[0].qkv, m.layers[0].gate_up, m.layers[1].down, m.lm_head):
-        assert lin.packed is None and lin.small_rows >= native.EVERY_ROWS
+        assert lin.packed is None and lin.small_rows >= gemms.EVERY_ROWS
         packed, n = _mod.pack_bf16_gemm(lin.weight), lin.weight.shape[0]
         one = torch.randn(1, lin.weight.shape[1]).bfloat16()
         assert torch.equal(lin(one), _mod.bf16_gemm(one, packed, n))
-        for rows in (native.AMX_GEMM_ROWS, 40, 300):
+        for rows in (gemms.AMX_GEMM_ROWS, 40, 300):
             x = torch.randn(rows, lin.weight.shape[1]).bfloat16()
             assert torch.equal(lin(x), _mod.bf16_gemm_amx(x, packed, n))
     # the MLP's silu * up: fused on AMX and on vdpbf16ps below it; the same values
     gate_up = m.layers[0].gate_up
-    for rows in (1, native.AMX_GEMM_ROWS, 300):
+    for rows in (1, gemms.AMX_GEMM_ROWS, 300):
         x = torch.randn(rows, gate_up.weight.shape[1]).bfloat16()
         calls: list[int] = []
 
@@ -783,9 +784,9 @@ def test_model_runs_every_bf16_gemm_natively_on_amx(
     # K not a multiple of 32: the tiles cannot take it; vdpbf16ps up to its own limit,
     # oneDNN above, as without AMX
     odd = Linear(torch.randn(64, 48).bfloat16(), None, True,
-                 native.NativeSmallGemm(_mod, torch.bfloat16, amx=True))
-    assert odd.small_rows == native.BF16_GEMM_ROWS and odd.packed is not None
-    x = torch.randn(native.BF16_GEMM_ROWS + 1, 48).bfloat16()
+                 gemms.NativeSmallGemm(_mod, torch.bfloat16, amx=True))
+    assert odd.small_rows == gemms.BF16_GEMM_ROWS and odd.packed is not None
+    x = torch.randn(gemms.BF16_GEMM_ROWS + 1, 48).bfloat16()
     onednn = torch.ops.mkldnn._linear_pointwise(x, odd.packed, None, "none", [], "")
     assert torch.equal(odd(x), onednn)
 
@@ -793,9 +794,9 @@ def test_model_runs_every_bf16_gemm_natively_on_amx(
     model = LLM(path, dtype="bfloat16").model.runner.model  # type: ignore[attr-defined]
     assert kernel_choice.info()["prefill_gemm"] == "native-bf16-amx"
     down = model.layers[0].down
-    assert isinstance(down.small.__self__, native.NativeGgufGemm)
-    assert down.small_rows == native.GGUF_AMX_ROWS and down.packed is None
-    x = torch.randn(native.GGUF_AMX_ROWS + 1, down.weight.shape[1]).bfloat16()
+    assert isinstance(down.small.__self__, gemms.NativeGgufGemm)
+    assert down.small_rows == gemms.GGUF_AMX_ROWS and down.packed is None
+    x = torch.randn(gemms.GGUF_AMX_ROWS + 1, down.weight.shape[1]).bfloat16()
     direct = _mod.bf16_gemm_amx(x, _mod.pack_bf16_gemm(down.weight), down.weight.shape[0])
     assert torch.equal(down(x), direct)
 
@@ -836,7 +837,6 @@ def test_model_uses_the_small_gemm_only_where_it_may(monkeypatch: pytest.MonkeyP
     decode-sized calls go to the native GEMM (same result as calling it directly),
     larger ones to oneDNN; the torch backend and KVRELAY_NATIVE_GEMM=0 keep oneDNN
     (float32: test_float32_model_uses_...; AMX: test_model_runs_every_bf16_gemm_...)."""
-    from kvrelay.model.model import SMALL_GEMM_ROWS
 
     def build(dtype: torch.dtype, kernels: str | None = None) -> LlamaModel:
         return _tiny_model(dtype, kernels)
@@ -845,11 +845,11 @@ def test_model_uses_the_small_gemm_only_where_it_may(monkeypatch: pytest.MonkeyP
     m = build(torch.bfloat16)
     assert m.small_gemm and kernel_choice.info()["gemm"] == "native-bf16"
     lin = m.layers[0].gate_up
-    x = torch.randn(SMALL_GEMM_ROWS, lin.weight.shape[1]).bfloat16()
+    x = torch.randn(gemms.BF16_GEMM_ROWS, lin.weight.shape[1]).bfloat16()
     assert _mod is not None
     direct = _mod.bf16_gemm(x, _mod.pack_bf16_gemm(lin.weight), lin.weight.shape[0])
     assert torch.equal(lin(x), direct)
-    big = torch.randn(SMALL_GEMM_ROWS + 1, lin.weight.shape[1]).bfloat16()
+    big = torch.randn(gemms.BF16_GEMM_ROWS + 1, lin.weight.shape[1]).bfloat16()
     onednn = torch.ops.mkldnn._linear_pointwise(big, lin.packed, None, "none", [], "")
     assert torch.equal(lin(big), onednn)
     assert not build(torch.bfloat16, "torch").small_gemm
@@ -867,8 +867,8 @@ def test_a_bfloat16_prefill_chunk_that_samples_nothing(tmp_path: Path) -> None:
     from kvrelay.config import SchedulerConfig
     from kvrelay.core.engine import Engine
     from kvrelay.model import load_model
-    from kvrelay.model.testing import write_tiny_hf_model
     from kvrelay.sampling_params import SamplingParams
+    from kvrelay.testing.models import write_tiny_hf_model
 
     assert _mod is not None
     packed = _mod.pack_bf16_gemm(torch.randn(32, 64).bfloat16())
@@ -943,12 +943,12 @@ def test_float32_model_uses_the_native_gemm_of_its_isa(
     import subprocess
     import sys
 
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     m = _tiny_model(torch.float32)
     assert m.small_gemm and kernel_choice.info()["gemm"] == f"native-f32-{_best}"
     lin = m.layers[0].gate_up
-    rows = native.F32_GEMM_ROWS
+    rows = gemms.F32_GEMM_ROWS
     x = torch.randn(rows, lin.weight.shape[1])
     assert _mod is not None
     direct = _mod.f32_gemm(x, _mod.pack_f32_gemm(lin.weight), lin.weight.shape[0])
@@ -962,7 +962,7 @@ def test_float32_model_uses_the_native_gemm_of_its_isa(
 
     path = write_tiny_hf_model(tmp_path / "llama", seed=3)
     script = (
-        "import json; from kvrelay.model import kernel_choice;"
+        "import json; from kvrelay.model.kernels import choice as kernel_choice;"
         "from kvrelay.model.llm import LLM;"
         "from kvrelay.sampling_params import SamplingParams;"
         f"llm = LLM({str(path)!r}, dtype='float32');"
@@ -994,7 +994,7 @@ def _gguf_quantize(w: torch.Tensor, qtype: int) -> np.ndarray:
     """w's rows as GGUF blocks of qtype (gguf_writer.quantize_as)."""
     from gguf import GGMLQuantizationType
 
-    from kvrelay.model.gguf_writer import quantize_as
+    from kvrelay.testing.gguf_writer import quantize_as
 
     return quantize_as(w.numpy(), GGMLQuantizationType(qtype))
 
@@ -1184,13 +1184,13 @@ def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str)
     under 2% of the logits' mean size; a random tiny model's near-ties can flip greedy
     tokens, so the SmolLM2 agreement is measured by `kvrelay bench quant`). An HF
     directory is refused with a message naming the flag."""
-    from kvrelay.model.attention import ChunkSpec
+    from kvrelay.model.kernels.attention import ChunkSpec
     from kvrelay.model.llm import LLM
-    from kvrelay.model.testing import write_tiny_gguf, write_tiny_hf_model
     from kvrelay.sampling_params import SamplingParams
+    from kvrelay.testing.models import write_tiny_gguf, write_tiny_hf_model
 
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", seed=4))
-    ids = list(range(40, 40 + native.GGUF_AMX_ROWS))  # rows the codes take on every CPU
+    ids = list(range(40, 40 + gemms.GGUF_AMX_ROWS))  # rows the codes take on every CPU
     logits = {}
     for quant in ("gguf", "none"):
         llm = LLM(path, dtype=dtype, quantization=quant)
@@ -1198,11 +1198,11 @@ def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str)
         model = runner.model
         if quant == "gguf":
             assert kernel_choice.info()["gemm"] == f"native-gguf-{_mod.gguf_isa()}"
-            assert isinstance(model.layers[0].down.small.__self__, native.NativeGgufGemm)
-            assert isinstance(model.lm_head.small.__self__, native.NativeGgufGemm)
-            assert isinstance(model.layers[0].gate_up.small.__self__, native.NativeGgufGemm)
+            assert isinstance(model.layers[0].down.small.__self__, gemms.NativeGgufGemm)
+            assert isinstance(model.lm_head.small.__self__, gemms.NativeGgufGemm)
+            assert isinstance(model.layers[0].gate_up.small.__self__, gemms.NativeGgufGemm)
             assert not isinstance(getattr(model.layers[0].qkv.small, "__self__", None),
-                                  (native.NativeGgufGemm, native.NativeGgufParts))
+                                  (gemms.NativeGgufGemm, gemms.NativeGgufParts))
         blocks = list(range(-(-len(ids) // runner.block_size)))
         logits[quant] = runner._forward(ids, list(range(len(ids))),
                                         [ChunkSpec(0, len(ids), blocks)], list(range(len(ids))))
@@ -1225,10 +1225,10 @@ def test_quantization_gguf_serves_k_quants(tmp_path: Path, dtype: str) -> None:
     mean size here, as with the same model in Q4_1: every layer GEMM of a 4x wider model
     takes the 8-bit activations; a wrong Q4_K scale or code order is ~100%)."""
     from kvrelay.model.llm import LLM
-    from kvrelay.model.testing import write_tiny_gguf
+    from kvrelay.testing.models import write_tiny_gguf
 
     path = str(write_tiny_gguf(tmp_path / "k.gguf", seed=5, k_quants=True))
-    ids = list(range(40, 40 + native.GGUF_AMX_ROWS))
+    ids = list(range(40, 40 + gemms.GGUF_AMX_ROWS))
     logits = {}
     for quant in ("gguf", "none"):
         runner = LLM(path, dtype=dtype, quantization=quant).model.runner  # type: ignore[attr-defined]
@@ -1237,9 +1237,9 @@ def test_quantization_gguf_serves_k_quants(tmp_path: Path, dtype: str) -> None:
             model.layers[1].qkv, model.layers[1].o, model.layers[1].gate_up,
             model.layers[1].down, model.lm_head)]
         if quant == "gguf":
-            assert kernels == [native.NativeGgufParts] + [native.NativeGgufGemm] * 4
+            assert kernels == [gemms.NativeGgufParts] + [gemms.NativeGgufGemm] * 4
         else:
-            assert native.NativeGgufGemm not in kernels and native.NativeGgufParts not in kernels
+            assert gemms.NativeGgufGemm not in kernels and gemms.NativeGgufParts not in kernels
         blocks = list(range(-(-len(ids) // runner.block_size)))
         logits[quant] = runner._forward(ids, list(range(len(ids))),
                                         [ChunkSpec(0, len(ids), blocks)], list(range(len(ids))))
@@ -1255,7 +1255,7 @@ def test_fused_parts_of_different_types_run_as_one_linear() -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from kvrelay.model.gguf_loader import QuantWeight
+    from kvrelay.model.formats.gguf_loader import QuantWeight
 
     assert _mod is not None
     g = torch.Generator().manual_seed(7)
@@ -1265,11 +1265,11 @@ def test_fused_parts_of_different_types_run_as_one_linear() -> None:
             for n, t in zip(rows, types, strict=True)]
     quantized = {f"p{i}": QuantWeight(t, torch.from_numpy(r), k)
                  for i, (t, r) in enumerate(zip(types, raws, strict=True))}
-    gemms = native.GgufGemms(_mod, quantized, torch.float32)
-    served = gemms.pack([f"p{i}" for i in range(4)])
+    model_gemms = gemms.GgufGemms(_mod, quantized, torch.float32)
+    served = model_gemms.pack([f"p{i}" for i in range(4)])
     assert served is not None
     kernel, flat = served
-    assert isinstance(kernel, native.NativeGgufParts) and flat.dtype is torch.uint8
+    assert isinstance(kernel, gemms.NativeGgufParts) and flat.dtype is torch.uint8
     x, bias = torch.randn(5, k, generator=g), torch.randn(sum(rows), generator=g)
     out = kernel.run(x, flat, sum(rows), bias)
     alone = torch.cat([
@@ -1290,10 +1290,10 @@ def test_fused_parts_of_different_types_run_as_one_linear() -> None:
     # K = 96: a Q8_0 run of 16 rows is 1,632 bytes, so the Q4_1 run after it starts
     # 32 bytes of padding further on
     raws = [_gguf_quantize(torch.randn(16, 96, generator=g), t) for t in (8, 3)]
-    gemms = native.GgufGemms(_mod, {f"p{i}": QuantWeight(t, torch.from_numpy(r), 96)
-                                    for i, (t, r) in enumerate(zip((8, 3), raws, strict=True))},
-                             torch.float32)
-    served = gemms.pack(["p0", "p1"])
+    parts = {f"p{i}": QuantWeight(t, torch.from_numpy(r), 96)
+             for i, (t, r) in enumerate(zip((8, 3), raws, strict=True))}
+    model_gemms = gemms.GgufGemms(_mod, parts, torch.float32)
+    served = model_gemms.pack(["p0", "p1"])
     assert served is not None
     kernel, flat = served
     assert flat.numel() == 1632 + 32 + 960
@@ -1310,7 +1310,7 @@ def test_q4_0_and_q5_0_are_served_as_blocks_of_the_same_values() -> None:
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize, quantize
 
-    from kvrelay.model.gguf_loader import q4_0_as_q4_1, q5_0_as_q8_0
+    from kvrelay.model.formats.gguf_loader import q4_0_as_q4_1, q5_0_as_q8_0
 
     w = np.random.default_rng(1).standard_normal((8, 128)).astype(np.float32)
     q5 = quantize(w, Q.Q5_0)
@@ -1335,14 +1335,14 @@ def test_quantization_auto_serves_the_codes_where_it_can(
     native kernels were not chosen. In float32 (and under AVX2 in any dtype) the codes
     serve prefill-sized calls too, without oneDNN's copy of the float weight."""
     from kvrelay.model.llm import LLM
-    from kvrelay.model.testing import write_tiny_gguf, write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_gguf, write_tiny_hf_model
 
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", seed=4))
     model = LLM(path, dtype="float32").model.runner.model  # type: ignore[attr-defined]
     assert kernel_choice.info()["gemm"] == f"native-gguf-{_mod.gguf_isa()}"
     down = model.layers[0].down
-    assert isinstance(down.small.__self__, native.NativeGgufGemm)
-    assert down.small_rows >= native.GGUF_GEMM_ROWS_EVERY and down.packed is None
+    assert isinstance(down.small.__self__, gemms.NativeGgufGemm)
+    assert down.small_rows >= gemms.GGUF_GEMM_ROWS_EVERY and down.packed is None
     # a 64-row call (prefill-sized) runs on the codes: equal to the rows one by one
     x = torch.randn(64, down.weight.shape[1])
     whole = down(x)
@@ -1352,7 +1352,7 @@ def test_quantization_auto_serves_the_codes_where_it_can(
         # AMX GEMM where the CPU has AMX (test_model_runs_every_bf16_gemm_natively_on_amx)
         bf16 = LLM(path, dtype="bfloat16").model.runner.model  # type: ignore[attr-defined]
         down = bf16.layers[0].down
-        assert down.small_rows == (native.GGUF_AMX_ROWS if _amx else native.F32_GEMM_ROWS)
+        assert down.small_rows == (gemms.GGUF_AMX_ROWS if _amx else gemms.F32_GEMM_ROWS)
         assert (down.large is not None) == _amx and (down.packed is not None) == (not _amx)
     LLM(str(write_tiny_hf_model(tmp_path / "hf")), dtype="float32")
     assert not kernel_choice.info()["gemm"].startswith("native-gguf")
@@ -1367,15 +1367,15 @@ def test_a_module_built_from_other_sources_is_refused(monkeypatch: pytest.Monkey
     """The extension's bindings API must be the one this kvrelay speaks: a module built
     before attention() took skip_from (an int where skip_fresh was a bool, which pybind11
     would convert silently) is refused at load with a reason, and the torch kernels run."""
-    assert _mod is not None and _mod.API == native.API
+    assert _mod is not None and _mod.API == ext.API
 
     class Old:
         @staticmethod
         def isa() -> str:
             return "avx512"
 
-    monkeypatch.setattr(native, "_module", None)
-    monkeypatch.setattr(native, "_load_error", None)
-    monkeypatch.setattr(native.importlib, "import_module", lambda name: Old())
-    assert native.load() is None
-    assert "bindings API 1" in (native.load_error() or "")
+    monkeypatch.setattr(ext, "_module", None)
+    monkeypatch.setattr(ext, "_load_error", None)
+    monkeypatch.setattr(ext.importlib, "import_module", lambda name: Old())
+    assert ext.load() is None
+    assert "bindings API 1" in (ext.load_error() or "")

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kvrelay.model.attention import ChunkSpec, build_metadata, paged_attention
+from kvrelay.model.kernels.attention import ChunkSpec, build_metadata, paged_attention
 
 H, KVH, D, BS, NB = 4, 2, 8, 4, 64
 

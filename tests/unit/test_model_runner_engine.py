@@ -13,8 +13,8 @@ from kvrelay.core.engine import Engine
 from kvrelay.core.runner import Batch, ScheduledRequest
 from kvrelay.model import load_model
 from kvrelay.model.loader import Model
-from kvrelay.model.testing import write_tiny_hf_model
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.models import write_tiny_hf_model
 
 PROMPTS = [[5 + (i * 7 + j * 3) % 300 for j in range(10 + 9 * i)] for i in range(5)]
 
@@ -140,7 +140,7 @@ def test_unsupported_gguf_tensor_type_is_named(tmp_path: Path) -> None:
 
 
 def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
-    from kvrelay.model.testing import (
+    from kvrelay.testing.models import (
         tiny_hf_config,
         tiny_tokenizer_json,
         tiny_weights,

@@ -12,8 +12,8 @@ import torch
 from kvrelay.core.runner import Batch, ScheduledRequest
 from kvrelay.model import load_model
 from kvrelay.model.loader import Model
-from kvrelay.model.testing import write_tiny_gguf, write_tiny_hf_model
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.models import write_tiny_gguf, write_tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import kvrelay
-from kvrelay.model.testing import write_tiny_hf_model
+from kvrelay.testing.models import write_tiny_hf_model
 
 SYSTEM = "You are a careful assistant. Answer in one short sentence, please. "
 TAILS = ["Name a color.", "Name a fruit.", "Name a city.", "Count to three.", "Say hi.",

@@ -13,8 +13,8 @@ from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
 from kvrelay.core.runner import TokenLogprobs
 from kvrelay.model import load_model
-from kvrelay.model.testing import write_tiny_hf_model
 from kvrelay.sampling_params import SamplingParams as SP
+from kvrelay.testing.models import write_tiny_hf_model
 
 PROMPT = [5, 17, 42, 99, 7, 7, 23, 61, 88, 3, 140, 201, 9, 250, 31, 77, 12, 5, 17, 42, 6]
 

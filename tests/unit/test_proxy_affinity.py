@@ -1,6 +1,6 @@
 """KV-aware routing's pure parts: the hash chain over prompt text, the per-engine
 prefix record (bounded LRU, longest match, prefix-closed eviction) and the choice of
-an engine by match and load (kvrelay.server.proxy_affinity)."""
+an engine by match and load (kvrelay.proxy.affinity)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrelay.cli import EXIT_USAGE, main
-from kvrelay.server.proxy_affinity import (
+from kvrelay.cli import main
+from kvrelay.errors import EXIT_USAGE
+from kvrelay.proxy.affinity import (
     PrefixRecord,
     Reason,
     RoutingConfig,
@@ -210,8 +211,9 @@ def test_proxy_with_a_bad_routing_flag_is_exit_2(capsys: pytest.CaptureFixture[s
 
 # -- the proxy's legs ----------------------------------------------------------------------
 def _legs(proxy: object, data: dict[str, object], chat: bool) -> list[object]:
-    from kvrelay.server.protocol import ChatCompletionRequest, CompletionRequest, validate
-    from kvrelay.server.proxy_routing import _split
+    from kvrelay.proxy.routing import _split
+    from kvrelay.wire.http import validate
+    from kvrelay.wire.openai import ChatCompletionRequest, CompletionRequest
 
     req = validate(data, ChatCompletionRequest if chat else CompletionRequest)
     legs = _split(data, req, chat)
@@ -220,7 +222,7 @@ def _legs(proxy: object, data: dict[str, object], chat: bool) -> list[object]:
 
 
 def test_the_proxy_routes_each_prompt_of_a_request_by_its_own_prefix() -> None:
-    from kvrelay.server.proxy_routing import Proxy
+    from kvrelay.proxy.routing import Proxy
 
     proxy = Proxy(["http://p0", "http://p1"], ["http://d0"])
     system = {"role": "system", "content": "You answer questions about rivers. " * 20}

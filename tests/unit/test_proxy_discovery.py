@@ -1,4 +1,4 @@
-"""DNS discovery's parts (kvrelay.server.proxy_discovery): names and flags, the lookup
+"""DNS discovery's parts (kvrelay.proxy.discovery): names and flags, the lookup
 against a real DNS server (dnslib's, on a loopback UDP port), and how a role's engines
 follow the answers. The whole proxy under load: tests/e2e/test_dns_discovery.py."""
 
@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvrelay.cli import UsageError, build_parser
-from kvrelay.server.proxy_affinity import RoutingConfig
-from kvrelay.server.proxy_discovery import (
+from kvrelay.cli import build_parser
+from kvrelay.errors import UsageError
+from kvrelay.proxy.affinity import RoutingConfig
+from kvrelay.proxy.discovery import (
     Discovery,
     DnsName,
     DnsServer,
@@ -19,7 +20,7 @@ from kvrelay.server.proxy_discovery import (
     discovery_from,
     resolve,
 )
-from kvrelay.server.proxy_routing import Upstreams
+from kvrelay.proxy.upstreams import Upstreams
 from tests.e2e.dns_zone import Records, serve_zone
 from tests.unit.test_server_fakes import free_port
 
@@ -113,7 +114,7 @@ def test_engines_follow_the_answers_and_a_failed_lookup_keeps_them() -> None:
 
 
 def test_the_system_resolver_by_default() -> None:
-    from kvrelay.server.proxy_discovery import system_lookup
+    from kvrelay.proxy.discovery import system_lookup
 
     assert "127.0.0.1" in asyncio.run(system_lookup("localhost"))  # /etc/hosts
     d = discovery_from(build_parser().parse_args(

@@ -12,21 +12,21 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvrelay.core.kv_events import Cleared, Removed, Stored
-from kvrelay.server.kv_events import (
-    END_SEQ,
-    BlockRemoved,
-    BlockStored,
-    KvEventsConfig,
-    ZmqEventPublisher,
-)
-from kvrelay.server.proxy_affinity import Candidate, RoutingConfig, choose
-from kvrelay.server.proxy_events import (
+from kvrelay.proxy.affinity import Candidate, RoutingConfig, choose
+from kvrelay.proxy.events import (
     EventMetrics,
     EventRecord,
     KvEventsFeed,
     Subscriber,
     reachable,
     token_chain,
+)
+from kvrelay.wire.kv_events import (
+    END_SEQ,
+    BlockRemoved,
+    BlockStored,
+    KvEventsConfig,
+    ZmqEventPublisher,
 )
 
 zmq = pytest.importorskip("zmq")

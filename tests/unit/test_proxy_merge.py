@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrelay.server.proxy_merge import Frame, Leg, full_body, leg_choice, merge_logprobs, reframe
+from kvrelay.proxy.legs import Leg
+from kvrelay.proxy.merge import Frame, full_body, leg_choice, merge_logprobs, reframe
 
 
 def p_answer(text: str, lp: Any, finish: str = "remote_decode") -> dict[str, Any]:
@@ -99,7 +100,7 @@ def test_a_decode_engine_that_resends_the_first_token_is_not_doubled() -> None:
 
 
 def test_a_stream_cuts_the_resent_first_token_across_chunks() -> None:
-    from kvrelay.server.proxy_merge import cut_resent, seed_chunk
+    from kvrelay.proxy.merge import cut_resent, seed_chunk
 
     leg = _vllm_leg(" Paris")
     assert seed_chunk(leg)["text"] == " Paris"

@@ -1,4 +1,4 @@
-"""Conditional disaggregation: the rule (kvrelay.server.proxy_placement) and how the
+"""Conditional disaggregation: the rule (kvrelay.proxy.placement) and how the
 proxy feeds it (its prompt-length estimate, the decode engine's expected match before
 the prompt enters that engine's record, the prefill engines' in-flight counts)."""
 
@@ -8,12 +8,14 @@ from typing import Any
 
 import pytest
 
-from kvrelay.cli import EXIT_USAGE, main
-from kvrelay.server.protocol import CompletionRequest, validate
-from kvrelay.server.proxy_affinity import RoutingConfig
-from kvrelay.server.proxy_merge import Leg
-from kvrelay.server.proxy_placement import Local, PlacementConfig, Work, local_reason
-from kvrelay.server.proxy_routing import Proxy, _landed, _Prefilling
+from kvrelay.cli import main
+from kvrelay.errors import EXIT_USAGE
+from kvrelay.proxy.affinity import RoutingConfig
+from kvrelay.proxy.legs import Leg
+from kvrelay.proxy.placement import Local, PlacementConfig, Work, local_reason
+from kvrelay.proxy.routing import Proxy, _landed, _Prefilling
+from kvrelay.wire.http import validate
+from kvrelay.wire.openai import CompletionRequest
 
 COND = PlacementConfig("conditional", max_tokens=100, queue_tokens=50)
 

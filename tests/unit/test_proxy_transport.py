@@ -18,7 +18,7 @@ import contextlib
 import httpx
 import pytest
 
-from kvrelay.server.proxy import SweptTransport
+from kvrelay.proxy.app import SweptTransport
 
 BODY = b"data: 1\n\ndata: [DONE]\n\n"
 

@@ -27,8 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.server.proxy import create_proxy_app
-from kvrelay.server.proxy_routing import Proxy
+from kvrelay.proxy.app import create_proxy_app
+from kvrelay.proxy.routing import Proxy
 
 LEASE = {"lease_id": "ab" * 16, "relay": "127.0.0.1:1", "engine_id": "p-1",
          "block_ids": [3], "num_tokens": 2, "first_token": 7, "compat": "c"}

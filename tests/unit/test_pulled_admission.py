@@ -10,10 +10,10 @@ import pytest
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import FakeRunner, expected_output
 from kvrelay.core.lifecycle import RequestState
 from kvrelay.core.scheduler import KvQueueFull
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import FakeRunner, expected_output
 
 
 def make(max_num_seqs: int = 256, num_blocks: int = 64,

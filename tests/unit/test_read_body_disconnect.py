@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from kvrelay.server.protocol import ApiError, read_body
+from kvrelay.wire.http import ApiError, read_body
 
 
 def test_a_disconnect_mid_body_is_a_499_api_error() -> None:

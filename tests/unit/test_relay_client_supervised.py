@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvrelay.core.fake_runner import expected_output
 from kvrelay.relay import protocol as P
 from kvrelay.relay.client import RelayClient
 from kvrelay.relay.transports.tcp import TcpTransport
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import expected_output
 from tests.unit.test_relay_roundtrip import COMPAT, NBLOCKS, VOCAB, Decode, Prefill
 
 pytestmark = pytest.mark.timeout(60)

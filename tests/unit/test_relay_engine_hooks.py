@@ -6,9 +6,9 @@ import pytest
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import FakeRunner, expected_output
 from kvrelay.core.lifecycle import FinishReason, IllegalTransition, RequestState
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import FakeRunner, expected_output
 
 PROMPT = list(range(10))
 

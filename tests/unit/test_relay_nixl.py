@@ -19,9 +19,7 @@ import torch
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import expected_output
 from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
-from kvrelay.kv_testing import TINY_GEOMETRY, TensorFakeRunner, drive_decode, kv_shape
 from kvrelay.relay.client import RelayClient
 from kvrelay.relay.lease import LeaseTable
 from kvrelay.relay.receiver import Receiver, ReceiverConfig, RemoteKv
@@ -29,6 +27,8 @@ from kvrelay.relay.server import RelayServer, RelayServerConfig
 from kvrelay.relay.transports import nixl
 from kvrelay.relay.transports.base import PeerInfo, TransferState, TransferStatus, byte_view
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import expected_output
+from kvrelay.testing.kv import TINY_GEOMETRY, TensorFakeRunner, drive_decode, kv_shape
 
 pytestmark = pytest.mark.skipif(not nixl.available(), reason=nixl.INSTALL_HINT)
 

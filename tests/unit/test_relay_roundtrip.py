@@ -18,9 +18,7 @@ import torch
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import expected_output
 from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
-from kvrelay.kv_testing import TINY_GEOMETRY, TensorFakeRunner, drive_decode, kv_shape
 from kvrelay.relay import protocol as P
 from kvrelay.relay.client import RelayClient
 from kvrelay.relay.lease import LeaseTable
@@ -30,6 +28,8 @@ from kvrelay.relay.transports.base import byte_view
 from kvrelay.relay.transports.shm import ShmKvCache, ShmTransport
 from kvrelay.relay.transports.tcp import TcpTransport
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import expected_output
+from kvrelay.testing.kv import TINY_GEOMETRY, TensorFakeRunner, drive_decode, kv_shape
 
 GEOM = TINY_GEOMETRY
 COMPAT = GEOM.compat_hash()

@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 
 from kvrelay.server.generation import Delta
-from kvrelay.server.protocol import ApiError, ChatCompletionRequest, validate
 from kvrelay.server.responses_api import ResponsesRequest, input_messages, renamed, to_chat
 from kvrelay.server.responses_output import Output, ResponseStore, Settings
-from kvrelay.server.tools import HermesParser, plan_tools
+from kvrelay.wire.http import ApiError, validate
+from kvrelay.wire.openai import ChatCompletionRequest
+from kvrelay.wire.tools import HermesParser, plan_tools
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"type": "function", "name": "get_weather", "description": "w", "parameters": SCHEMA,
@@ -246,8 +247,8 @@ def test_store_is_lru_and_bounded_in_count_and_bytes() -> None:
 
 
 def test_the_proxy_sends_a_follow_up_to_the_engine_that_made_the_response() -> None:
-    from kvrelay.server.proxy_responses import ResponseRouter
-    from kvrelay.server.proxy_routing import Proxy
+    from kvrelay.proxy.responses import ResponseRouter
+    from kvrelay.proxy.routing import Proxy
 
     proxy = Proxy(["http://p"], ["http://d1", "http://d2", "http://d3"])
     router = ResponseRouter(proxy, max_remembered=2)

@@ -12,9 +12,9 @@ import torch
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
 from kvrelay.model import load_model
-from kvrelay.model.sampler import Sampler, process_logits
-from kvrelay.model.testing import write_tiny_hf_model
+from kvrelay.model.sampling.sampler import Sampler, process_logits
 from kvrelay.sampling_params import SamplingParams as SP
+from kvrelay.testing.models import write_tiny_hf_model
 
 SEEDS = {"r0": 7, "r1": 8, "r2": 7, "r3": 9}
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])

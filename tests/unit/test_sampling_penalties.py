@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvrelay.core.runner import ScheduledRequest
-from kvrelay.model.sampler import Sampler
+from kvrelay.model.sampling.sampler import Sampler
 from kvrelay.sampling_params import InvalidParameter
 from kvrelay.sampling_params import SamplingParams as SP
 

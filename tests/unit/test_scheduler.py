@@ -2,10 +2,10 @@ import pytest
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import FakeRunner, expected_output
 from kvrelay.core.lifecycle import RequestState
 from kvrelay.core.scheduler import RequestRejected
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import FakeRunner, expected_output
 
 
 def make(num_blocks: int = 64, block_size: int = 4, **kw: int) -> Engine:

@@ -9,7 +9,7 @@ import pytest
 
 from kvrelay.bench.serve import RequestResult, make_prompts, percentiles, summarize
 from kvrelay.cli import main
-from kvrelay.server.demo import Answer, stats_table
+from kvrelay.demo import Answer, stats_table
 from tests.unit.test_server_fakes import make_state, serve_in_thread
 
 
@@ -63,7 +63,7 @@ def test_free_port_never_gives_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> 
     another port (without the record of answers given, both calls return it)."""
     import random
 
-    from kvrelay.server import demo
+    from kvrelay import demo
 
     first = demo.free_port()  # a free port below the ephemeral range, now handed out
     monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: first)

@@ -1,4 +1,4 @@
-"""The drain of ``kvrelay serve`` on SIGTERM (kvrelay.server.drain, graceful).
+"""The drain of ``kvrelay serve`` on SIGTERM (kvrelay.wire.drain, graceful).
 
 The gate itself in process (ASGI, a stand-in inner app); then a real ``kvrelay serve``
 process on the unit tests' stand-in model parts (as tests/unit/test_server_cli.py):
@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from kvrelay.server.api import create_app
-from kvrelay.server.drain import DrainGate, DrainState
+from kvrelay.wire.drain import DrainGate, DrainState
 from tests.unit.test_server_fakes import free_port, make_state, stream_in_flight, wait_serving
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,12 +11,12 @@ import pytest
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine, RequestOutput, RequestRejected
-from kvrelay.core.fake_runner import FakeRunner, expected_output
 from kvrelay.core.lifecycle import FinishReason, RequestState
 from kvrelay.core.runner import Batch, SampledToken
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.server.engine_loop import AdmissionFailed, EngineDead, EngineLoop
-from kvrelay.server.protocol import param_from_loc
+from kvrelay.testing.fake_runner import FakeRunner, expected_output
+from kvrelay.wire.http import param_from_loc
 from tests.unit.test_server_fakes import make_state, serve_in_thread
 
 

@@ -20,12 +20,12 @@ import uvicorn
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.engine import Engine
-from kvrelay.core.fake_runner import expected_output
 from kvrelay.core.runner import Batch, SampledToken, TokenLogprobs
+from kvrelay.demo import free_port
 from kvrelay.server.api import ServedModel, ServerState, create_app
-from kvrelay.server.demo import free_port
 from kvrelay.server.engine_loop import EngineLoop
 from kvrelay.server.metrics import ServerMetrics
+from kvrelay.testing.fake_runner import expected_output
 
 BOS, EOS = 256, 257
 LETTERS = 26
@@ -59,7 +59,7 @@ class LetterRunner:
     """FakeRunner's tokens mapped to a..z (97 + token), optionally slowed down."""
 
     def __init__(self, delay_s: float = 0.0) -> None:
-        from kvrelay.core.fake_runner import FakeRunner
+        from kvrelay.testing.fake_runner import FakeRunner
 
         self.inner = FakeRunner(vocab_size=LETTERS)
         self.delay_s = delay_s

@@ -21,10 +21,10 @@ import torch
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool, Owner, lease_owner
 from kvrelay.core.engine import Engine, RequestOutput
-from kvrelay.core.fake_runner import FakeDeviceWork, FakeRunner, expected_output
 from kvrelay.core.lifecycle import FinishReason, RequestState
 from kvrelay.core.runner import Batch, SampledToken, ScheduledRequest, StepToken
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.testing.fake_runner import FakeDeviceWork, FakeRunner, expected_output
 
 
 class LaggingRunner:
@@ -199,7 +199,7 @@ def test_a_lease_is_offered_only_once_the_steps_that_wrote_its_blocks_are_done()
 
 def test_the_model_runner_sets_its_token_also_when_it_raises(tmp_path: Path) -> None:
     from kvrelay.model import load_model
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     m = load_model(str(write_tiny_hf_model(tmp_path / "llama", seed=2)), block_size=4,
                    num_blocks=8)
@@ -234,7 +234,7 @@ def test_the_model_runner_sets_its_token_also_when_it_raises(tmp_path: Path) -> 
 def test_on_cuda_a_middle_chunk_carries_an_event_the_release_waits_for(tmp_path: Path) -> None:
     from kvrelay.model import load_model
     from kvrelay.model.runner import CudaStepDone
-    from kvrelay.model.testing import write_tiny_hf_model
+    from kvrelay.testing.models import write_tiny_hf_model
 
     m = load_model(str(write_tiny_hf_model(tmp_path / "llama", seed=2)), block_size=4,
                    num_blocks=8, device="cuda", enforce_eager=True)

@@ -5,9 +5,9 @@ as a whole answer's), not by the text sent, and also over a token sent without l
 from __future__ import annotations
 
 from kvrelay.core.runner import TokenLogprobs
+from kvrelay.server.bodies import CompletionShape
 from kvrelay.server.generation import Delta
-from kvrelay.server.protocol import LogprobFormatter
-from kvrelay.server.responses import CompletionShape
+from kvrelay.wire.openai import LogprobFormatter
 
 TEXTS = {1: "a", 2: "\ufffd", 3: "bc"}  # token 2 ends inside a character
 

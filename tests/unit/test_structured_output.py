@@ -8,9 +8,10 @@ import pytest
 
 import kvrelay
 from kvrelay.core.runner import ScheduledRequest
-from kvrelay.model.grammar import GrammarMasks, GrammarTokenizer, structured_output
-from kvrelay.model.testing import write_tiny_hf_model
+from kvrelay.model.sampling.grammar import GrammarMasks, GrammarTokenizer
 from kvrelay.sampling_params import InvalidParameter, SamplingParams
+from kvrelay.testing.models import write_tiny_hf_model
+from kvrelay.wire.schema import structured_output
 
 SCHEMA = {
     "type": "object",

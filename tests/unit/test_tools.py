@@ -10,15 +10,16 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer as HfTokenizer
 
-from kvrelay.model.testing import CHATML_TEMPLATE, tiny_tokenizer_json
-from kvrelay.model.tokenizer import Tokenizer
+from kvrelay.model.text.tokenizer import Tokenizer
 from kvrelay.sampling_params import InvalidParameter
 from kvrelay.server import cli
 from kvrelay.server.api import tool_messages
+from kvrelay.server.bodies import Collected, ToolChatShape
 from kvrelay.server.generation import Delta
-from kvrelay.server.protocol import ApiError, ChatCompletionRequest, LogprobFormatter, validate
-from kvrelay.server.responses import Collected, ToolChatShape
-from kvrelay.server.tools import (
+from kvrelay.testing.models import CHATML_TEMPLATE, tiny_tokenizer_json
+from kvrelay.wire.http import ApiError, validate
+from kvrelay.wire.openai import ChatCompletionRequest, LogprobFormatter
+from kvrelay.wire.tools import (
     PARSERS,
     ContentGate,
     HermesParser,

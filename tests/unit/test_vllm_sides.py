@@ -266,7 +266,7 @@ def test_importing_kvrelay_never_imports_vllm() -> None:
     from tests.vllm.pair import PYTHON, REPO
 
     code = ("import sys, kvrelay, kvrelay.vllm, kvrelay.vllm.prefill, kvrelay.vllm.decode, "
-            "kvrelay.relay.server, kvrelay.server.proxy; "
+            "kvrelay.relay.server, kvrelay.proxy.app; "
             "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)")
     subprocess.run([sys.executable, "-c", code], check=True)
     if PYTHON.exists():

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from kvrelay.server.demo import free_port
+from kvrelay.demo import free_port
 from tests.e2e.cluster import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,0 +1,2 @@
+"""Text in and out: the tokenizer with its chat template, GGUF tokenizers, incremental
+detokenization."""

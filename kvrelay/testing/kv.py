@@ -1,0 +1,101 @@
+"""Test helpers for the relay: a fake runner that writes a real KV cache tensor.
+
+``TensorFakeRunner`` samples like ``FakeRunner`` (token = fake_token(seed, position))
+and also writes, for every computed position, ``kv_value(tag)`` into every element
+of that position's slot in a block-major KV tensor, where the tag names the token
+prefix ending there (``KvChains``: like a real model's KV, a function of the
+tokens, so prefix-cached blocks shared between requests verify). Before sampling it
+verifies every earlier position of the request: KV that arrived torn, from the
+wrong blocks or not at all raises ``KvCorruption``. So a decode engine that got its
+prompt's KV from a prefill engine proves the bytes arrived before its first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kvrelay.core.block_pool import BlockPool
+from kvrelay.core.runner import Batch, SampledToken
+from kvrelay.relay.geometry import KvGeometry
+from kvrelay.testing.fake_runner import FakeRunner, KvCorruption
+
+TINY_GEOMETRY = KvGeometry(
+    architecture="fake", num_layers=2, num_kv_heads=2, head_dim=4, block_size=4,
+    dtype="float32",
+)
+
+
+def kv_value(tag: int) -> float:
+    return float(tag % 65521 + 1)  # nonzero (a zeroed slot never verifies), exact in float32
+
+
+def kv_shape(geometry: KvGeometry, num_blocks: int) -> tuple[int, ...]:
+    g = geometry
+    return (num_blocks, g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim)
+
+
+class TensorFakeRunner:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        *,
+        vocab_size: int = 1000,
+        pool: BlockPool | None = None,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.block_size = int(kv_cache.shape[3])
+        self.inner = FakeRunner(vocab_size, block_size=self.block_size, pool=pool)
+
+    def execute(self, batch: Batch) -> Mapping[str, SampledToken]:
+        all_tags = self.inner.prefix_tags(batch)
+        out = self.inner.execute(batch)  # checks ownership, samples
+        for sr in batch.requests:
+            tags = all_tags[sr.request_id]
+            end = sr.start + len(sr.token_ids)
+            self._write(sr.block_ids, tags, sr.start, end)
+            if sr.sample:
+                self.verify(sr.request_id, sr.block_ids, tags, end)
+        return out
+
+    def _write(self, block_ids: list[int], tags: list[int], start: int, end: int) -> None:
+        bs = self.block_size
+        pos = start
+        while pos < end:
+            b, s0 = divmod(pos, bs)
+            s1 = min(bs, s0 + end - pos)
+            vals = torch.tensor([kv_value(tags[p]) for p in range(pos, pos + s1 - s0)],
+                                dtype=self.kv_cache.dtype)
+            self.kv_cache[block_ids[b], :, :, s0:s1] = vals.view(1, 1, -1, 1, 1)
+            pos += s1 - s0
+
+    def verify(self, request_id: str, block_ids: list[int], tags: list[int], end: int) -> None:
+        nb = -(-end // self.block_size)
+        got = self.kv_cache[block_ids[:nb]]  # (nb, layers, 2, bs, heads, dim)
+        got = got.permute(0, 3, 1, 2, 4, 5).reshape(nb * self.block_size, -1)[:end]
+        want = torch.tensor([kv_value(tags[p]) for p in range(end)], dtype=got.dtype)
+        bad = (got != want.view(-1, 1)).any(dim=1).nonzero()
+        if len(bad):
+            pos = int(bad[0])
+            raise KvCorruption(f"{request_id}: KV of position {pos} is wrong "
+                               f"({float(got[pos, 0])} != {float(want[pos])})")
+
+
+def drive_decode(engine: object, receiver: object, replies: object, now: float) -> list:
+    """One iteration of a decode engine's loop: replies in, receiver timers and
+    transfers, one engine step. Returns the engine's outputs."""
+    import queue
+
+    from kvrelay.core.engine import Engine
+    from kvrelay.relay.receiver import Receiver
+
+    assert isinstance(engine, Engine) and isinstance(receiver, Receiver)
+    assert isinstance(replies, queue.Queue)
+    while True:
+        try:
+            receiver.on_reply(replies.get_nowait(), now)
+        except queue.Empty:
+            break
+    receiver.tick(now)
+    return engine.step()
