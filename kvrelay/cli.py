@@ -123,12 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _apply_process_settings(args: argparse.Namespace) -> None:
-    import os
-
+    from kvrelay import env
     from kvrelay.model.kernels import choice as kernel_choice
 
     if args.kernels:
-        os.environ["KVRELAY_KERNELS"] = args.kernels
+        env.setenv("KVRELAY_KERNELS", args.kernels)
     if args.omp_wait_policy:
         kernel_choice.apply_wait_policy(args.omp_wait_policy, getattr(args, "threads", None))
 

@@ -21,11 +21,11 @@ bandwidth), the least any step of that batch can take.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Any
 
+from kvrelay import env
 from kvrelay.bench.offline import make_prompts, torch_threads
 
 # name, KVRELAY_NATIVE_GEMM, quantization: the reference first, the measured second
@@ -64,17 +64,10 @@ def run(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace, gemm_env: str, quantization: str) -> Any:
     from kvrelay.model.llm import LLM
 
-    previous = os.environ.get("KVRELAY_NATIVE_GEMM")
-    os.environ["KVRELAY_NATIVE_GEMM"] = gemm_env
-    try:
+    with env.overridden("KVRELAY_NATIVE_GEMM", gemm_env):
         per_seq = -(-(args.prompt_len + args.steps + 2) // 16)
         return LLM(args.model, dtype=args.dtype, num_blocks=max(args.batch) * per_seq + 16,
                    quantization=quantization, kv_cache_dtype=args.kv_cache_dtype)
-    finally:
-        if previous is None:
-            os.environ.pop("KVRELAY_NATIVE_GEMM", None)
-        else:
-            os.environ["KVRELAY_NATIVE_GEMM"] = previous
 
 
 def weight_bytes(model: Any) -> int:
@@ -128,7 +121,7 @@ def step_p50(llm: Any, prompts: list[list[int]], steps: int, tag: str) -> float:
 def _run(args: argparse.Namespace) -> int:
     settings = _SETTINGS[args.quantization]
     (ref, _, _), (mine, _, _) = settings
-    llms = {name: _load(args, env, quant) for name, env, quant in settings}
+    llms = {name: _load(args, gemm, quant) for name, gemm, quant in settings}
     model = llms[mine].model.runner.model
     from kvrelay.model.kernels import choice as kernel_choice
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import time
 from pathlib import Path
 
 import torch
 
+from kvrelay import env
 from kvrelay.core.runner import PLACEHOLDER, Batch, ScheduledRequest
 from kvrelay.model.graph_runner import cuda_capture, enable_decode_graphs
 from kvrelay.model.kernels.graphs import Capture, rerun_capture
@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
-    if dev.type == "cpu":
-        os.environ.setdefault("KVRELAY_KERNELS", "torch")  # native kernels have no graph path
+    if dev.type == "cpu" and env.get("KVRELAY_KERNELS", None) is None:
+        env.setenv("KVRELAY_KERNELS", "torch")  # native kernels have no graph path
     from kvrelay.model.loader import load_model
 
     bs = args.block_size

@@ -113,15 +113,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def _kvrelay_run(args: argparse.Namespace, kernels: str | None) -> tuple[Any, Any, Any, float]:
     """One kvrelay run of the workload; ``kernels`` as KVRELAY_KERNELS (read at load)."""
-    import os
-
+    from kvrelay import env
     from kvrelay.model.llm import LLM
     from kvrelay.sampling_params import SamplingParams
 
-    previous = os.environ.get("KVRELAY_KERNELS")
-    if kernels is not None:
-        os.environ["KVRELAY_KERNELS"] = kernels
-    try:
+    with env.overridden("KVRELAY_KERNELS", kernels):
         per_seq = args.prompt_len + args.output_len
         llm = LLM(
             args.model,
@@ -130,11 +126,6 @@ def _kvrelay_run(args: argparse.Namespace, kernels: str | None) -> tuple[Any, An
             num_blocks=args.num_prompts * (-(-per_seq // 16)) + 16,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
-    finally:
-        if previous is None:
-            os.environ.pop("KVRELAY_KERNELS", None)
-        else:
-            os.environ["KVRELAY_KERNELS"] = previous
     prompts = make_prompts(llm.tokenizer, args.num_prompts, args.prompt_len)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvrelay import env
 from kvrelay.core.runner import Runner
 from kvrelay.model.config import ModelConfig, RefusedChoice
 from kvrelay.model.graph_runner import cuda_capture, enable_decode_graphs, graphs_wanted
@@ -231,7 +231,7 @@ def refuse_slow_bfloat16() -> None:
     and the native kernels convert every bfloat16 operand to float32 and back: served
     bfloat16 ran at a third of float32's speed on an AVX2-only EPYC (issue 25), and
     halving the weights' bytes buys nothing back on a CPU that cannot compute on them."""
-    if cpu_has_native_bf16() or os.environ.get(ALLOW_SLOW_BF16) == "1":
+    if cpu_has_native_bf16() or env.get(ALLOW_SLOW_BF16):
         return
     raise RefusedChoice(
         "--dtype bfloat16: this CPU has no native bfloat16 (none of the flags avx512_bf16, "

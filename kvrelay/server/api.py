@@ -18,7 +18,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,11 +26,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvrelay import __version__
+from kvrelay import __version__, env
 from kvrelay.model.interface import Tokenizer
 from kvrelay.model.text.tokenizer import ChatTemplateError
-from kvrelay.relay.release_keys import ReleaseKeys, check_key
-from kvrelay.relay.remote import RemoteKv
+from kvrelay.relay.release_keys import ReleaseKeys
 from kvrelay.relay.resolve import RelayResolver
 from kvrelay.server.bodies import (
     ChatShape,
@@ -45,6 +43,7 @@ from kvrelay.server.bodies import (
 )
 from kvrelay.server.engine_loop import EngineLoop
 from kvrelay.server.generation import ChoiceSpec, DetokenizerFactory, Generation
+from kvrelay.server.leases import Leases
 from kvrelay.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvrelay.server.responses_api import ResponsesRoute
 from kvrelay.wire.drain import DrainState
@@ -52,7 +51,6 @@ from kvrelay.wire.http import (
     ApiError,
     bad_request,
     install_error_handlers,
-    load_json,
     new_id,
     now,
     parse_body,
@@ -129,7 +127,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
     app.add_api_route("/v1/responses", ResponsesRoute(handlers).create, methods=["POST"])
-    app.add_api_route("/v1/kv/release", handlers.release_lease, methods=["POST"])
+    app.add_api_route("/v1/kv/release", handlers.leases.release, methods=["POST"])
     app.add_api_route("/v1/kv/events", handlers.kv_events, methods=["GET"])
     app.add_api_route("/tokenize", handlers.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", handlers.detokenize, methods=["POST"])
@@ -142,7 +140,7 @@ class _Handlers:
         self.model = state.model
         tok = state.model.tokenizer
         self.logprobs = LogprobFormatter(lambda t: tok.decode([t], skip_special_tokens=False))
-        self._releases: set[asyncio.Future[Any]] = set()  # releases by key under way
+        self.leases = Leases(state, self._check_auth)
         # Decode role: a relay host name keyed by its address (kvrelay.relay.resolve).
         self._resolver = RelayResolver() if state.role == "decode" else None
 
@@ -270,57 +268,6 @@ class _Handlers:
         text = self.model.tokenizer.decode(body.tokens, skip_special_tokens=False)
         return JSONResponse({"prompt": text})
 
-    async def release_lease(self, request: Request) -> Response:
-        """Give back a lease nobody will pull (the proxy, when its client left)."""
-        self._check_auth(request)
-        if self.state.release_lease is None:
-            raise ApiError(404, "this engine holds no leases (it is not --role prefill)")
-        body = load_json(await read_body(request))  # a 400 for bad or too deep JSON
-        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
-        if isinstance(params, dict) and "release_key" in params:
-            return JSONResponse(await self._release_by_key(params["release_key"]))
-        try:
-            if not isinstance(params, dict):
-                raise TypeError(f"kv_transfer_params is {type(params).__name__}, not an object")
-            engine_id, lease_id = str(params["engine_id"]), str(params["lease_id"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise bad_request("kv_transfer_params", f"expected {{'kv_transfer_params': "
-                              f"{{'engine_id', 'lease_id'}}}} or {{'kv_transfer_params': "
-                              f"{{'release_key'}}}}: {exc}") from exc
-        # The lease table is behind the engine lock, held for a whole step: not here.
-        answer = await asyncio.to_thread(self.state.release_lease, engine_id, lease_id)
-        return JSONResponse(answer)
-
-    async def _release_by_key(self, key: Any) -> dict[str, Any]:
-        """The proxy's release of a prefill call whose answer it never read: the lease
-        made under ``key`` now, or (not made yet) as soon as it is made."""
-        keys, release = self.state.release_keys, self.state.release_lease
-        assert keys is not None and release is not None
-        try:
-            params = keys.release(check_key(key))
-        except ValueError as exc:
-            raise bad_request("kv_transfer_params", str(exc)) from exc
-        if params is None:
-            return {"status": "pending", "reason": None, "error": None}
-        return await asyncio.to_thread(release, str(params["engine_id"]),
-                                       str(params["lease_id"]))
-
-    def _on_lease(self, key: str) -> Callable[[dict[str, Any]], None]:
-        """The Generation's ``on_lease`` for a prefill call named ``key``."""
-        keys, release = self.state.release_keys, self.state.release_lease
-        assert keys is not None and release is not None
-
-        def on_lease(params: dict[str, Any]) -> None:
-            if not keys.made(key, params):
-                return
-            # Released by key before it was made: nobody will read this lease.
-            task = asyncio.ensure_future(asyncio.to_thread(
-                release, str(params["engine_id"]), str(params["lease_id"])))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
-
-        return on_lease
-
     # -- helpers ---------------------------------------------------------------------
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         plan = body.tool_plan
@@ -355,55 +302,6 @@ class _Handlers:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise bad_request(param, f"{param} token id {bad} is outside [0, {vocab})")
-    async def _release_unclaimed(self, gen: Generation) -> None:
-        """Prefill role: leases made for a client that left (the proxy cancels its
-        request when its own client goes): nobody else will ever pull or release them."""
-        release = self.state.release_lease
-        if release is None:
-            return
-        await self.state.loop.settled()  # the aborts applied, every lease output queued
-        for params in gen.drain_leases():
-            with contextlib.suppress(Exception):  # a lease already gone: nothing to do
-                await asyncio.to_thread(release, str(params["engine_id"]),
-                                        str(params["lease_id"]))
-
-    def _kv_mode(self, body: Any, num_prompts: int) -> tuple[bool, RemoteKv | None]:
-        """(remote_decode, remote_kv) from the request's kv_transfer_params."""
-        params, role = body.kv_transfer_params, self.state.role
-        if not params or not (params.get("do_remote_decode") or params.get("do_remote_prefill")
-                              or any(k in params for k in LEASE_FIELDS)):
-            return False, None  # e.g. vLLM's {"do_remote_decode": false, ...}: plain work
-        if body.n != 1 or num_prompts != 1:
-            raise bad_request("kv_transfer_params", "kv_transfer_params takes one prompt, n=1")
-        if params.get("do_remote_decode"):
-            if role != "prefill":
-                raise bad_request("kv_transfer_params", "do_remote_decode needs an engine "
-                                  f"started with --role prefill; this one is --role {role}")
-            if body.stream:
-                raise bad_request("kv_transfer_params", "do_remote_decode takes stream=false")
-            if "release_key" in params:
-                try:
-                    check_key(params["release_key"])
-                except ValueError as exc:
-                    raise bad_request("kv_transfer_params", str(exc)) from exc
-            return True, None
-        if role != "decode":
-            raise bad_request("kv_transfer_params", "a KV lease can only be pulled by an "
-                              f"engine started with --role decode; this one is --role {role}")
-        if body.num_prompt_logprobs() is not None:
-            # The prompt's positions were computed on the prefill engine, which scores
-            # them: the proxy asks it, not the decode engine.
-            raise bad_request("prompt_logprobs", "a decode engine pulling a KV lease cannot "
-                              "score the prompt (prompt_logprobs, echo with logprobs): its "
-                              "prefill engine does")
-        _check_lease_fields(params)
-        try:
-            return False, RemoteKv.from_client(params,
-                                               vocab_size=self.model.tokenizer.vocab_size,
-                                               block_size=self.model.block_size)
-        except ValueError as exc:
-            raise bad_request("kv_transfer_params", f"invalid kv_transfer_params: {exc}") from exc
-
     def _check_auth(self, request: Request) -> None:
         key = self.state.api_key
         if key is None:
@@ -439,7 +337,7 @@ class _Handlers:
         self, body: Any, prompts: Sequence[list[int]], max_tokens: int | None,
         logprobs: int | None,
     ) -> list[ChoiceSpec]:
-        remote_decode, remote_kv = self._kv_mode(body, len(prompts))
+        remote_decode, remote_kv = self.leases.kv_mode(body, len(prompts))
         tok = self.model.tokenizer
         bad_words = body.bad_words_token_ids(lambda w: tok.encode(w, add_special_tokens=False))
         specs = []
@@ -458,7 +356,7 @@ class _Handlers:
     async def _resolved(self, specs: list[ChoiceSpec]) -> list[ChoiceSpec]:
         """Specs whose lease names its relay by host name, named by address instead: one
         relay, one key (one sender, one pool, one of P's slots) however it is spelled."""
-        kv = specs[0].remote_kv if specs else None  # one prompt, n=1 (_kv_mode)
+        kv = specs[0].remote_kv if specs else None  # one prompt, n=1 (Leases.kv_mode)
         if kv is None or self._resolver is None:
             return specs
         try:
@@ -481,8 +379,8 @@ class _Handlers:
             arrival=arrival,
         )
         key = (kv_params or {}).get("release_key")
-        if s.release_keys is not None and isinstance(key, str):  # checked by _kv_mode
-            gen.on_lease = self._on_lease(key)
+        if s.release_keys is not None and isinstance(key, str):  # checked by kv_mode
+            gen.on_lease = self.leases.on_lease(key)
         return gen
 
     async def _respond(
@@ -497,7 +395,7 @@ class _Handlers:
         finally:
             gen.abort_unfinished()
         if collected is None:  # the client went away; nobody reads this
-            await self._release_unclaimed(gen)
+            await self.leases.release_unclaimed(gen)
             return Response(status_code=499)
         if (delay := _fault_answer_delay_s()) and self.state.release_keys is not None:
             await asyncio.sleep(delay)
@@ -510,7 +408,8 @@ def _fault_answer_delay_s() -> float:
     prefill engine wait S seconds between making a lease and writing its answer, so a
     test can make the proxy's client leave just then (the proxy never reads the lease
     id: only its release_key gives the lease back). Unset, it costs nothing."""
-    return float(os.environ.get("KVRELAY_FAULT_ANSWER_DELAY_S", "0") or 0)
+    delay: float = env.get("KVRELAY_FAULT_ANSWER_DELAY_S")
+    return delay
 
 
 def tool_messages(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
@@ -548,24 +447,3 @@ def _args_as_object(call: Any) -> Any:
     except ValueError:
         return call
     return {**call, "function": {**fn, "arguments": args}}
-
-
-# The kvrelay lease fields D needs (RemoteKv's required fields); first_token_sent is the
-# proxy's optional mark. vLLM's NixlConnector names a prefill engine's blocks with these
-# instead, which a kvrelay decode engine cannot pull (no relay, no lease).
-LEASE_FIELDS = tuple(f.name for f in dataclasses.fields(RemoteKv)
-                     if f.default is dataclasses.MISSING)
-NIXL_FIELDS = ("do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host",
-               "remote_port")
-
-
-def _check_lease_fields(params: dict[str, Any]) -> None:
-    missing = [k for k in LEASE_FIELDS if k not in params]
-    if not missing:
-        return
-    nixl = [k for k in NIXL_FIELDS if k in params]
-    hint = (f" These look like vLLM NixlConnector params ({', '.join(nixl)}): a kvrelay "
-            "decode engine pulls only the leases of kvrelay prefill engines (kvrelay serve "
-            "--role prefill), whose answer carries these fields." if nixl else "")
-    raise bad_request("kv_transfer_params", "kv_transfer_params lacks the kvrelay lease "
-                      f"field(s) {', '.join(missing)}.{hint}")

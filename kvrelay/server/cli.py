@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import atexit
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
+from kvrelay import env
 from kvrelay.errors import EXIT_FAILURE, UsageError
 from kvrelay.model.kernels import choice as kernel_choice
 
@@ -72,7 +72,7 @@ def add_role_args(p: argparse.ArgumentParser) -> None:
                    "decode: how long to wait for a prefill engine's answer")
     g.add_argument("--lease-max", type=float, default=480.0, metavar="SECONDS",
                    help="prefill: hard cap on a lease's life, heartbeats included")
-    g.add_argument("--relay-secret", default=os.environ.get("KVRELAY_RELAY_SECRET"),
+    g.add_argument("--relay-secret", default=env.get("KVRELAY_RELAY_SECRET"),
                    help="shared secret authenticating decode engines (HMAC of HELLO; env "
                    "KVRELAY_RELAY_SECRET)")
     g.add_argument("--max-awaiting-kv-blocks", type=int, default=None, metavar="BLOCKS",
@@ -127,7 +127,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--api-key", default=os.environ.get("KVRELAY_API_KEY"),
+    p.add_argument("--api-key", default=env.get("KVRELAY_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (env KVRELAY_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use; the first is reported (default: model's)")

@@ -35,15 +35,17 @@ from kvrelay.core.kv_port import EngineKvLoads, PoolLeaseBlocks
 from kvrelay.core.lifecycle import FinishReason
 from kvrelay.model.interface import LoadedModel
 from kvrelay.relay.client import RelayClient
-from kvrelay.relay.lease import LeaseTable
 from kvrelay.relay.metrics import Family, decode_metrics, prefill_metrics
-from kvrelay.relay.receiver import Policy, Receiver, ReceiverConfig
-from kvrelay.relay.server import RelayServer, RelayServerConfig
-from kvrelay.relay.transports.auto import AutoLink, AutoTransport
-from kvrelay.relay.transports.base import on_device
-from kvrelay.relay.transports.cuda_ipc import CudaIpcTransport
-from kvrelay.relay.transports.shm import ShmKvCache, ShmTransport
-from kvrelay.relay.transports.tcp import TcpTransport, block_io
+from kvrelay.relay.receiver import Policy, Receiver
+from kvrelay.relay.server import RelayServer
+from kvrelay.relay.sides import (
+    SideSettings,
+    build_decode_side,
+    build_prefill_side,
+    check_transport,
+)
+from kvrelay.relay.transports.shm import ShmKvCache
+from kvrelay.relay.transports.tcp import block_io
 from kvrelay.server.engine_loop import LoopHooks, _Add
 
 log = logging.getLogger(__name__)
@@ -174,48 +176,29 @@ def new_engine_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
+def side_settings(args: Any) -> SideSettings:
+    return SideSettings(
+        kv_transport=args.kv_transport, lease_timeout=args.lease_timeout,
+        lease_max=args.lease_max, secret=args.relay_secret.encode() if args.relay_secret
+        else None, relay_host=getattr(args, "relay_host", "127.0.0.1"),
+        relay_port=getattr(args, "relay_port", 0))
+
+
 def build_prefill(
     args: Any, config: SchedulerConfig, model: LoadedModel, shm: ShmKvCache | None
 ) -> tuple[Engine, PrefillHooks]:
     pool = BlockPool(config.num_blocks)
-    table = LeaseTable(PoolLeaseBlocks(pool), engine_id=new_engine_id(),
-                       acquire_timeout=args.lease_timeout, hard_cap=args.lease_max)
-    transports: dict[str, dict[str, Any]] = {"tcp": {}}
-    if shm is not None:
-        transports["shm"] = shm.descriptor()
     check_transport(args.kv_transport, model.kv_cache)
-    if on_device(model.kv_cache) and args.kv_transport in ("auto", "cuda_ipc"):
-        # Exported once; where CUDA IPC is refused the descriptor says why and decode
-        # engines use tcp (staged through host memory) instead.
-        transports["cuda_ipc"] = CudaIpcTransport().register(model.kv_cache)
-    nixl = None
-    if args.kv_transport == "nixl":
-        # One NIXL agent, the whole cache registered once; its metadata goes to each
-        # decode engine in the HELLO reply.
-        from kvrelay.relay.transports.nixl import NixlTransport
-
-        nixl = NixlTransport()
-        transports["nixl"] = nixl.register(model.kv_cache)
-        if not args.relay_secret:
-            log.warning("--kv-transport nixl without --relay-secret: any peer that reaches "
-                        "the relay port gets the NIXL metadata, with which it can read "
-                        "this engine's whole KV cache")
-    cfg = RelayServerConfig(
-        compat=model.kv_geometry.compat_hash(model.name), host=args.relay_host,
-        port=args.relay_port, secret=_secret(args), transports=transports,
-        # A decode engine that takes longer than its lease timeout to read a reply or
-        # a stream has lost the lease anyway; idle connections outlive its heartbeats.
-        send_timeout=args.lease_timeout, idle_timeout=max(120.0, 2 * args.lease_timeout),
-    )
-    server = RelayServer(table, threading.Lock(), cfg, kv_blocks=block_io(model.kv_cache))
-    server.start()
+    side = build_prefill_side(
+        PoolLeaseBlocks(pool), side_settings(args), engine_id=new_engine_id(),
+        compat=model.kv_geometry.compat_hash(model.name), kv_cache=model.kv_cache,
+        kv_blocks=block_io(model.kv_cache),
+        shm=shm.descriptor() if shm is not None else None)
     # Registered after the CLI's shm.close, so it runs first: no read outlives the cache.
-    atexit.register(server.close)
-    log.info("relay for decode engines on %s (transports: %s)", server.address,
-             ", ".join(sorted(transports)))
-    engine = Engine(config, model.runner, pool=pool, kv_handoff=server.kv_handoff)
-    hooks = PrefillHooks(server)
-    hooks.nixl = nixl
+    atexit.register(side.server.close)
+    engine = Engine(config, model.runner, pool=pool, kv_handoff=side.server.kv_handoff)
+    hooks = PrefillHooks(side.server)
+    hooks.nixl = side.nixl
     return engine, hooks
 
 
@@ -223,68 +206,9 @@ def build_decode(
     args: Any, config: SchedulerConfig, model: LoadedModel
 ) -> tuple[Engine, DecodeHooks]:
     engine = Engine(config, model.runner)
-    engine_id = new_engine_id()
-    compat = model.kv_geometry.compat_hash(model.name)
-
-    # Every socket wait of the decode side is bounded by half the lease timeout, so a
-    # frozen or cut-off prefill engine makes it fall back within --lease-timeout.
-    io_timeout = args.lease_timeout / 2
-
-    def client(transport: str) -> RelayClient:
-        return RelayClient(compat=compat, transport=transport, client_id=engine_id,
-                           secret=_secret(args), io_timeout=io_timeout)
-
-    def tcp(c: RelayClient) -> TcpTransport:
-        # A cache on a GPU is staged through pinned host buffers (staging.py).
-        return TcpTransport(model.kv_cache, connect=c.open_data, io_timeout=io_timeout)
-
-    def ipc(c: RelayClient) -> CudaIpcTransport:
-        return CudaIpcTransport(model.kv_cache, fallback=tcp(c))
-
     check_transport(args.kv_transport, model.kv_cache)
-    transport: Any
-    if args.kv_transport == "auto":
-        # A local prefill engine: shm for a cache in host memory, cuda_ipc for one on a
-        # GPU (tcp where IPC is refused); a remote one: tcp.
-        local = "cuda_ipc" if on_device(model.kv_cache) else "shm"
-        local_client, tcp_client = client(local), client("tcp")
-        link: Any = AutoLink(local_client, tcp_client)
-        clients = [local_client, tcp_client]
-        transport = AutoTransport(
-            ipc(local_client) if local == "cuda_ipc" else ShmTransport(model.kv_cache),
-            tcp(tcp_client))
-    else:
-        only = client(args.kv_transport)
-        link, clients = only, [only]
-        if args.kv_transport == "nixl":
-            from kvrelay.relay.transports.nixl import NixlTransport
-
-            transport = NixlTransport(model.kv_cache)
-        elif args.kv_transport == "cuda_ipc":
-            transport = ipc(only)
-        else:
-            transport = (ShmTransport(model.kv_cache) if args.kv_transport == "shm"
-                         else tcp(only))
-    receiver = Receiver(
-        EngineKvLoads(engine), link, transport, holder=engine_id, compat=compat,
-        config=ReceiverConfig(
-            policy=Policy(args.kv_load_failure_policy), peer_timeout=args.lease_timeout,
-            heartbeat_interval=max(0.05, args.lease_timeout / 4),
-            copy_timeout=args.lease_max,
-        ),
-    )
-    return engine, DecodeHooks(receiver, clients)
-
-
-def check_transport(kv_transport: str, kv_cache: Any) -> None:
-    """A transport that cannot serve this cache: an error naming the flag."""
-    if kv_transport == "shm" and on_device(kv_cache):
-        raise ValueError(f"--kv-transport shm needs a KV cache in host memory (--device "
-                         f"cpu); this one is on {kv_cache.device}: use auto, cuda_ipc or tcp")
-    if kv_transport == "cuda_ipc" and not on_device(kv_cache):
-        raise ValueError("--kv-transport cuda_ipc needs a KV cache on a CUDA device "
-                         "(--device cuda); use auto, shm or tcp")
-
-
-def _secret(args: Any) -> bytes | None:
-    return args.relay_secret.encode() if args.relay_secret else None
+    side = build_decode_side(
+        EngineKvLoads(engine), side_settings(args), engine_id=new_engine_id(),
+        compat=model.kv_geometry.compat_hash(model.name), kv_cache=model.kv_cache,
+        policy=Policy(args.kv_load_failure_policy))
+    return engine, DecodeHooks(side.receiver, side.clients)

@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from kvrelay.relay import protocol as P
-from kvrelay.relay.client import RelayClient
 from kvrelay.relay.port import RequestRejected
-from kvrelay.relay.receiver import Phase, Policy, Receiver, ReceiverConfig
+from kvrelay.relay.receiver import Phase, Policy
 from kvrelay.relay.remote import RemoteKv
+from kvrelay.relay.sides import build_decode_side
 from kvrelay.relay.transports.layout import BlockLayout
 from kvrelay.relay.transports.tcp import HostBlocks, TcpTransport
 from kvrelay.sampling_params import SamplingParams
@@ -184,31 +184,19 @@ class DecodeSide:
     def __init__(self, settings: ConnectorSettings, regions: list[np.ndarray],
                  layout: BlockLayout, compat: str, engine_id: str,
                  ready: threading.Event | None = None) -> None:
-        io_timeout = settings.lease_timeout / 2
-        self.client = RelayClient(compat=compat, transport=settings.kv_transport,
-                                  client_id=engine_id, layout=layout.name,
-                                  secret=settings.secret, io_timeout=io_timeout)
-        transport: TcpTransport | Any
-        if settings.kv_transport == "nixl":
-            from kvrelay.relay.transports.nixl import NixlTransport
-
-            transport = NixlTransport(regions)  # one-sided READs; the fence decides
-        else:
-            transport = TcpTransport(connect=self.client.open_data, io_timeout=io_timeout)
-            transport.on_end = lambda _handle: self.client.replies.put(_WAKE)
-            transport.commit = True  # the verdict after the bytes: no commit round trip
-            transport.blocks = HostBlocks(regions)
-        self.transport = transport
-        self._poll_s = POLL_S.get(settings.kv_transport, 0.01)
         self.loads = VllmKvLoads(ready, timing=lambda rid: self.receiver.timing(rid))
         # Policy recompute: a failure is reported as failed_recving, and vLLM's own
         # kv_load_failure_policy decides between recompute and an error.
-        self.receiver = Receiver(
-            self.loads, self.client, transport, holder=engine_id, compat=compat,
-            config=ReceiverConfig(policy=Policy.RECOMPUTE, peer_timeout=settings.lease_timeout,
-                                  heartbeat_interval=max(0.05, settings.lease_timeout / 4),
-                                  copy_timeout=settings.lease_max),
-            new_attempt=lambda: secrets.token_hex(8))
+        parts = build_decode_side(
+            self.loads, settings.sides(), engine_id=engine_id, compat=compat,
+            kv_cache=regions, kv_blocks=HostBlocks(regions), layout=layout.name,
+            policy=Policy.RECOMPUTE, new_attempt=lambda: secrets.token_hex(8))
+        self.receiver, self.transport = parts.receiver, parts.transport
+        self.client = parts.clients[0]
+        if isinstance(self.transport, TcpTransport):
+            self.transport.on_end = lambda _handle: self.client.replies.put(_WAKE)
+            self.transport.commit = True  # the verdict after the bytes: no commit round trip
+        self._poll_s = POLL_S.get(settings.kv_transport, 0.01)
         self.lock = threading.Lock()
         self._inbox: queue.SimpleQueue[
             tuple[Sequence[LoadSpec], Sequence[str], Sequence[dict[str, Any]]]] = (

@@ -40,9 +40,8 @@ from typing import Any
 import numpy as np
 
 from kvrelay.relay import protocol as P
-from kvrelay.relay.lease import LeaseTable
 from kvrelay.relay.prefill import KvTransferParams
-from kvrelay.relay.server import RelayServer, RelayServerConfig
+from kvrelay.relay.sides import build_prefill_side
 from kvrelay.relay.transports.layout import BlockLayout
 from kvrelay.relay.transports.tcp import HostBlocks
 from kvrelay.vllm.settings import ConnectorSettings
@@ -117,30 +116,11 @@ class PrefillSide:
         self.lock = threading.Lock()
         num_blocks = int(regions[0].shape[0])
         self.blocks = VllmLeaseBlocks(num_blocks, ready)
-        self.table = LeaseTable(self.blocks, engine_id=engine_id,
-                                acquire_timeout=settings.lease_timeout,
-                                hard_cap=settings.lease_max)
-        # tcp is always served (from the blocks in place); nixl when asked: one agent,
-        # vLLM's cache registered once, its metadata in the HELLO reply.
-        transports: dict[str, dict[str, Any]] = {"tcp": {}}
-        self.nixl: Any = None
-        if settings.kv_transport == "nixl":
-            from kvrelay.relay.transports.nixl import NixlTransport
-
-            self.nixl = NixlTransport()
-            transports["nixl"] = self.nixl.register(regions)
-            if settings.secret is None:
-                log.warning("kvrelay: kv_transport nixl without relay_secret: any peer "
-                            "that reaches the relay port gets the NIXL metadata, with "
-                            "which it can read this engine's KV cache")
-        cfg = RelayServerConfig(
-            compat=compat, host=settings.relay_host, port=settings.relay_port,
-            secret=settings.secret, transports=transports, layout=layout.name,
-            send_timeout=settings.lease_timeout,
-            idle_timeout=max(120.0, 2 * settings.lease_timeout))
-        self.server = RelayServer(self.table, self.lock, cfg, kv_blocks=HostBlocks(regions),
-                                  clock=time.monotonic)
-        self.server.start()
+        parts = build_prefill_side(
+            self.blocks, settings.sides(), engine_id=engine_id, compat=compat,
+            kv_cache=regions, kv_blocks=HostBlocks(regions), layout=layout.name,
+            lock=self.lock)
+        self.table, self.server, self.nixl = parts.table, parts.server, parts.nixl
         self.compat = compat
         self._ended: dict[str, int] = {}  # lease ends by reason since the last stats
         self.hold_server = HoldServer(self)

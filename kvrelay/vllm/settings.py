@@ -8,7 +8,12 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvrelay import env
+
+if TYPE_CHECKING:
+    from kvrelay.relay.sides import SideSettings
 
 T = TypeVar("T")
 
@@ -55,13 +60,21 @@ class ConnectorSettings:
         kw: dict[str, Any] = {}
         for key, value in extra.items():
             kw[key] = _typed(key, value, type(getattr(cls, key, "")))
-        if "relay_secret" not in kw and os.environ.get("KVRELAY_RELAY_SECRET"):
-            kw["relay_secret"] = os.environ["KVRELAY_RELAY_SECRET"]
+        if "relay_secret" not in kw and (secret := env.get("KVRELAY_RELAY_SECRET")):
+            kw["relay_secret"] = secret
         return cls(**kw)
 
     @property
     def secret(self) -> bytes | None:
         return self.relay_secret.encode() if self.relay_secret else None
+
+    def sides(self) -> SideSettings:
+        """What kvrelay.relay.sides builds both sides from."""
+        from kvrelay.relay.sides import SideSettings
+
+        return SideSettings(kv_transport=self.kv_transport, lease_timeout=self.lease_timeout,
+                            lease_max=self.lease_max, secret=self.secret,
+                            relay_host=self.relay_host, relay_port=self.relay_port)
 
 
 def _typed(key: str, value: Any, want: type) -> Any:

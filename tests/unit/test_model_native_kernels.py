@@ -24,9 +24,9 @@ from kvrelay.model.kernels import choice as kernel_choice
 from kvrelay.model.kernels import ext, gemms, native
 from kvrelay.model.kernels.attention import ChunkSpec
 from kvrelay.model.kernels.backend import TorchBackend
-from kvrelay.model.kernels.select import select_backend
 from kvrelay.model.kernels.cpu import cpu_has_amx_bf16
 from kvrelay.model.kernels.rope import RotaryTable
+from kvrelay.model.kernels.select import select_backend
 from kvrelay.model.model import Linear, LlamaModel
 
 _mod = ext.load()

@@ -257,7 +257,7 @@ def test_cuda_ipc_between_two_processes_on_one_gpu() -> None:
 
 
 def test_transports_that_cannot_serve_the_cache_are_refused_by_name() -> None:
-    from kvrelay.server.disagg import check_transport
+    from kvrelay.relay.sides import check_transport
 
     with pytest.raises(ValueError, match="--kv-transport cuda_ipc needs a KV cache on a CUDA"):
         check_transport("cuda_ipc", torch.zeros(SHAPE))

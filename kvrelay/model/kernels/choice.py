@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from kvrelay import env
+
 log = logging.getLogger("kvrelay.model")
 
 WAIT_POLICIES = ("active", "passive", "auto")
@@ -146,15 +148,19 @@ def apply_wait_policy(requested: str | None = None, threads: int | None = None) 
     ``requested`` defaults to ``KVRELAY_OMP_WAIT_POLICY``, then ``passive``; threads to
     one per CPU of the affinity mask (torch's default)."""
     global _wait, _spins_ours
-    env = os.environ.get("OMP_WAIT_POLICY")
-    if env and (_wait is None or _wait.requested == "env"):
-        _wait = WaitChoice(env.upper(), "env", "OMP_WAIT_POLICY set in the environment")
+    omp = os.environ.get("OMP_WAIT_POLICY")
+    if omp and (_wait is None or _wait.requested == "env"):
+        _wait = WaitChoice(omp.upper(), "env", "OMP_WAIT_POLICY set in the environment")
         return _wait
     cpus = len(os.sched_getaffinity(0))
-    explicit = requested or os.environ.get("KVRELAY_OMP_WAIT_POLICY")
+    try:
+        explicit = requested or env.get("KVRELAY_OMP_WAIT_POLICY", None)
+    except ValueError as exc:  # read as kvrelay is imported: a warning, not a failed import
+        log.warning("%s; using passive", exc)
+        explicit = "passive"
     requested = (explicit or "passive").lower()
     if requested not in WAIT_POLICIES:
-        log.warning("KVRELAY_OMP_WAIT_POLICY=%r is not one of %s; using passive",
+        log.warning("OpenMP wait policy %r is not one of %s; using passive",
                     requested, ", ".join(WAIT_POLICIES))
         requested = "passive"
     threads = threads or cpus

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvrelay import env
 from kvrelay.model.kernels.backend import EVERY_ROWS
 
 if TYPE_CHECKING:
@@ -29,12 +29,10 @@ F32_GEMM_ROWS = 32
 AMX_GEMM_ROWS = 5
 GGUF_AMX_ROWS = 12
 # The quantized GEMM serves every call, prefill chunks too (GGUF_GEMM_ROWS_EVERY), under
-# AVX2 (on the AVX2-only EPYC 1.7-3.4x oneDNN's float32 GEMM per layer at 32-256 rows)
-# and with AVX-512 VNNI for float32 activations (8 x 128-token prefills 0.76-0.99 s
-# against 1.07-1.39 s on oneDNN's float32 GEMM, a Xeon without AMX; oneDNN's float32
-# GEMM takes no AMX either): a row's result then never depends on the batch it ran in,
-# nor on the CPU's oneDNN kernels. With VNNI and bfloat16 activations, where oneDNN has
-# AMX or AVX-512 BF16 for prefill (not measured against it), up to F32_GEMM_ROWS.
+# AVX2 and with AVX-512 VNNI for float32 activations, where it beat oneDNN's float32 GEMM
+# (docs/notebook/ has the figures): a row's result then never depends on the batch it
+# ran in, nor on the CPU's oneDNN kernels. With VNNI and bfloat16 activations, where
+# oneDNN has AMX or AVX-512 BF16 for prefill, up to F32_GEMM_ROWS.
 GGUF_GEMM_ROWS_EVERY = EVERY_ROWS
 
 
@@ -100,7 +98,7 @@ def amx_gemm_unavailable(mod: Any, dtype: torch.dtype) -> str | None:
     """Why bfloat16 GEMMs do not run on the native AMX kernel, or None when they do."""
     if dtype is not torch.bfloat16:
         return f"{dtype} (it takes bfloat16)"
-    if os.environ.get("KVRELAY_AMX_GEMM", "1") == "0":
+    if not env.get("KVRELAY_AMX_GEMM"):
         return "KVRELAY_AMX_GEMM=0"
     if not mod.has_amx_bf16_gemm():
         return "the CPU lacks AMX-BF16 (or the kernels run as AVX2)"
@@ -111,7 +109,7 @@ def small_gemm_unavailable(mod: Any, dtype: torch.dtype) -> str | None:
     """Why the native small-M GEMM is not used, or None when it is."""
     if dtype not in (torch.bfloat16, torch.float32):
         return f"{dtype} (it takes bfloat16 or float32)"
-    if os.environ.get("KVRELAY_NATIVE_GEMM", "1") == "0":
+    if not env.get("KVRELAY_NATIVE_GEMM"):
         return "KVRELAY_NATIVE_GEMM=0"
     if dtype is torch.bfloat16 and not mod.has_bf16_gemm():
         return "the CPU lacks AVX-512 BF16"

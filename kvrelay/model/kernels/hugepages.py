@@ -28,6 +28,8 @@ import threading
 
 import torch
 
+from kvrelay import env
+
 log = logging.getLogger("kvrelay.model")
 
 HUGE_PAGE = 2 << 20
@@ -35,7 +37,7 @@ _ALIGN = 64  # each tensor in an arena starts on a cache line
 
 
 def enabled() -> bool:
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KVRELAY_HUGEPAGES", "1") != "0"
+    return hasattr(mmap, "MADV_HUGEPAGE") and env.get("KVRELAY_HUGEPAGES")
 
 
 def fresh(nbytes: int) -> torch.Tensor:
@@ -87,7 +89,7 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14 on; Python's mmap module lacks the consta
 def populate_wanted() -> bool:
     """``KVRELAY_KV_POPULATE=0`` leaves the KV cache to be committed as requests first
     write it; Linux only (the advice is Linux's)."""
-    return sys.platform == "linux" and os.environ.get("KVRELAY_KV_POPULATE", "1") != "0"
+    return sys.platform == "linux" and env.get("KVRELAY_KV_POPULATE")
 
 
 def populate_in_background(t: torch.Tensor, chunk_bytes: int = 32 << 20) -> threading.Thread:

@@ -11,13 +11,13 @@ other than the CPU, or a self-check at load that disagrees with torch.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from kvrelay import env
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.kernels.attention import ChunkSpec
 from kvrelay.model.kernels.backend import StepMetadata
@@ -37,19 +37,11 @@ if TYPE_CHECKING:
 
 # Where prompt chunks leave the native tiles for torch's SDPA: a chunk that attends to at
 # least this many positions (its cached context and its own tokens), by the model's
-# dtype. The tiles' cost per query grows with the context faster than SDPA's, and SDPA
-# costs more per call. One prefill step, 30 layers, 2 threads, attention ms tiles / SDPA
-# (docs/model.md, "Prompt attention by length", has the whole table): float32 on an AMX
-# Xeon 8 x 128 tokens 88 / 130, 1 x 640 171 / 173, 1 x 768 239 / 210, 1 x 2,000
-# 1,520 / 954 (held to AVX2: 114 / 142 at 8 x 128, 287 / 267 at 768); bfloat16 without
-# AMX 4 x 256 105 / 110, 2 x 384 107 / 95. bfloat16 on a CPU with AMX-BF16: SDPA (on
-# AMX itself) for every chunk, or the AMX kernel where it can (prefill_amx_available).
-# A chunk of fewer than SDPA_MIN_TOKENS tokens stays on the tiles however long its
-# context: SDPA gathers the whole context's K/V for it. Prompts after a cached prefix,
-# 30 layers, 2 threads, attention ms tiles / SDPA (docs/model.md): float32 on the AMX
-# Xeon 4 x 20 tokens after 1,504 28 / 80, 4 x 64 after 1,008 55 / 78, 4 x 128 after
-# 1,504 389 / 346, 2 x 256 after 608 249 / 197; held to AVX2 and in bfloat16 without
-# AMX the same sides.
+# dtype, and has at least SDPA_MIN_TOKENS tokens (for fewer, SDPA would gather the whole
+# context's K/V for little work). The tiles' cost per query grows with the context
+# faster than SDPA's, and SDPA costs more per call; the crossings were measured per dtype
+# and ISA (docs/notebook/, "Prompt attention by length"). bfloat16 on a CPU with
+# AMX-BF16: SDPA (on AMX itself) for every chunk, or the AMX kernel where it can.
 SDPA_FROM = {torch.float32: 640, torch.bfloat16: 320}
 SDPA_MIN_TOKENS = 128
 EVERY_PROMPT_CHUNK = 2  # a prompt chunk has two tokens or more, so attends to 2 or more
@@ -60,9 +52,9 @@ def prefill_sdpa_from(dtype: torch.dtype) -> int | None:
     """From how many attended positions a prompt chunk goes to torch's SDPA instead of the
     native tiles, or None for never (KVRELAY_PREFILL_SDPA=1: every prompt chunk, =0:
     none; default: SDPA_FROM by dtype, every chunk for bfloat16 on AMX-BF16)."""
-    env = os.environ.get("KVRELAY_PREFILL_SDPA")
-    if env in ("0", "1"):
-        return EVERY_PROMPT_CHUNK if env == "1" else None
+    forced = env.get("KVRELAY_PREFILL_SDPA")
+    if forced is not None:
+        return EVERY_PROMPT_CHUNK if forced else None
     if dtype is torch.bfloat16 and cpu_has_amx_bf16():
         return EVERY_PROMPT_CHUNK
     return SDPA_FROM.get(dtype)
@@ -142,7 +134,7 @@ def prefill_amx_available(mod: Any, dtype: torch.dtype, cfg: ModelConfig) -> boo
     """Whether prompt chunks can attend through the AMX kernel: bfloat16, head_dim 64 or
     128, and a CPU with AMX-BF16 whose tile state Linux grants (KVRELAY_PREFILL_AMX=0:
     never)."""
-    if os.environ.get("KVRELAY_PREFILL_AMX") == "0":
+    if not env.get("KVRELAY_PREFILL_AMX"):
         return False
     return (dtype is torch.bfloat16 and cfg.head_dim in (64, 128)
             and bool(mod.has_amx_prefill_attention()))

@@ -4,10 +4,10 @@ else the pure-torch one, by ``--kernels`` or KVRELAY_KERNELS."""
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from kvrelay import env
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.kernels import choice as kernel_choice
 from kvrelay.model.kernels import ext
@@ -27,7 +27,7 @@ def select_backend(
 ) -> KernelBackend:
     """The backend for this model, by ``requested`` or ``KVRELAY_KERNELS`` (default
     ``auto``); recorded for the log and /metrics."""
-    choice = (requested or os.environ.get("KVRELAY_KERNELS") or "auto").lower()
+    choice = (requested or env.get("KVRELAY_KERNELS")).lower()
     if choice not in KERNEL_CHOICES:
         raise ValueError(
             f"kernels {choice!r} (KVRELAY_KERNELS or --kernels) is not one of "

@@ -12,10 +12,11 @@ A transport never validates: the fence at RELEASE does (see lease.py).
 from __future__ import annotations
 
 import enum
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from kvrelay import env
 
 
 class TransferState(enum.Enum):
@@ -77,7 +78,8 @@ def injected_delay() -> float:
     """Fault injection for real-process tests: every transfer waits this long (seconds,
     environment KVRELAY_FAULT_TRANSFER_DELAY_S; cancellable) before it starts writing,
     so a test can act while a lease is PULLING. Zero unless set."""
-    return float(os.environ.get("KVRELAY_FAULT_TRANSFER_DELAY_S", "0") or 0)
+    delay: float = env.get("KVRELAY_FAULT_TRANSFER_DELAY_S")
+    return delay
 
 
 def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -34,8 +34,9 @@ write.
 
 NIXL's Python wrapper starts its progress thread with no idle delay, which keeps a core
 busy polling; the agent here is built on NIXL's bindings with a progress thread that
-sleeps ``PROGRESS_DELAY_US`` when idle (measured: ~1 core -> ~2 % of one), and UCX is
-told to guard its worker with a mutex, not a spinlock (``UCX_ENV_DEFAULTS``): the thread
+sleeps ``KVRELAY_NIXL_PROGRESS_DELAY_US`` (200) when idle (measured: ~1 core -> ~2 % of
+one), and UCX is told to guard its worker with a mutex, not a spinlock
+(``UCX_ENV_DEFAULTS``): the thread
 would otherwise spin through every READ that copies inside its post (cma), on the very
 core doing the copy.
 """
@@ -55,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from kvrelay import env
 from kvrelay.relay.transports.base import (
     PeerInfo,
     TransferState,
@@ -65,7 +67,6 @@ from kvrelay.relay.transports.base import (
 
 log = logging.getLogger(__name__)
 
-PROGRESS_DELAY_US = int(os.environ.get("KVRELAY_NIXL_PROGRESS_DELAY_US", "200"))
 # UCX guards a worker that a progress thread shares with a spinlock by default. Over cma
 # (one host) D's READ copies inside its post, holding that lock; the progress thread,
 # waking meanwhile, spins on the lock until the copy ends, and on the core the copy runs
@@ -169,7 +170,7 @@ class NixlAgent:
         cfg = b.nixlAgentConfig()
         cfg.useProgThread = True
         cfg.useListenThread = False
-        cfg.pthrDelay = PROGRESS_DELAY_US
+        cfg.pthrDelay = env.get("KVRELAY_NIXL_PROGRESS_DELAY_US")
         cfg.syncMode = b.NIXL_THREAD_SYNC_NONE
         if hasattr(cfg, "captureTelemetry"):  # NIXL's own clock of each READ (own_seconds)
             cfg.captureTelemetry = True
