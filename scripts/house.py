@@ -53,6 +53,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvrelay.demo",), ("kvrelay.sim", "kvrelay.bench"), ("kvrelay.cli",),
     ("kvrelay.__main__",),
 ]
+# Packages of one layer that must not import each other.
+SIBLINGS = {"kvrelay.model.text", "kvrelay.model.sampling", "kvrelay.server", "kvrelay.proxy",
+            "kvrelay.vllm", "kvrelay.sim", "kvrelay.bench"}
 FAMILIES = ("formats", "text", "sampling", "kernels")
 FuncKey = tuple[str, str]  # (module, "func" or "Class.method")
 
@@ -166,10 +169,31 @@ def tarjan(graph: dict[str, set[str]]) -> list[list[str]]:
     return comps
 
 
-def layer(name: str) -> int | None:
-    found = [(len(n), i) for i, names in enumerate(LAYERS) for n in names
+def placed(name: str) -> tuple[int, str] | None:
+    """(layer, the prefix that placed the module there): the longest matching prefix."""
+    found = [(len(n), i, n) for i, names in enumerate(LAYERS) for n in names
              if name == n or name.startswith(n + ".")]
-    return max(found)[1] if found else None
+    return (max(found)[1], max(found)[2]) if found else None
+
+
+def layer(name: str) -> int | None:
+    where = placed(name)
+    return where[0] if where else None
+
+
+def against_layers(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports from a lower layer to a higher one, or between sibling packages. The
+    package root ``kvrelay`` is exempt both ways (its lazy LLM, its __version__)."""
+    out = []
+    for a, targets in sorted(graph.items()):
+        la = placed(a)
+        for b in sorted(targets):
+            lb = placed(b)
+            if a == "kvrelay" or b == "kvrelay" or la is None or lb is None:
+                continue
+            if lb[0] > la[0] or (lb[0] == la[0] and la[1] != lb[1] and la[1] in SIBLINGS):
+                out.append((a, b))
+    return out
 
 
 def is_climb(caller: Module, callee: Module) -> bool:
@@ -293,9 +317,7 @@ def report_imports(mods: dict[str, Module]) -> None:
     unlayered = [n for n in sorted(mods) if n != "kvrelay" and layer(n) is None]
     if unlayered:
         print(f"  unlayered modules (exempt): {', '.join(unlayered)}")
-    up = [(a, b) for a, b in edges
-          if (la := layer(a)) is not None and (lb := layer(b)) is not None and lb > la]
-    print_edges("upward imports (lower layer -> higher layer)", up)
+    print_edges("imports up the layers or across siblings", against_layers(graph))
     fams = {f"kvrelay.model.{f}" for f in FAMILIES} & set(mods)
     if not fams:
         print("\n   model family -> model root imports: n/a (no family folders)")
