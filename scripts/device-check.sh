@@ -54,8 +54,8 @@ step models 90 "$PY" scripts/device_check.py models "$MODELS" "${SMALL[@]}" \
 
 if [ "$DEVICE" != cpu ]; then
   step cuda-tests 90 "$PY" -m pytest -q -s -p no:cacheprovider -o addopts= \
-    tests/unit/test_relay_cuda_ipc.py tests/unit/test_relay_staging.py \
-    tests/unit/test_model_graphs.py tests/unit/test_step_completion.py >"$OUT/tests.log" 2>&1
+    tests/unit/relay/test_relay_cuda_ipc.py tests/unit/relay/test_relay_staging.py \
+    tests/unit/model/test_model_graphs.py tests/unit/core/test_step_completion.py >"$OUT/tests.log" 2>&1
   tail -5 "$OUT/tests.log"
 fi
 

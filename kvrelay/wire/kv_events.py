@@ -6,7 +6,7 @@ message: a ZMQ PUB socket sends multipart ``(topic, seq, payload)``, ``seq`` an 
 big-endian counter from 0 per publisher life, ``payload`` a msgpack ``KVEventBatch``
 (an array ``[ts, events, data_parallel_rank]``) whose events are tagged maps
 (``{"type": "BlockStored", ...}``, ``BlockRemoved``, ``AllBlocksCleared``), encoded by
-msgspec from structs declared as vLLM declares them (tests/unit/test_kv_events_wire.py
+msgspec from structs declared as vLLM declares them (tests/unit/wire/test_kv_events_wire.py
 decodes these bytes with vLLM's own structs). With ``replay_endpoint`` a ROUTER socket
 answers ``(identity, b"", start_seq)`` with every batch kept from ``start_seq`` on, then
 ``(b"", -1, b"")``, as vLLM's does.

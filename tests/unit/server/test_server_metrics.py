@@ -8,7 +8,7 @@ import concurrent.futures
 import openai
 
 from tests.metrics_util import metrics, sample, wait_blocks_back
-from tests.unit.test_server_fakes import expected_letters, make_state, serve_in_thread
+from tests.unit.server.fakes import expected_letters, make_state, serve_in_thread
 
 
 def test_per_request_histograms_count_each_choice() -> None:

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from kvrelay.cli import build_parser
-from tests.unit.test_server_fakes import free_port, stream_in_flight, wait_serving
+from tests.unit.server.fakes import free_port, stream_in_flight, wait_serving
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHILD = """
 import sys
 import kvrelay.server.cli as serve_cli
-from tests.unit.test_server_fakes import make_state
+from tests.unit.server.fakes import make_state
 serve_cli.build_state = lambda args: make_state(num_blocks=256, max_model_len=256, delay_s=0.02)
 from kvrelay.cli import main
 sys.exit(main(["serve", "--port", sys.argv[1], "--shutdown-timeout", sys.argv[2],

@@ -10,7 +10,7 @@ import pytest
 from kvrelay.bench.serve import RequestResult, make_prompts, percentiles, summarize
 from kvrelay.cli import main
 from kvrelay.demo import Answer, stats_table
-from tests.unit.test_server_fakes import make_state, serve_in_thread
+from tests.unit.server.fakes import make_state, serve_in_thread
 
 
 def test_percentiles_interpolate() -> None:

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.metrics_util import metrics, sample, wait_blocks_back
-from tests.unit.test_server_fakes import (
+from tests.unit.server.fakes import (
     ByteTokenizer,
     expected_letters,
     make_state,

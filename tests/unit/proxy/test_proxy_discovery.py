@@ -22,7 +22,7 @@ from kvrelay.proxy.discovery import (
 )
 from kvrelay.proxy.upstreams import Upstreams
 from tests.e2e.dns_zone import Records, serve_zone
-from tests.unit.test_server_fakes import free_port
+from tests.unit.server.fakes import free_port
 
 
 @pytest.fixture

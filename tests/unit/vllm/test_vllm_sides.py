@@ -279,7 +279,7 @@ def test_docs_list_every_setting_with_its_default() -> None:
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "vllm.md").read_text()
     table = text[text.index("## Settings"):text.index("`kv_load_failure_policy`:")]
     rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", table, re.M))
     fields = {f.name: f.default for f in dataclasses.fields(ConnectorSettings)}

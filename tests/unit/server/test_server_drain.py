@@ -1,7 +1,7 @@
 """The drain of ``kvrelay serve`` on SIGTERM (kvrelay.wire.drain, graceful).
 
 The gate itself in process (ASGI, a stand-in inner app); then a real ``kvrelay serve``
-process on the unit tests' stand-in model parts (as tests/unit/test_server_cli.py):
+process on the unit tests' stand-in model parts (as tests/unit/server/test_server_cli.py):
 SIGTERM with a stream in flight, /health draining at once, new work refused with 503
 and Retry-After, other routes served, the stream finishing, exit 0. The prefill
 engine's wait for its leases is shown on real engines in tests/e2e/test_drain.py.
@@ -23,9 +23,9 @@ import pytest
 
 from kvrelay.server.api import create_app
 from kvrelay.wire.drain import DrainGate, DrainState
-from tests.unit.test_server_fakes import free_port, make_state, stream_in_flight, wait_serving
+from tests.unit.server.fakes import free_port, make_state, stream_in_flight, wait_serving
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _run(coro: Any) -> Any:
@@ -97,7 +97,7 @@ def test_health_says_draining_with_retry_after() -> None:
 CHILD = """
 import os, sys, time
 import kvrelay.server.cli as serve_cli
-from tests.unit.test_server_fakes import make_state
+from tests.unit.server.fakes import make_state
 
 def build(args):
     state = make_state(num_blocks=256, max_model_len=256, delay_s=0.01)

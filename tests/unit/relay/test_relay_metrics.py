@@ -39,7 +39,7 @@ def test_transfers_are_labelled_by_the_transport_auto_chose() -> None:
     from kvrelay.relay.transports.shm import ShmTransport
     from kvrelay.relay.transports.tcp import TcpTransport
     from kvrelay.sampling_params import SamplingParams
-    from tests.unit.test_relay_roundtrip import Decode, Prefill
+    from tests.unit.relay.test_relay_roundtrip import Decode, Prefill
 
     p, d = Prefill(), Decode("shm")
     try:

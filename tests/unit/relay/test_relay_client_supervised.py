@@ -23,7 +23,7 @@ from kvrelay.relay.client import RelayClient
 from kvrelay.relay.transports.tcp import TcpTransport
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.testing.fake_runner import expected_output
-from tests.unit.test_relay_roundtrip import COMPAT, NBLOCKS, VOCAB, Decode, Prefill
+from tests.unit.relay.test_relay_roundtrip import COMPAT, NBLOCKS, VOCAB, Decode, Prefill
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,7 @@ import pytest
 from kvrelay.core.kv_events import Cleared, Removed, Stored
 from kvrelay.wire.kv_events import config_fields, decode_batch, encode_batch, parse_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 H0, H1, H2 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
 EVENTS = [Cleared(), Stored((H1, H2), H0, tuple(range(32)), 16), Removed((H1,))]
 

@@ -22,7 +22,7 @@ from kvrelay.testing.models import tiny_tokenizer_json
 
 transformers = pytest.importorskip("transformers")
 
-TEMPLATES = Path(__file__).parent.parent / "data" / "chat_templates"
+TEMPLATES = Path(__file__).parents[2] / "data" / "chat_templates"
 BOS, EOS = "<|endoftext|>", "<|im_end|>"
 
 WEATHER_TOOL = {

@@ -17,7 +17,7 @@ from kvrelay.sampling_params import SamplingParams
 from kvrelay.server.engine_loop import AdmissionFailed, EngineDead, EngineLoop
 from kvrelay.testing.fake_runner import FakeRunner, expected_output
 from kvrelay.wire.http import param_from_loc
-from tests.unit.test_server_fakes import make_state, serve_in_thread
+from tests.unit.server.fakes import make_state, serve_in_thread
 
 
 def make_loop(async_scheduling: bool = False, runner: object | None = None) -> EngineLoop:

@@ -1,0 +1,1 @@
+"""Unit tests of kvrelay.relay (and its transports)."""

@@ -1,0 +1,1 @@
+"""Unit tests of kvrelay.vllm (the connector's vLLM-free halves)."""
