@@ -8,6 +8,9 @@ from typing import Any
 
 from kvrelay.proxy.upstreams import Upstream
 
+# vLLM's _SAMPLING_EPS: a temperature below it samples greedily.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(eq=False)
 class Leg:
@@ -39,9 +42,12 @@ class Leg:
     local_tokens: float | None = None
     remote_tokens: float | None = None
     # P's params say its decode engine samples the first token again (vLLM's decode
-    # engine behind kvrelay.vllm): D's answer is the whole choice, and in a stream the
-    # text the client already got from P (``resent_left`` characters) is cut from D's.
+    # engine behind kvrelay.vllm): D's answer is the whole choice. A stream sends P's
+    # token early only where D must sample the same one (``streams_first_token``); the
+    # text the client already got from P (``resent``, the ``resent_left`` characters
+    # still to come from D) is then checked against D's and cut from it.
     resends: bool = False
+    resent: str = ""
     resent_left: int = 0
     # Chat: vLLM's top-level prompt_logprobs of the engine that scored the prompt.
     prompt_logprobs: Any = None
@@ -56,6 +62,18 @@ class Leg:
         """P's answer set aside (its lease already given back): D serves the leg whole."""
         self.first = self.prefill_url = self.params = None
         self.ended_at_prefill = self.resends = False
+
+    def streams_first_token(self) -> bool:
+        """May P's first token reach the client before D answers? Yes where D goes on
+        after it; where D samples it again, only for a greedy request (D's token is
+        checked: a near-tie broken the other way ends the stream, see merge.cut_resent).
+        A sampled request streams D's whole sequence: a token sampled twice is two
+        draws, and one draw's head on the other's tail is text no engine produced."""
+        if self.tools is not None:
+            return False  # a tool leg's chunks are all D's
+        temperature = self.body.get("temperature")
+        greedy = isinstance(temperature, int | float) and temperature < GREEDY_BELOW
+        return not self.resends or greedy
 
     def p_body(self) -> dict[str, Any]:
         """The leg's request as P is asked it (before the prefill-only fields)."""

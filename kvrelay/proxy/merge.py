@@ -141,7 +141,8 @@ def seed_chunk(leg: Leg) -> dict[str, Any]:
         # (a token ending inside a character has a text before the stream does; an
         # echoed BOS has a token text and no prompt text).
         leg.shift = lp["text_offset"][-1] + len(lp["tokens"][-1])
-    leg.resent_left = len(text) if leg.resends else 0
+    leg.resent = text if leg.resends else ""
+    leg.resent_left = len(leg.resent)
     finish = _finish_of(p) if leg.ended_at_prefill else None
     if "message" in p:
         return {"index": 0, "delta": {"content": text}, "logprobs": p.get("logprobs"),
@@ -149,13 +150,24 @@ def seed_chunk(leg: Leg) -> dict[str, Any]:
     return {"index": 0, "text": text, "logprobs": p.get("logprobs"), "finish_reason": finish}
 
 
+class Spliced(Exception):
+    """D's first token is not the one the client already got from P."""
+
+
 def cut_resent(leg: Leg, choice: dict[str, Any]) -> dict[str, Any] | None:
     """D's chunk choice less the text the client already got from P (a decode engine
-    that samples the first token again); None when nothing of it is left to send."""
+    that samples the first token again); None when nothing of it is left to send.
+    Raises ``Spliced`` where D's text does not begin with P's: the client must not get
+    P's token followed by another sequence's rest."""
     if leg.resent_left <= 0:
         return choice
     text = text_of(choice)
     n = min(len(text), leg.resent_left)
+    at = len(leg.resent) - leg.resent_left
+    if text[:n] != leg.resent[at:at + n]:
+        raise Spliced(f"the decode engine sampled another first token ({text[:n]!r}) than "
+                      f"the prefill engine's ({leg.resent!r}) already streamed: the stream "
+                      "stops here rather than join two sequences")
     leg.resent_left -= n
     rest = text[n:]
     if not rest and choice.get("finish_reason") is None:

@@ -450,7 +450,12 @@ class Proxy:
                     break
                 else:  # "p": P's first token, "d": D's after it, "c": D's colocated
                     if kind == "d" and leg.resends:
-                        payload = merge.cut_resent(leg, payload)
+                        try:
+                            payload = merge.cut_resent(leg, payload)
+                        except merge.Spliced as exc:
+                            log.warning("leg %d: %s", leg.index, exc)
+                            yield sse(error_event(str(exc)))
+                            break
                         if payload is None:
                             continue
                     # D's text offsets count from token 2, unless D sent token 1 again.
@@ -480,11 +485,13 @@ class Proxy:
         try:
             if leg.first is not None and leg.tools is None:  # a tool leg's chunks are D's
                 frame.saw(leg.first)
-                events.put_nowait((leg, "p", merge.seed_chunk(leg)))
-                if leg.ended_at_prefill:
+                if leg.ended_at_prefill:  # P's token is the whole choice
+                    events.put_nowait((leg, "p", merge.seed_chunk(leg)))
                     leg.usage = leg.first.get("usage")
                     events.put_nowait((leg, "end", None))
                     return
+                if leg.streams_first_token():
+                    events.put_nowait((leg, "p", merge.seed_chunk(leg)))
             error = await self._stream_decode(path, leg, frame, events)
         except Exception as exc:  # never leave the client's stream waiting
             log.exception("leg %d failed", leg.index)
