@@ -23,18 +23,35 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.core.block_pool import BlockPool, quarantine_owner
 from kvrelay.core.kv_events import KvEvent, KvEventLog
-from kvrelay.core.lifecycle import TERMINAL_DECIDED, Event, FinishReason, RequestState
+from kvrelay.core.lifecycle import (
+    TERMINAL_DECIDED,
+    Event,
+    Failure,
+    FinishReason,
+    RequestState,
+)
 from kvrelay.core.request import Request
 from kvrelay.core.runner import Batch, Runner, SampledToken, StepToken, TokenLogprobs
 from kvrelay.core.scheduler import RequestRejected, Scheduler
 from kvrelay.sampling_params import SamplingParams
 
-__all__ = ["Engine", "EngineStats", "RequestOutput", "RequestRejected"]
+__all__ = ["Engine", "EngineStats", "LeaseHandle", "RequestOutput", "RequestRejected"]
+
+
+class LeaseHandle(Protocol):
+    """The lease a REMOTE_DECODE request's blocks moved to (the relay's KvTransferParams),
+    opaque to the core: its two names give it back, ``to_dict`` is what the client gets."""
+
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def lease_id(self) -> str: ...
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 @dataclass(slots=True)
@@ -49,9 +66,10 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    failure: Failure | None = None  # with finish reason ERROR: why, as a code
     # Prefill side, finish reason REMOTE_DECODE: the lease the decode side pulls
     # (set by the server's engine loop once the fence has handed the blocks over).
-    kv_transfer_params: dict[str, Any] | None = None
+    lease: LeaseHandle | None = None
     # The request's first scheduled step, by the engine's clock (None without one).
     scheduled_at: float | None = None
 
@@ -168,14 +186,16 @@ class Engine:
         req.transition(Event.LOAD_DONE)
         self.scheduler.kv_loaded(req, shareable=shareable)
 
-    def kv_load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
+    def kv_load_failed(self, request_id: str, error: str, *, recompute: bool,
+                       failure: Failure = Failure.KV_LOAD) -> None:
         """No valid KV arrived (and the transfer has stopped writing). Blocks are freed
-        once; ``recompute`` prefills locally, otherwise the request ends with ERROR."""
+        once; ``recompute`` prefills locally, otherwise the request ends with ERROR
+        (``failure`` says whose fault)."""
         req = self.requests[request_id]
         req.transition(Event.LOAD_FAILED)
         self.scheduler.kv_load_failed(req, recompute)
         if not recompute:
-            self._finish(req, FinishReason.ERROR, error=error)
+            self._finish(req, FinishReason.ERROR, error=error, failure=failure)
 
     def kv_transfer_ended(self, request_id: str) -> None:
         """A request aborted while loading (DRAINING): its transfer stopped writing."""
@@ -331,7 +351,7 @@ class Engine:
             if sr.sample:
                 req.num_pending_samples -= 1
             if req.state not in TERMINAL_DECIDED:
-                self._finish(req, FinishReason.ERROR, error=message)
+                self._finish(req, FinishReason.ERROR, error=message, failure=Failure.STEP)
             else:
                 self._release_if_fenced(req)
         if not landed:
@@ -375,6 +395,7 @@ class Engine:
         reason: FinishReason,
         *,
         error: str | None = None,
+        failure: Failure | None = None,
         new_token: int | None = None,
         logprobs: list[TokenLogprobs] | None = None,
     ) -> None:
@@ -393,6 +414,7 @@ class Engine:
                 finished=True,
                 finish_reason=reason,
                 error=error,
+                failure=failure,
                 scheduled_at=req.scheduled_at,
             )
         )

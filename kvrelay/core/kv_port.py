@@ -12,7 +12,7 @@ from typing import Any
 
 from kvrelay.core.block_pool import BlockPool, lease_owner, request_owner
 from kvrelay.core.engine import Engine
-from kvrelay.core.lifecycle import RequestState
+from kvrelay.core.lifecycle import Failure, RequestState
 from kvrelay.sampling_params import SamplingParams
 
 
@@ -69,8 +69,9 @@ class EngineKvLoads:
     def load_done(self, request_id: str, *, shareable: bool) -> None:
         self.engine.kv_load_done(request_id, shareable=shareable)
 
-    def load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
-        self.engine.kv_load_failed(request_id, error, recompute=recompute)
+    def load_failed(self, request_id: str, error: str, *, recompute: bool,
+                    failure: Failure) -> None:
+        self.engine.kv_load_failed(request_id, error, recompute=recompute, failure=failure)
 
     def transfer_ended(self, request_id: str) -> None:
         self.engine.kv_transfer_ended(request_id)

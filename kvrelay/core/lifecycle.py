@@ -60,6 +60,16 @@ class FinishReason(enum.Enum):
     REMOTE_DECODE = "remote_decode"
 
 
+class Failure(enum.Enum):
+    """Why a request ended with ERROR, as a code: the server maps it to an HTTP status
+    (STYLE habit 15: what crosses components is a code, never a message to match)."""
+
+    STEP = "step"  # the model step raised: the server's fault
+    KV_PARAMS = "kv_params"  # the client's kv_transfer_params name no KV it may pull
+    KV_LOAD = "kv_load"  # the KV could not be loaded and the policy is to fail
+    ENGINE = "engine"  # the engine loop itself failed
+
+
 S, E = RequestState, Event
 
 TRANSITIONS: dict[tuple[RequestState, Event], RequestState] = {

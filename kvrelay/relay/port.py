@@ -12,14 +12,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvrelay.core.lifecycle import RequestState
+from kvrelay.core.engine import LeaseHandle
+from kvrelay.core.lifecycle import Failure, RequestState
 from kvrelay.core.request import Request
 from kvrelay.core.scheduler import RequestRejected
 from kvrelay.sampling_params import SamplingParams
 
 # The engine's names the relay uses (its requests, their states, a refused admission):
 # the relay imports them from here and nothing else of the core.
-__all__ = ["KvLoads", "LeaseBlocks", "Request", "RequestRejected", "RequestState"]
+__all__ = ["Failure", "KvLoads", "LeaseBlocks", "LeaseHandle", "Request", "RequestRejected",
+           "RequestState"]
 
 
 class LeaseBlocks(Protocol):
@@ -73,8 +75,10 @@ class KvLoads(Protocol):
         ``shareable``: the KV came from a trusted relay (or nothing was pulled), so the
         request may publish its blocks in the prefix cache."""
 
-    def load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
-        """No valid KV and the transfer no longer writes: recompute, or fail."""
+    def load_failed(self, request_id: str, error: str, *, recompute: bool,
+                    failure: Failure) -> None:
+        """No valid KV and the transfer no longer writes: recompute, or fail (with
+        ``failure``: the client's params, or a load that failed)."""
 
     def transfer_ended(self, request_id: str) -> None:
         """An aborted request's transfer stopped writing: its blocks may go."""

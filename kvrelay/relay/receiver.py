@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.relay import protocol as P
-from kvrelay.relay.port import KvLoads, RequestRejected, RequestState
+from kvrelay.relay.port import Failure, KvLoads, RequestRejected, RequestState
 from kvrelay.relay.remote import RelayLink, RemoteKv
 from kvrelay.relay.transports.base import TransferState, TransferStatus, Transport
 from kvrelay.sampling_params import SamplingParams
@@ -401,7 +401,8 @@ class Receiver:
             return
         mismatch = self._mismatch(load, reply)
         if mismatch:
-            self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{mismatch}", fail=True)
+            self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{mismatch}",
+                           client_error=True)
             self._tell(load, self._release_msg(load, False), now, Phase.REPORTING)
             return
         load.marks["acquired"] = now
@@ -430,9 +431,10 @@ class Receiver:
         code = _code(reply.code)
         if reply.status == "released" and reply.reason == "done":
             self._fallback(load, "invalid_params",
-                           f"{INVALID_PARAMS}lease already consumed ({why})", fail=True)
+                           f"{INVALID_PARAMS}lease already consumed ({why})",
+                           client_error=True)
         elif code in _CLIENT_ERRORS:
-            self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{why}", fail=True)
+            self._fallback(load, "invalid_params", f"{INVALID_PARAMS}{why}", client_error=True)
         else:  # released before any commit (expired, aborted, failed), or a peer refusal
             reason = _PEER_REASONS.get(code, "acquire_failed") if code else "acquire_failed"
             self._fallback(load, reason, f"the KV lease could not be acquired: {why}")
@@ -590,10 +592,14 @@ class Receiver:
             return "first_token or num_tokens do not match the lease"
         return ""
 
-    def _fallback(self, load: Load, reason: str, error: str, *, fail: bool = False) -> None:
+    def _fallback(self, load: Load, reason: str, error: str, *,
+                  client_error: bool = False) -> None:
+        """The load's one failure: recompute or fail by the policy; ``client_error``
+        (params that name no KV this engine may pull) always fails, as the client's."""
         self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
-        recompute = self.config.policy is Policy.RECOMPUTE and not fail
-        self.engine.load_failed(load.request_id, error, recompute=recompute)
+        recompute = self.config.policy is Policy.RECOMPUTE and not client_error
+        self.engine.load_failed(load.request_id, error, recompute=recompute,
+                                failure=Failure.KV_PARAMS if client_error else Failure.KV_LOAD)
 
     def _release_msg(self, load: Load, ok: bool) -> P.Release:
         kv = load.kv

@@ -25,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from kvrelay.relay.port import LeaseHandle as Lease
+
 KEY_RE = re.compile(r"[A-Za-z0-9_-]{16,64}")
 DEFAULT_CAP = 4096
 
@@ -43,23 +45,23 @@ class ReleaseKeys:
         if ttl <= 0 or cap < 1:
             raise ValueError(f"ttl must be > 0 and cap >= 1, got {ttl}, {cap}")
         self.ttl, self.cap, self.clock = ttl, cap, clock
-        self._leases: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+        self._leases: OrderedDict[str, tuple[float, Lease]] = OrderedDict()
         self._released: OrderedDict[str, float] = OrderedDict()  # released before made
 
     def __len__(self) -> int:
         return len(self._leases) + len(self._released)
 
-    def made(self, key: str, params: dict[str, Any]) -> bool:
+    def made(self, key: str, lease: Lease) -> bool:
         """A lease was made under ``key``: True when it is to be released now (its key
         was released first); otherwise it is remembered."""
         now = self._age()
         if self._released.pop(key, None) is not None:
             return True
-        self._put(self._leases, key, (now, params))
+        self._put(self._leases, key, (now, lease))
         return False
 
-    def release(self, key: str) -> dict[str, Any] | None:
-        """The params of the lease made under ``key``, to be released now; None when it
+    def release(self, key: str) -> Lease | None:
+        """The lease made under ``key``, to be released now; None when it
         is not made yet (a lease made later under it is released at once)."""
         now = self._age()
         entry = self._leases.pop(key, None)

@@ -71,7 +71,7 @@ class PrefillHooks(LoopHooks):
         # Only outputs held for their fence: a handful, never a scan of requests.
         for rid in [r for r in self._held if r in params]:
             out = self._held.pop(rid)
-            out.kv_transfer_params = params.pop(rid).to_dict()
+            out.lease = params.pop(rid)
             ready.append(out)
         return ready
 

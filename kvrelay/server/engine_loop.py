@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from kvrelay.core.engine import Engine, RequestOutput, RequestRejected
 from kvrelay.core.kv_events import KvEvent
-from kvrelay.core.lifecycle import FinishReason
+from kvrelay.core.lifecycle import Failure, FinishReason
 from kvrelay.core.runner import Batch
 from kvrelay.core.scheduler import KvQueueFull
 from kvrelay.model.kernels import choice as kernel_choice
@@ -400,7 +400,7 @@ class EngineLoop:
         for request_id, sink in list(self._sinks.items()):
             out = RequestOutput(
                 request_id, [], 0, 0, finished=True, finish_reason=FinishReason.ERROR,
-                error=message,
+                error=message, failure=Failure.ENGINE,
             )
             self._call_async(_put_all, [(sink, out)])
         self._sinks.clear()

@@ -21,11 +21,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvrelay.core.engine import RequestOutput, RequestRejected
-from kvrelay.core.lifecycle import FinishReason
+from kvrelay.core.engine import LeaseHandle, RequestOutput, RequestRejected
+from kvrelay.core.lifecycle import Failure, FinishReason
 from kvrelay.core.runner import TokenLogprobs
 from kvrelay.core.scheduler import KvQueueFull
-from kvrelay.relay.receiver import INVALID_PARAMS
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.server.engine_loop import AdmissionFailed, EngineDead, EngineLoop
@@ -105,10 +104,10 @@ class Generation:
     _pending: list[Delta] = field(default_factory=list)
     # Prefill role: every lease made for a choice, so that a handler whose client left
     # can give them back (nobody else knows them).
-    _leases: list[dict[str, Any]] = field(default_factory=list)
+    _leases: list[LeaseHandle] = field(default_factory=list)
     # Prefill role: told of each lease as soon as it reaches the handler, before any
     # answer is written (the proxy's release_key, see kvrelay.relay.release_keys).
-    on_lease: Callable[[dict[str, Any]], None] | None = None
+    on_lease: Callable[[LeaseHandle], None] | None = None
     prompt_tokens: int = 0
 
     @property
@@ -192,7 +191,7 @@ class Generation:
             if applied is not None:
                 yield applied
 
-    def drain_leases(self) -> list[dict[str, Any]]:
+    def drain_leases(self) -> list[LeaseHandle]:
         """Every lease made for this generation's choices (outputs already delivered
         but not consumed are applied first). For a handler whose client left."""
         while True:
@@ -212,12 +211,12 @@ class Generation:
 
     # -- internals --------------------------------------------------------------------
     def _apply(self, out: RequestOutput) -> Delta | None:
-        if out.kv_transfer_params is not None:
+        if out.lease is not None:
             # Kept even for a choice already given up (its client left as P finished):
             # the lease is made all the same, and only this handler can give it back.
-            self._leases.append(out.kv_transfer_params)
+            self._leases.append(out.lease)
             if self.on_lease is not None:
-                self.on_lease(out.kv_transfer_params)
+                self.on_lease(out.lease)
         choice = self._choices.get(out.request_id)
         if choice is None or choice.finish_reason is not None:
             return None  # e.g. the abort that follows a stop-string match
@@ -226,8 +225,9 @@ class Generation:
             self.metrics.queue_time.observe(max(0.0, out.scheduled_at - choice.queued_at))
         if out.finish_reason is FinishReason.ERROR:
             self._finish(choice, "error")
-            if out.error and out.error.startswith(INVALID_PARAMS):
-                raise ApiError(400, out.error, param="kv_transfer_params")
+            if out.failure is Failure.KV_PARAMS:
+                raise ApiError(400, out.error or "invalid kv_transfer_params",
+                               param="kv_transfer_params")
             raise ApiError(500, out.error or "the engine failed", type="server_error")
         text = ""
         if out.new_token_ids:
@@ -240,12 +240,12 @@ class Generation:
             # the prefill role the lease still goes back to the caller, who releases it.
             self.loop.abort(choice.request_id, FinishReason.STOP)
             delta.finish_reason = "stop"
-            delta.kv_transfer_params = out.kv_transfer_params
+            delta.kv_transfer_params = out.lease.to_dict() if out.lease else None
         elif out.finish_reason is FinishReason.REMOTE_DECODE:
             # Text held back (a split character, a possible stop string) is the
             # decode engine's to emit, once it knows the tokens that follow.
             delta.finish_reason = "remote_decode"
-            delta.kv_transfer_params = out.kv_transfer_params
+            delta.kv_transfer_params = out.lease.to_dict() if out.lease else None
         elif out.finished:
             delta.text += choice.detok.finish()
             assert out.finish_reason is not None

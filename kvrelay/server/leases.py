@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from kvrelay.core.engine import LeaseHandle
 from kvrelay.relay.release_keys import ReleaseKeys, check_key
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.server.generation import Generation
@@ -79,25 +80,24 @@ class Leases:
         keys, release = self.state.release_keys, self.state.release_lease
         assert keys is not None and release is not None
         try:
-            params = keys.release(check_key(key))
+            lease = keys.release(check_key(key))
         except ValueError as exc:
             raise bad_request("kv_transfer_params", str(exc)) from exc
-        if params is None:
+        if lease is None:
             return {"status": "pending", "reason": None, "error": None}
-        return await asyncio.to_thread(release, str(params["engine_id"]),
-                                       str(params["lease_id"]))
+        return await asyncio.to_thread(release, lease.engine_id, lease.lease_id)
 
-    def on_lease(self, key: str) -> Callable[[dict[str, Any]], None]:
+    def on_lease(self, key: str) -> Callable[[LeaseHandle], None]:
         """The Generation's ``on_lease`` for a prefill call named ``key``."""
         keys, release = self.state.release_keys, self.state.release_lease
         assert keys is not None and release is not None
 
-        def on_lease(params: dict[str, Any]) -> None:
-            if not keys.made(key, params):
+        def on_lease(lease: LeaseHandle) -> None:
+            if not keys.made(key, lease):
                 return
             # Released by key before it was made: nobody will read this lease.
             task = asyncio.ensure_future(asyncio.to_thread(
-                release, str(params["engine_id"]), str(params["lease_id"])))
+                release, lease.engine_id, lease.lease_id))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 
@@ -110,10 +110,9 @@ class Leases:
         if release is None:
             return
         await self.state.loop.settled()  # the aborts applied, every lease output queued
-        for params in gen.drain_leases():
+        for lease in gen.drain_leases():
             with contextlib.suppress(Exception):  # a lease already gone: nothing to do
-                await asyncio.to_thread(release, str(params["engine_id"]),
-                                        str(params["lease_id"]))
+                await asyncio.to_thread(release, lease.engine_id, lease.lease_id)
 
     def kv_mode(self, body: Any, num_prompts: int) -> tuple[bool, RemoteKv | None]:
         """(remote_decode, remote_kv) from the request's kv_transfer_params."""

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvrelay.relay import protocol as P
-from kvrelay.relay.port import RequestRejected
+from kvrelay.relay.port import Failure, RequestRejected
 from kvrelay.relay.receiver import Phase, Policy
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.relay.sides import build_decode_side
@@ -131,7 +131,8 @@ class VllmKvLoads:
             self._committed[request_id] = (ms, phases, now)
         self.report(request_id, failed=False)
 
-    def load_failed(self, request_id: str, error: str, *, recompute: bool) -> None:
+    def load_failed(self, request_id: str, error: str, *, recompute: bool,
+                    failure: Failure = Failure.KV_LOAD) -> None:
         log.warning("kvrelay: KV load of %s failed: %s", request_id, error)
         self.errors[request_id] = error
         self.report(request_id, failed=True)

@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 from kvrelay.core.block_pool import request_owner
+from kvrelay.core.lifecycle import Failure
 from kvrelay.relay import protocol as P
 from kvrelay.relay.receiver import INVALID_PARAMS, Phase, ReceiverConfig, RemoteKv
 from tests.sim.race_harness import BS, Pair
@@ -153,6 +154,7 @@ def test_forged_params_fail_even_when_every_block_is_cached(forgery: str) -> Non
     pair.submit("r", forged, prompt_len=8)
     pair.converse()
     assert pair.finished["r"].error.startswith(INVALID_PARAMS), pair.finished["r"].error
+    assert pair.finished["r"].failure is Failure.KV_PARAMS  # the server's 400
     assert "r" not in pair.outputs or pair.outputs["r"] == []
     pair.now += 10.0  # the genuine lease, never consumed, expires (forged lease id)
     pair.table.expire(pair.now)
@@ -201,6 +203,7 @@ def test_a_genuine_lease_of_another_prompt_neither_decodes_nor_poisons_the_cache
     pair.converse()
     error = pair.finished["evil"].error
     assert error.startswith(INVALID_PARAMS) and "another prompt" in error, error
+    assert pair.finished["evil"].failure is Failure.KV_PARAMS
     assert pair.d_pool.num_cached == 0 and not pair.transport.handles
     kv = pair.prefill("honest", PROMPT)  # an honest request with prompt X decodes right
     pair.submit("honest", kv, PROMPT)
