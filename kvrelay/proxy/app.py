@@ -42,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrelay.proxy.affinity import POLICIES, RoutingConfig
 from kvrelay.proxy.discovery import add_discovery_args, discovery_from
+from kvrelay.proxy.health import watch_health
 from kvrelay.proxy.placement import add_placement_args, placement_from
 from kvrelay.proxy.responses import RESPONSES_PATH, ResponseRouter
 from kvrelay.proxy.routing import CHAT_PATH, COMPLETIONS_PATH, Proxy
@@ -173,7 +174,10 @@ def create_proxy_app(proxy: Proxy) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
         proxy.client = httpx.AsyncClient(transport=SweptTransport(limits=limits))
-        health = asyncio.create_task(proxy.health_loop())
+        health = asyncio.create_task(watch_health(
+            proxy.prefill, proxy.decode, proxy.client, proxy.headers(), proxy.metrics,
+            interval=proxy.health_interval, discovery=proxy.discovery,
+            kv_events=proxy.kv_events))
         try:
             yield
         finally:
@@ -212,7 +216,7 @@ def create_proxy_app(proxy: Proxy) -> FastAPI:
             try:
                 r = await proxy._http().request(
                     method, f"{up.url}{path}", content=body, timeout=10.0,
-                    headers={**proxy._headers(), "content-type": "application/json"})
+                    headers={**proxy.headers(), "content-type": "application/json"})
             except httpx.HTTPError as exc:
                 failures.append(f"{up.url}: {type(exc).__name__}")
                 continue

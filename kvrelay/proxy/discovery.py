@@ -2,7 +2,7 @@
 
 A name stands for a set of engines, as a Kubernetes headless Service gives them: every
 A and AAAA record is one engine, ``http://ADDRESS:PORT``. The proxy re-resolves each
-name every ``--dns-interval`` seconds (kvrelay.proxy.routing, ``health_loop``):
+name every ``--dns-interval`` seconds (kvrelay.proxy.health, ``watch_health``):
 an address that appears becomes an engine, health-checked before it gets work; one that
 vanishes gets no new requests, and the requests it has finish (they hold their engine).
 A lookup that fails (timeout, server failure) changes nothing: a DNS hiccup must not

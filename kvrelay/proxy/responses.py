@@ -78,7 +78,7 @@ class ResponseRouter:
         p = self.proxy
         return p._http().build_request(
             "POST", f"{up.url}{RESPONSES_PATH}", content=raw, timeout=p.timeout,
-            headers={**p._headers(), "content-type": "application/json"})
+            headers={**p.headers(), "content-type": "application/json"})
 
     async def _whole(self, up: Upstream, raw: bytes) -> Response:
         async with self.proxy._outstanding(up):

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import httpx
@@ -24,7 +25,7 @@ from kvrelay.proxy.affinity import (
 )
 from kvrelay.proxy.discovery import Discovery
 from kvrelay.proxy.events import EventMetrics, KvEventsFeed, tokenize_on
-from kvrelay.proxy.legs import Leg
+from kvrelay.proxy.legs import Leg, LegEvent
 from kvrelay.proxy.merge import Frame
 from kvrelay.proxy.metrics import ProxyMetrics
 from kvrelay.proxy.placement import CHARS_PER_TOKEN, PlacementConfig, Work, local_reason
@@ -48,6 +49,16 @@ T = TypeVar("T")
 RELEASE_PATH = "/v1/kv/release"  # on the prefill engine
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 NO_DECODE_ENGINE = "no decode engine is known: its DNS names resolve to no address"
+
+
+class Piece(enum.Enum):
+    """What a streamed leg puts on the request's queue of events."""
+
+    P_TOKEN = "p_token"  # P's first token, as a chunk choice
+    D_TOKENS = "d_tokens"  # a chunk choice of D's after P's token
+    WHOLE = "whole"  # a chunk choice of D serving the whole choice (colocated, tools)
+    END = "end"  # the leg's answer is complete
+    ERROR = "error"  # the leg failed: its error event ends the client's stream
 
 
 class Proxy:
@@ -91,32 +102,8 @@ class Proxy:
         assert self.client is not None, "the proxy app is not running"
         return self.client
 
-    def _headers(self) -> dict[str, str]:
+    def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    async def health_loop(self) -> None:
-        """Each poll is logged at debug; a change of an engine's health at info."""
-        while True:
-            if self.discovery is not None:
-                for role, url in await self.discovery.refresh([self.prefill, self.decode]):
-                    with contextlib.suppress(KeyError):  # gone before its first check
-                        self.metrics.healthy.remove(role, url)
-            for up in self.prefill.all + self.decode.all:
-                try:
-                    r = await self._http().get(f"{up.url}/health", timeout=2.0)
-                    healthy, why = r.status_code == 200, f"HTTP {r.status_code}"
-                except Exception as exc:  # any failure: unhealthy, and the loop goes on
-                    healthy, why = False, f"{type(exc).__name__}: {exc}"
-                log.debug("health %s %s: %s", up.role, up.url, why)
-                if healthy != up.healthy:
-                    log.info("%s engine %s is %s (%s)", up.role, up.url,
-                             "healthy" if healthy else "unhealthy", why)
-                up.healthy = healthy
-                self.metrics.healthy.labels(up.role, up.url).set(1 if healthy else 0)
-            if self.kv_events is not None:
-                await self.kv_events.refresh(self.prefill.all + self.decode.all, self._http(),
-                                             self._headers())
-            await asyncio.sleep(self.health_interval)
 
     @contextlib.asynccontextmanager
     async def _outstanding(self, up: Upstream) -> AsyncIterator[None]:
@@ -155,6 +142,9 @@ class Proxy:
         # (conditional disaggregation) is D's alone, as colocated work.
         whole = self._tool_legs(req, legs)
         to_prefill = [] if whole else [leg for leg in legs if self._to_prefill(leg)]
+        for leg in legs:
+            if leg not in to_prefill:
+                leg.served_whole()
         if whole:
             self.metrics.requests.labels("colocated").inc(len(legs))
         try:
@@ -209,7 +199,7 @@ class Proxy:
 
     async def _tokenize(self, body: dict[str, Any]) -> list[int] | None:
         urls = [u.url for u in self.decode.candidates() + self.prefill.candidates()]
-        return await tokenize_on(self._http(), urls, self._headers(), body)
+        return await tokenize_on(self._http(), urls, self.headers(), body)
 
     def _pick(self, ups: Upstreams, leg: Leg) -> Upstream:
         """The routed engine, counted."""
@@ -275,12 +265,15 @@ class Proxy:
         log.info("decode engine %s refused a leg unseen (%s): trying the next", up.url, why)
 
     def _release_all(self, legs: list[Leg]) -> None:
-        """Every lease still the proxy's (D never got it): back to its prefill engine."""
+        """The request is over: every lease still the proxy's (D never got it) back to
+        its prefill engine, and every leg done."""
         for leg in legs:
             self._release(leg)
+            leg.finished()
 
     def _release(self, leg: Leg) -> None:
-        params, leg.params = leg.params, None
+        """A lease the proxy still holds, back to P (D never got it)."""
+        params = leg.take_lease()
         if params is not None and leg.prefill_url is not None:
             self._background(self._post_release(leg.prefill_url, params))
 
@@ -288,11 +281,12 @@ class Proxy:
         with contextlib.suppress(httpx.HTTPError):
             await self._http().post(
                 f"{prefill_url}{RELEASE_PATH}", json={"kv_transfer_params": params},
-                headers=self._headers(), timeout=5.0,
+                headers=self.headers(), timeout=5.0,
             )
 
     # -- prefill -----------------------------------------------------------------------
     async def _prefill_leg(self, path: str, leg: Leg) -> None:
+        leg.on(LegEvent.PREFILL)
         for attempt, up in enumerate(self._prefill_order(leg)):
             try:
                 with _Prefilling(up, leg.tokens if leg.remote_tokens is None
@@ -306,7 +300,8 @@ class Proxy:
             up.healthy = True
             leg.prefilled(first, up.url)
             if leg.ended_at_prefill:
-                self._release(leg)  # e.g. max_tokens 1: the lease is not needed
+                if leg.params is not None:  # e.g. max_tokens 1: the lease is not needed
+                    self._background(self._post_release(up.url, leg.params))
                 if leg.tools is not None:
                     # Token 1 ended it (EOS): D serves the leg whole, so that its answer
                     # is read for calls as a colocated one is.
@@ -316,6 +311,7 @@ class Proxy:
             self.metrics.requests.labels("disaggregated").inc()
             return
         self.metrics.requests.labels("prefill_unavailable").inc()
+        leg.served_whole()  # D prefills it too
 
     async def _prefill(self, up: Upstream, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """P's answer: token 1 and the lease. With echo or prompt_logprobs it also holds
@@ -346,7 +342,7 @@ class Proxy:
             async with self._outstanding(up):
                 try:
                     r = await self._http().post(f"{up.url}{path}", json=p_body,
-                                                headers=self._headers(), timeout=self.timeout)
+                                                headers=self.headers(), timeout=self.timeout)
                 except httpx.HTTPError as exc:
                     raise UpstreamDown(f"{type(exc).__name__}: {exc}") from exc
             if r.status_code >= 500:
@@ -372,7 +368,8 @@ class Proxy:
             body.pop("prompt_logprobs", None)
         if stream:
             body["stream_options"] = {"include_usage": True}  # the proxy sums usage
-        if leg.params is not None:
+        if leg.owns_lease():
+            assert leg.params is not None
             # The client has token 1 from P already: D must not send it again (a vLLM
             # decode engine does: its answer is cut instead, see Leg.resends). A tool
             # leg's answer is D's whole: D sends token 1 itself.
@@ -386,56 +383,19 @@ class Proxy:
         frame.saw(leg.first or {})
         if leg.ended_at_prefill:
             return merge.leg_choice(leg, None)
-        body = self._decode_body(leg, stream=False)
-        r: httpx.Response | None = None
-        closed: str | None = None  # an engine closed the connection before answering
-        for up in self._decode_order(leg):
-            async with self._outstanding(up):
-                try:
-                    with _Prefilling(up, _local_work(leg)):
-                        r = await self._http().post(f"{up.url}{path}", json=body,
-                                                    headers=self._headers(),
-                                                    timeout=self.timeout)
-                except httpx.ConnectError as exc:  # D never saw the leg: the next one
-                    self._refused_unseen(up, f"{type(exc).__name__}: {exc}")
-                    r = _error(502, f"the decode engine {up.url} is unreachable: {exc}")
-                    continue
-                except _CLOSED as exc:
-                    # Closed before its answer: handed on as a stream's leg is (see
-                    # _stream_lines). A whole answer's status line comes at its end, so
-                    # D may also have read the leg and died mid-decode: then the next
-                    # engine's ACQUIRE is refused (its 400 becomes this 502) or finds the
-                    # lease released and falls back; never two pulls.
-                    closed = _closed_before_answering(up, exc)
-                    self._refused_unseen(up, closed)
-                    r = _error(502, closed)
-                    continue
-                except httpx.HTTPError as exc:
-                    # A timeout: D may be slow and pulling the lease; not handed on.
-                    self._release(leg)  # D may never have seen it; a second release is stale
-                    raise Refused(_error(502, f"the decode engine {up.url} failed: "
-                                         f"{type(exc).__name__}: {exc}")) from exc
-            if r.status_code not in (429, 503):
-                break
-            # 503 draining, 429 its queue of pulled requests full: the lease untouched.
-            self._refused_unseen(up, f"HTTP {r.status_code}", busy=r.status_code == 429)
-        if r is None:
-            r = _error(503, NO_DECODE_ENGINE)
-        if r.status_code != 200:
-            self._release(leg)
-            lost = _lease_lost(closed, r.status_code, _json_body(r))
-            raise Refused(r if lost is None else _error(502, lost))
-        leg.params = None  # D pulled (or gave back) the lease
-        _landed(up, leg)
-        decoded = r.json()
-        frame.saw(decoded)
+        try:
+            decoded = await self._decode(path, leg, frame, None)
+        except _LegFailed as exc:
+            self._release(leg)  # D never had it (its 200 makes it D's)
+            raise Refused(exc.response) from None
+        assert decoded is not None
         return merge.leg_choice(leg, decoded)
 
     # -- streams -----------------------------------------------------------------------
     async def _stream(
         self, path: str, legs: list[Leg], frame: Frame, t0: float
     ) -> AsyncIterator[bytes]:
-        events: asyncio.Queue[tuple[Leg, str, Any]] = asyncio.Queue()
+        events: asyncio.Queue[tuple[Leg, Piece, Any]] = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._stream_leg(path, leg, frame, events))
                  for leg in legs]
         first_out = False
@@ -443,13 +403,13 @@ class Proxy:
             open_legs = len(legs)
             while open_legs:
                 leg, kind, payload = await events.get()
-                if kind == "end":
+                if kind is Piece.END:
                     open_legs -= 1
-                elif kind == "error":
+                elif kind is Piece.ERROR:
                     yield sse(payload)
                     break
-                else:  # "p": P's first token, "d": D's after it, "c": D's colocated
-                    if kind == "d" and leg.resends:
+                else:
+                    if kind is Piece.D_TOKENS and leg.resends:
                         try:
                             payload = merge.cut_resent(leg, payload)
                         except merge.Spliced as exc:
@@ -459,7 +419,7 @@ class Proxy:
                         if payload is None:
                             continue
                     # D's text offsets count from token 2, unless D sent token 1 again.
-                    shift = leg.shift if kind == "d" and not leg.resends else 0
+                    shift = leg.shift if kind is Piece.D_TOKENS and not leg.resends else 0
                     for chunk in merge.reframe(frame, leg, payload, shift):
                         if not first_out:
                             first_out = True
@@ -478,111 +438,140 @@ class Proxy:
         yield sse("[DONE]")
 
     async def _stream_leg(
-        self, path: str, leg: Leg, frame: Frame, events: asyncio.Queue[tuple[Leg, str, Any]]
+        self, path: str, leg: Leg, frame: Frame, events: asyncio.Queue[tuple[Leg, Piece, Any]]
     ) -> None:
-        """Put the leg's chunk choices on ``events`` ("p": P's token, "d": D's), then
-        "end", or one "error" event."""
+        """Put the leg's chunk choices on ``events`` (P's token, D's), then END, or one
+        ERROR event."""
         try:
             if leg.first is not None and leg.tools is None:  # a tool leg's chunks are D's
                 frame.saw(leg.first)
                 if leg.ended_at_prefill:  # P's token is the whole choice
-                    events.put_nowait((leg, "p", merge.seed_chunk(leg)))
+                    events.put_nowait((leg, Piece.P_TOKEN, merge.seed_chunk(leg)))
                     leg.usage = leg.first.get("usage")
-                    events.put_nowait((leg, "end", None))
+                    events.put_nowait((leg, Piece.END, None))
                     return
                 if leg.streams_first_token():
-                    events.put_nowait((leg, "p", merge.seed_chunk(leg)))
-            error = await self._stream_decode(path, leg, frame, events)
+                    events.put_nowait((leg, Piece.P_TOKEN, merge.seed_chunk(leg)))
+            kind = Piece.D_TOKENS if leg.first is not None and leg.tools is None else Piece.WHOLE
+            error = None
+            try:
+                await self._decode(path, leg, frame,
+                                   lambda choice: events.put_nowait((leg, kind, choice)))
+            except _LegFailed as exc:
+                error = _json_body(exc.response)
         except Exception as exc:  # never leave the client's stream waiting
             log.exception("leg %d failed", leg.index)
             error = error_event(f"the proxy failed: {type(exc).__name__}: {exc}", 500)
         if error is not None:
             self._release(leg)
-            events.put_nowait((leg, "error", error))
+            events.put_nowait((leg, Piece.ERROR, error))
         else:
-            events.put_nowait((leg, "end", None))
+            events.put_nowait((leg, Piece.END, None))
 
-    async def _stream_decode(
-        self, path: str, leg: Leg, frame: Frame, events: asyncio.Queue[tuple[Leg, str, Any]]
+    # -- one decode attempt, whole or streamed ------------------------------------------
+    async def _decode(
+        self, path: str, leg: Leg, frame: Frame, stream_to: Callable[[Any], None] | None,
     ) -> dict[str, Any] | None:
-        """D's chunks for the leg; returns the error event that ended it, if any. An
-        engine that refuses the leg unseen hands it to the next (``_decode_order``)."""
-        error: dict[str, Any] | None = error_event(NO_DECODE_ENGINE, 503)
+        """D's answer for the leg: its JSON (whole), or each chunk choice to
+        ``stream_to`` (streamed, returns None); ``_LegFailed`` with the client's error
+        otherwise. An engine that refuses the leg unseen (connection refused, closed
+        before its status line, 429, 503) hands it to the next (``_decode_order``),
+        the lease untouched: the same rule for whole and streamed answers."""
+        body = self._decode_body(leg, stream=stream_to is not None)
+        failure = _error(503, NO_DECODE_ENGINE)
         closed: str | None = None  # an engine closed the connection before answering
         for up in self._decode_order(leg):
             try:
-                return await self._stream_from(up, path, leg, frame, events, closed)
+                return await self._decode_on(up, path, leg, frame, body, stream_to, closed)
             except _Unseen as exc:
-                self._refused_unseen(up, str(exc.error)[:200], busy=exc.busy)
-                error = exc.error
-                closed = exc.closed or closed
-        return error
+                self._refused_unseen(up, exc.why, busy=exc.busy)
+                failure, closed = exc.response, exc.closed or closed
+        raise _LegFailed(failure)
 
-    async def _stream_from(
-        self, up: Upstream, path: str, leg: Leg, frame: Frame,
-        events: asyncio.Queue[tuple[Leg, str, Any]], closed: str | None,
+    async def _decode_on(
+        self, up: Upstream, path: str, leg: Leg, frame: Frame, body: dict[str, Any],
+        stream_to: Callable[[Any], None] | None, closed: str | None,
     ) -> dict[str, Any] | None:
+        """One engine's answer (see ``_decode``). ``closed``: an earlier engine's close
+        under this leg (see _lease_lost)."""
+        answered = False
         async with self._outstanding(up):
             with _Prefilling(up, _local_work(leg)) as work:
-                return await self._stream_lines(up, path, leg, frame, events, work, closed)
-
-    async def _stream_lines(
-        self, up: Upstream, path: str, leg: Leg, frame: Frame,
-        events: asyncio.Queue[tuple[Leg, str, Any]], work: _Prefilling, closed: str | None,
-    ) -> dict[str, Any] | None:
-        """D's chunks for the leg; the error event that ended it, if any. ``closed``: an
-        earlier engine's close under this leg (see _lease_lost)."""
-        body = self._decode_body(leg, stream=True)
-        kind = "d" if leg.first is not None and leg.tools is None else "c"
-        landed = answered = False
-        try:
-            async with self._http().stream("POST", f"{up.url}{path}", json=body,
-                                           headers=self._headers(),
-                                           timeout=self.timeout) as r:
-                answered = True
-                if r.status_code != 200:
-                    await r.aread()
-                    if r.status_code in (429, 503):
-                        raise _Unseen(_json_body(r), busy=r.status_code == 429)
-                    answer = _json_body(r)
-                    lost = _lease_lost(closed, r.status_code, answer)
-                    return dict(answer) if lost is None else error_event(lost)
-                leg.params = None  # D has the lease: it pulls or gives it back
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return None
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        return dict(chunk)
-                    frame.saw(chunk)
-                    if chunk.get("usage") and not chunk.get("choices"):
-                        leg.usage = chunk["usage"]
-                    for choice in chunk.get("choices") or []:
-                        if not landed:
-                            landed = True
+                try:
+                    async with self._http().stream("POST", f"{up.url}{path}", json=body,
+                                                   headers=self.headers(),
+                                                   timeout=self.timeout) as r:
+                        answered = True
+                        if r.status_code != 200:
+                            await r.aread()
+                            if r.status_code in (429, 503):  # draining, or its queue full
+                                raise _Unseen(r, f"HTTP {r.status_code}",
+                                              busy=r.status_code == 429)
+                            lost = _lease_lost(closed, r.status_code, _json_body(r))
+                            raise _LegFailed(r if lost is None else _error(502, lost))
+                        leg.handed()  # D has the lease: it pulls or gives it back
+                        if stream_to is None:
+                            await r.aread()
+                            decoded: dict[str, Any] = r.json()
                             _landed(up, leg)
-                            work.done()
-                        events.put_nowait((leg, kind, choice))
-        except httpx.ConnectError as exc:
-            raise _Unseen(error_event(f"the decode engine {up.url} is unreachable: "
-                                            f"{exc}")) from exc
-        except httpx.HTTPError as exc:
-            if not answered and isinstance(exc, _CLOSED):
-                # Closed before its status line: a pooled connection the engine closed
-                # idle as the leg was sent (a drained engine's shutdown, its keep-alive
-                # timeout), the leg unread; uvicorn answers what it has read (503 while
-                # draining). Had D read it and died before answering, the lease may be
-                # D's: one attempt pulls a lease, so the next engine's ACQUIRE is refused
-                # (lease_busy, consumed: an error event) or finds it released (it falls
-                # back per its policy); never two pulls, never a second release.
-                why = _closed_before_answering(up, exc)
-                raise _Unseen(error_event(why), closed=why) from exc
-            return error_event(f"the decode engine {up.url} failed mid-stream: "
-                                     f"{type(exc).__name__}: {exc}")
-        return error_event(f"the decode engine {up.url} ended the stream early")
+                            frame.saw(decoded)
+                            return decoded
+                        await _read_stream(r, up, leg, frame, work, stream_to)
+                        return None
+                except httpx.ConnectError as exc:  # D never saw the leg: the next one
+                    raise _Unseen(_error(502, f"the decode engine {up.url} is unreachable: "
+                                              f"{exc}"), f"{type(exc).__name__}: {exc}") from exc
+                except httpx.HTTPError as exc:
+                    if not answered and isinstance(exc, _CLOSED):
+                        # Closed before its status line: a pooled connection the engine
+                        # closed idle as the leg was sent (a drained engine's shutdown, its
+                        # keep-alive timeout), the leg unread; uvicorn answers what it has
+                        # read (503 while draining). Had D read it and died before
+                        # answering, the lease may be D's: one attempt pulls a lease, so
+                        # the next engine's ACQUIRE is refused (lease_busy, consumed: an
+                        # error) or finds it released (it falls back per its policy);
+                        # never two pulls, never a second release.
+                        why = _closed_before_answering(up, exc)
+                        raise _Unseen(_error(502, why), why, closed=why) from exc
+                    # A timeout: D may be slow and pulling the lease; not handed on.
+                    where = " mid-stream" if answered and stream_to is not None else ""
+                    raise _LegFailed(_error(502, f"the decode engine {up.url} failed{where}: "
+                                                 f"{type(exc).__name__}: {exc}")) from exc
+
+
+async def _read_stream(r: httpx.Response, up: Upstream, leg: Leg, frame: Frame,
+                       work: _Prefilling, stream_to: Callable[[Any], None]) -> None:
+    """D's SSE chunks, each choice to ``stream_to``, until [DONE]; ``_LegFailed`` with D's
+    error event, or when the stream ends early."""
+    landed = False
+    async for line in r.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise _LegFailed(httpx.Response(502, json=chunk))
+        frame.saw(chunk)
+        if chunk.get("usage") and not chunk.get("choices"):
+            leg.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            if not landed:
+                landed = True
+                _landed(up, leg)
+                work.done()
+            stream_to(choice)
+    raise _LegFailed(_error(502, f"the decode engine {up.url} ended the stream early"))
+
+
+class _LegFailed(Exception):
+    """D did not answer the leg: ``response`` is the client's error (whole answers pass
+    it on as it is; a stream sends its body as an error event)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
 
 
 class _Prefilling:

@@ -28,13 +28,14 @@ class UpstreamDown(Exception):
 
 class _Unseen(Exception):
     """A decode engine refused a leg before it saw it: the next one may take it.
-    ``busy``: a 429 (its queue of pulled requests is full), not a sign of ill health.
+    ``response``: the client's error should no engine take it; ``why``: for the log;
+    ``busy``: a 429 (its queue of pulled requests is full), not a sign of ill health;
     ``closed``: it closed the connection before answering (this says how)."""
 
-    def __init__(self, error: dict[str, Any], busy: bool = False,
+    def __init__(self, response: httpx.Response, why: str, busy: bool = False,
                  closed: str | None = None) -> None:
-        super().__init__(error)
-        self.error, self.busy, self.closed = error, busy, closed
+        super().__init__(why)
+        self.response, self.why, self.busy, self.closed = response, why, busy, closed
 
 
 # A connection closed under a request (reset, or EOF before a status line). Not a

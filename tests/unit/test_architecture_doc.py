@@ -28,7 +28,7 @@ MAP = DOCS / "ARCHITECTURE.md"
 # The machines the table finder must find (so a finder that finds nothing fails), and
 # state kept without a table that the map names too: (class, file under kvrelay/).
 TABLED = {("RequestState", "core/lifecycle.py"), ("LeaseState", "relay/lease.py"),
-          ("Phase", "relay/receiver.py")}
+          ("Phase", "relay/receiver.py"), ("LegState", "proxy/legs.py")}
 UNTABLED = {("TransferState", "relay/transports/base.py"), ("DrainState", "wire/drain.py")}
 SUMMARY_LINES = 3
 

@@ -49,8 +49,9 @@ class Engine:
     """``/health`` answers 200 and keeps the connection; a POST is answered by ``mode``:
     ``prefill`` (token 1 and the lease; a release: ok), ``stream`` (D's tokens),
     ``reset``/``close`` (the connection closed before any answer), ``fail_after_status``
-    (200 and one event, then a reset). ``posts``: (path, body, number of the request
-    on its connection); ``checked``: set once a health check was answered."""
+    (200 and one event, or part of a whole answer, then a reset). ``posts``: (path,
+    body, number of the request on its connection); ``checked``: set once a health
+    check was answered."""
 
     def __init__(self, mode: str, first: dict[str, Any] | None = None,
                  stream: list[dict[str, Any]] | None = None) -> None:
@@ -115,6 +116,13 @@ class Engine:
             await writer.drain()
             return True
         if not body.get("stream"):
+            if self.mode == "fail_after_status":  # the status line, half the body, a reset
+                data = json.dumps(WHOLE).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(data), data[:10]))
+                await writer.drain()
+                _reset(writer)
+                return False
             _answer(writer, WHOLE)
             await writer.drain()
             return True

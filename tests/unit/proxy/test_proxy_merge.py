@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrelay.proxy.legs import Leg
+from kvrelay.proxy.legs import Leg, LegEvent
 from kvrelay.proxy.merge import Frame, full_body, leg_choice, merge_logprobs, reframe
 
 
@@ -32,6 +32,7 @@ def test_legs_merge_into_one_answer_counting_each_prompt_once() -> None:
     legs = [Leg(i, i % 2 == 0, {"max_tokens": 3}) for i in range(4)]
     choices = []
     for leg in legs:
+        leg.on(LegEvent.PREFILL)
         leg.prefilled(p_answer("A", None), "http://p")
         assert leg.params == {"lease_id": "L"} and not leg.ended_at_prefill
         decoded = {"model": "m", "choices": [{"index": 0, "text": "BC", "logprobs": None,
@@ -47,10 +48,12 @@ def test_legs_merge_into_one_answer_counting_each_prompt_once() -> None:
 
 def test_first_token_that_ends_the_choice_needs_no_decode() -> None:
     leg = Leg(0, True, {"max_tokens": 1})
+    leg.on(LegEvent.PREFILL)
     leg.prefilled(p_answer("A", None), "http://p")
     assert leg.ended_at_prefill
     assert leg_choice(leg, None)["finish_reason"] == "length"  # not remote_decode
     stop = Leg(0, True, {"max_tokens": 9})
+    stop.on(LegEvent.PREFILL)
     stop.prefilled({**p_answer("", None, "stop"), "kv_transfer_params": None}, "http://p")
     assert stop.ended_at_prefill and stop.params is None
 
@@ -84,6 +87,7 @@ def test_completion_stream_offsets_shift_by_the_text_before() -> None:
 
 def _vllm_leg(first_text: str) -> Leg:
     leg = Leg(0, True, {"prompt": "x", "max_tokens": 8})
+    leg.on(LegEvent.PREFILL)
     leg.prefilled({"choices": [{"text": first_text, "finish_reason": "length"}],
                    "kv_transfer_params": {"lease_id": "L", "resends_first_token": True}},
                   "http://p")
@@ -111,6 +115,7 @@ def test_a_stream_cuts_the_resent_first_token_across_chunks() -> None:
             texts.append(out["text"])
     assert " Paris" + "".join(texts) == " Paris is big"
     plain = Leg(0, True, {"prompt": "x"})
+    plain.on(LegEvent.PREFILL)
     plain.prefilled({"choices": [{"text": " Paris"}], "kv_transfer_params": {"lease_id": "L"}},
                     "http://p")
     assert not plain.resends  # kvrelay's own decode engine: token 1 is not sent again

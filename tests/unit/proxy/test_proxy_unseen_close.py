@@ -60,6 +60,17 @@ def test_a_leg_whose_engine_fails_after_its_status_line_is_not_handed_on() -> No
     assert len(d1.posts) == 1 and d2.posts == []
 
 
+def test_a_whole_answer_whose_engine_fails_after_its_status_line_is_not_handed_on() -> None:
+    """Whole answers follow the streamed rule: after D's status line the lease is D's,
+    so an engine that fails mid-body is the client's 502, never another engine's try
+    (whole answers used to hand such a leg on like one closed before answering)."""
+    p, d1, d2 = Engine("prefill"), Engine("fail_after_status"), Engine("stream")
+    r = asyncio.run(asked(p, d1, d2, stream=False))
+    assert r.status_code == 502, r.text
+    assert "failed" in r.json()["error"]["message"] and d1.posts and d2.posts == []
+    assert [path for path, _, _ in p.posts] == ["/v1/completions"]  # D1's lease now
+
+
 @pytest.mark.parametrize("close", ["reset", "close"])
 def test_a_whole_answer_closed_before_it_goes_to_the_next_decode_engine(close: str) -> None:
     """Not streamed: the same close (a drained engine's, its leg unread) hands the leg on;

@@ -263,7 +263,7 @@ def test_defaults_of_unsupported_fields_and_unknown_fields_are_accepted(
     body = {"model": "tiny", "prompt": "ab", "max_tokens": 2, "best_of": 1,
             "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
             "skip_special_tokens": True, "no_such_field": 1}
-    with caplog.at_level("WARNING", logger="kvrelay.wire.openai"):
+    with caplog.at_level("WARNING", logger="kvrelay.wire.http"):
         r = httpx.post(url + CMPL, json=body)
     assert r.status_code == 200, r.text
     assert any("no_such_field" in rec.getMessage() for rec in caplog.records)
