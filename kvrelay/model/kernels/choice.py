@@ -201,9 +201,9 @@ def record_kernels(backend: str, isa: str, reason: str) -> None:
 
 
 def record_gemm(gemm: str, why: str, prefill: str = "") -> None:
-    """The GEMM of decode-sized steps: ``native-bf16`` (native.BF16_GEMM_ROWS rows or
+    """The GEMM of decode-sized steps: ``native-bf16`` (gemms.BF16_GEMM_ROWS rows or
     fewer), ``native-bf16-amx`` (every call: AMX tiles from native.AMX_GEMM_ROWS rows),
-    ``native-f32-avx512`` or ``native-f32-avx2`` (native.F32_GEMM_ROWS; the ISA the
+    ``native-f32-avx512`` or ``native-f32-avx2`` (gemms.F32_GEMM_ROWS; the ISA the
     kernels run with, ``KVRELAY_NATIVE_ISA=avx2`` forcing AVX2 on an AVX-512 CPU),
     ``native-gguf-*`` (the GGUF codes), ``onednn`` or ``torch``; ``why``: why not the
     native one (``KVRELAY_NATIVE_GEMM=0`` turns it off); ``prefill``: the GEMM of the

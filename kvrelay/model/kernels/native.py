@@ -17,11 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from kvrelay import env
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.kernels.attention import ChunkSpec
 from kvrelay.model.kernels.backend import StepMetadata
-from kvrelay.model.kernels.cpu import cpu_has_amx_bf16
 from kvrelay.model.kernels.ext import load
 from kvrelay.model.kernels.gemms import (
     GgufGemms,
@@ -29,115 +27,25 @@ from kvrelay.model.kernels.gemms import (
     amx_gemm_unavailable,
     small_gemm_unavailable,
 )
+from kvrelay.model.kernels.native_step import (
+    CONTINUED_ROWS,
+    ContinuedPrompt,
+    FreshPrompts,
+    NativeStep,
+    PromptChunks,
+    _slots,
+)
+from kvrelay.model.kernels.prompt_route import (
+    EVERY_PROMPT_CHUNK,
+    NEVER,
+    SDPA_MIN_TOKENS,
+    prefill_amx_available,
+    prefill_sdpa_from,
+)
 from kvrelay.model.kernels.rope import RotaryTable
 
 if TYPE_CHECKING:
     from kvrelay.model.formats.gguf_loader import QuantWeight
-
-
-# Where prompt chunks leave the native tiles for torch's SDPA: a chunk that attends to at
-# least this many positions (its cached context and its own tokens), by the model's
-# dtype, and has at least SDPA_MIN_TOKENS tokens (for fewer, SDPA would gather the whole
-# context's K/V for little work). The tiles' cost per query grows with the context
-# faster than SDPA's, and SDPA costs more per call; the crossings were measured per dtype
-# and ISA (docs/notebook/, "Prompt attention by length"). bfloat16 on a CPU with
-# AMX-BF16: SDPA (on AMX itself) for every chunk, or the AMX kernel where it can.
-SDPA_FROM = {torch.float32: 640, torch.bfloat16: 320}
-SDPA_MIN_TOKENS = 128
-EVERY_PROMPT_CHUNK = 2  # a prompt chunk has two tokens or more, so attends to 2 or more
-NEVER = 1 << 62  # no chunk attends to this many positions
-
-
-def prefill_sdpa_from(dtype: torch.dtype) -> int | None:
-    """From how many attended positions a prompt chunk goes to torch's SDPA instead of the
-    native tiles, or None for never (KVRELAY_PREFILL_SDPA=1: every prompt chunk, =0:
-    none; default: SDPA_FROM by dtype, every chunk for bfloat16 on AMX-BF16)."""
-    forced = env.get("KVRELAY_PREFILL_SDPA")
-    if forced is not None:
-        return EVERY_PROMPT_CHUNK if forced else None
-    if dtype is torch.bfloat16 and cpu_has_amx_bf16():
-        return EVERY_PROMPT_CHUNK
-    return SDPA_FROM.get(dtype)
-
-
-class NativeStep:
-    """Per-step inputs of the attention kernel, built once for every layer."""
-
-    __slots__ = ("continued", "fresh", "k_rows", "positions", "prompts", "seqs", "skip_from",
-                 "skip_tokens", "tables")
-
-    def __init__(
-        self, positions: torch.Tensor, k_rows: torch.Tensor, seqs: torch.Tensor,
-        tables: torch.Tensor, fresh: Sequence[FreshPrompts] = (),
-        continued: Sequence[ContinuedPrompt] = (), prompts: PromptChunks | None = None,
-        skip_from: int = NEVER, skip_tokens: int = NEVER,
-    ) -> None:
-        self.positions = positions
-        self.k_rows = k_rows  # (T,) layer-0 K rows (of KVH * D values) of each token's slot
-        self.seqs = seqs  # (S, 3): first token in the step, token count, first position
-        self.tables = tables  # (S, W) block ids, padded with 0
-        self.fresh = fresh  # prompts' first chunks whose attention SDPA computes
-        self.continued = continued  # and their later chunks (after cached context)
-        self.prompts = prompts  # or every prompt chunk, for the AMX kernel instead
-        # the native call leaves the attention of the chunks of skip_tokens tokens or more
-        # that attend to skip_from positions or more to them
-        self.skip_from, self.skip_tokens = skip_from, skip_tokens
-
-
-class FreshPrompts:
-    """The first chunks (no cached context) of ``count`` prompts of ``length`` tokens in
-    one step: their token indices in the step and the layer-0 K rows of their slots."""
-
-    __slots__ = ("count", "k_rows", "length", "tokens")
-
-    def __init__(self, length: int, tokens: list[int], k_rows: list[int]) -> None:
-        self.length, self.count = length, len(tokens) // length
-        self.tokens = torch.tensor(tokens, dtype=torch.long)
-        self.k_rows = torch.tensor(k_rows, dtype=torch.long)
-
-
-def _slots(table: Sequence[int], positions: range, block_size: int,
-           block_rows: int) -> list[int]:
-    """The layer-0 K rows of the slots of ``positions`` in a sequence's block table."""
-    return [table[p // block_size] * block_rows + p % block_size for p in positions]
-
-
-CONTINUED_ROWS = 256
-
-
-class ContinuedPrompt:
-    """A prompt chunk of ``length`` tokens (token indices from ``first`` in the step) after
-    ``start`` positions of cached context: its queries attend to the layer-0 K rows
-    ``k_rows``, every position up to its last."""
-
-    __slots__ = ("first", "k_rows", "length", "start")
-
-    def __init__(self, first: int, start: int, length: int, k_rows: list[int]) -> None:
-        self.first, self.start, self.length = first, start, length
-        self.k_rows = torch.tensor(k_rows, dtype=torch.long)
-
-
-class PromptChunks:
-    """Prompt chunks (first chunks and chunks after cached context) whose attention the
-    AMX kernel computes (csrc/attn_prefill_amx.cpp): ``chunks`` (P, 4) holds each one's
-    first token in the step, cached positions before it, token count and where its keys'
-    layer-0 K rows (every position up to its last) begin in ``k_rows``."""
-
-    __slots__ = ("chunks", "k_rows")
-
-    def __init__(self, chunks: list[tuple[int, int, int, int]], k_rows: list[int]) -> None:
-        self.chunks = torch.tensor(chunks, dtype=torch.long).view(-1, 4)
-        self.k_rows = torch.tensor(k_rows, dtype=torch.long)
-
-
-def prefill_amx_available(mod: Any, dtype: torch.dtype, cfg: ModelConfig) -> bool:
-    """Whether prompt chunks can attend through the AMX kernel: bfloat16, head_dim 64 or
-    128, and a CPU with AMX-BF16 whose tile state Linux grants (KVRELAY_PREFILL_AMX=0:
-    never)."""
-    if not env.get("KVRELAY_PREFILL_AMX"):
-        return False
-    return (dtype is torch.bfloat16 and cfg.head_dim in (64, 128)
-            and bool(mod.has_amx_prefill_attention()))
 
 
 class NativeBackend:

@@ -21,7 +21,7 @@ import torch
 
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.kernels import choice as kernel_choice
-from kvrelay.model.kernels import ext, gemms, native
+from kvrelay.model.kernels import ext, gemms, native, native_step, prompt_route
 from kvrelay.model.kernels.attention import ChunkSpec
 from kvrelay.model.kernels.backend import TorchBackend
 from kvrelay.model.kernels.cpu import cpu_has_amx_bf16
@@ -110,8 +110,8 @@ def _attend_both(
     ``cache_dtype``, default ``dtype``); ``sdpa_from``: the native backend hands the
     prompt chunks of ``min_tokens`` tokens or more that attend to that many positions
     or more to SDPA
-    (native.prefill_sdpa_from), or with ``prefill_amx`` every one to the AMX kernel
-    (native.prefill_amx_available)."""
+    (prompt_route.prefill_sdpa_from), or with ``prefill_amx`` every one to the AMX kernel
+    (prompt_route.prefill_amx_available)."""
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
     cache = torch.randn(shape, generator=g).to(cache_dtype or dtype)
@@ -121,9 +121,9 @@ def _attend_both(
     pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
     ref_b, nat_b = _backends(cfg, dtype)
     nat_b.prefill_amx = prefill_amx
-    nat_b.sdpa_from = native.EVERY_PROMPT_CHUNK if prefill_amx else sdpa_from
+    nat_b.sdpa_from = prompt_route.EVERY_PROMPT_CHUNK if prefill_amx else sdpa_from
     nat_b.sdpa_min_tokens = min_tokens
-    cut = native.NEVER if nat_b.sdpa_from is None else nat_b.sdpa_from
+    cut = prompt_route.NEVER if nat_b.sdpa_from is None else nat_b.sdpa_from
     ref_cache, nat_cache = cache.clone(), cache.clone()
     ref = ref_b.attention(qkv.clone(), ref_cache, layer,
                           ref_b.build_metadata(chunks, pos, block_size))
@@ -178,9 +178,9 @@ SHAPES = [
 
 
 # Where prompt chunks attend in the tests below: the native tiles, SDPA, or split by the
-# positions a chunk attends to (native.SDPA_FROM's rule; 24: the random steps' prompt
+# positions a chunk attends to (prompt_route.SDPA_FROM's rule; 24: the random steps' prompt
 # chunks fall on both sides).
-SDPA_FROM = {"tiles": None, "sdpa": native.EVERY_PROMPT_CHUNK, "split": 24}
+SDPA_FROM = {"tiles": None, "sdpa": prompt_route.EVERY_PROMPT_CHUNK, "split": 24}
 
 
 @pytest.mark.parametrize("prefill", ["tiles", "sdpa", "split"])
@@ -210,7 +210,7 @@ def test_attention_float32_matches_torch(isa: str, shape: tuple[int, ...], prefi
 def test_later_prompt_chunks_match_float64(isa: str, prefill: str, dtype: torch.dtype) -> None:
     """Prompt chunks after cached context (chunked prefill, a pulled or cached prefix):
     by the native tiles, by SDPA over the context gathered from the blocks with a
-    mask that keeps each query from the positions after its own, native.CONTINUED_ROWS
+    mask that keeps each query from the positions after its own, native_step.CONTINUED_ROWS
     queries a call (the 300-token chunk takes two), split between the two by the
     positions they attend to (from 200: the chunks ending at 400 and 333 by SDPA; with
     ``split-long`` only chunks of 128 tokens or more: the one ending at 333), or
@@ -281,7 +281,7 @@ def test_amx_prompt_attention_matches_float64(head_dim: int, heads: int, kv_head
     cache, qkv = cache.to(torch.bfloat16), qkv.to(torch.bfloat16)
     pos = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.length)])
     _, nat = _backends(cfg, torch.bfloat16)
-    nat.sdpa_from, nat.prefill_amx = native.EVERY_PROMPT_CHUNK, True
+    nat.sdpa_from, nat.prefill_amx = prompt_route.EVERY_PROMPT_CHUNK, True
     meta = nat.build_metadata(chunks, pos, bs)
     assert meta.prompts is not None and len(meta.prompts.chunks) == 9
     threads = torch.get_num_threads()
@@ -446,9 +446,9 @@ def test_attention_bfloat16_no_worse_than_torch(isa: str, shape: tuple[int, ...]
     for b in _backends(cfg, torch.bfloat16):
         if isinstance(b, native.NativeBackend):
             b.prefill_amx = prefill == "amx"
-            b.sdpa_from = None if prefill == "tiles" else native.EVERY_PROMPT_CHUNK
+            b.sdpa_from = None if prefill == "tiles" else prompt_route.EVERY_PROMPT_CHUNK
         meta = b.build_metadata(chunks, pos, bs)
-        if isinstance(meta, native.NativeStep):
+        if isinstance(meta, native_step.NativeStep):
             assert bool(meta.fresh) == (prefill == "sdpa")
             assert (meta.prompts is not None) == (prefill == "amx")
         out = b.attention(qkv.clone(), cache.clone(), 0, meta)
