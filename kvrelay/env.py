@@ -1,6 +1,7 @@
 """The KVRELAY_* environment knobs the package reads: one registry (name, type, default,
 what it changes) and readers that parse a knob when called. docs/environment.md lists
-them with the build and test knobs. Imports nothing from kvrelay and not torch."""
+them with the build and test knobs. Imports nothing from kvrelay but its usage error,
+and not torch."""
 
 from __future__ import annotations
 
@@ -10,8 +11,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvrelay.errors import UsageError
+
 KnobType = Literal["str", "int", "float", "bool", "choice"]
 _DEFAULT: Any = object()  # get(): the knob's own default
+
+
+class BadKnob(UsageError, ValueError):
+    """A knob's value does not parse: one line naming the variable and what is allowed
+    (the command exits 2, as for a bad flag)."""
 
 
 @dataclass(frozen=True)
@@ -26,8 +34,8 @@ class Knob:
     choices: tuple[str, ...] = ()
 
     def parse(self, raw: str) -> Any:
-        """``raw`` as this knob's type; a ValueError naming the variable, the value and
-        what is allowed when it does not parse."""
+        """``raw`` as this knob's type; ``BadKnob`` (a ValueError) naming the variable, the
+        value and what is allowed when it does not parse."""
         try:
             if self.type == "bool" and raw in ("0", "1"):
                 return raw == "1"
@@ -43,7 +51,7 @@ class Knob:
             pass
         allowed = {"bool": "0 or 1", "int": "an integer", "float": "a number",
                    "choice": "one of " + ", ".join(self.choices)}[self.type]
-        raise ValueError(f"{self.name}={raw!r}: allowed: {allowed} (or unset)")
+        raise BadKnob(f"{self.name}={raw!r}: allowed: {allowed} (or unset)")
 
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
@@ -99,6 +107,12 @@ def get(name: str, default: Any = _DEFAULT) -> Any:
     if not raw:
         return knob.default if default is _DEFAULT else default
     return knob.parse(raw)
+
+
+def set_but_empty(name: str) -> bool:
+    """Is ``name`` in the environment with an empty value (read as unset by ``get``)?"""
+    KNOBS[name]  # a KeyError for a name not in KNOBS
+    return os.environ.get(name) == ""
 
 
 def setenv(name: str, value: str) -> None:

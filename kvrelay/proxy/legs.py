@@ -178,9 +178,10 @@ class Leg:
             return dict(self.body, tool_choice="none")
         return self.body
 
-    def prefilled(self, first: dict[str, Any], prefill_url: str) -> None:
-        """P's answer: the first token, and the lease unless that token ended it (the
-        caller then gives back a lease P made all the same: ``params``)."""
+    def prefilled(self, first: dict[str, Any], prefill_url: str) -> dict[str, Any] | None:
+        """P's answer: the first token, and the lease unless that token ended it. Returns
+        a lease P made all the same but nobody needs, for the caller to give back: once,
+        since P answers a leg once (the state table refuses a second answer)."""
         if self.state is not LegState.PREFILLING:
             raise IllegalLegEvent(f"leg {self.index}: P's answer in state {self.state.name}")
         self.first, self.prefill_url = first, prefill_url
@@ -192,3 +193,5 @@ class Leg:
             self.on(LegEvent.LEASE)
         if self.params is None or finish == "stop" or wanted == 1:
             self.on(LegEvent.END_AT_P)
+            return self.params
+        return None

@@ -141,7 +141,8 @@ def seed_chunk(leg: Leg) -> dict[str, Any]:
         # (a token ending inside a character has a text before the stream does; an
         # echoed BOS has a token text and no prompt text).
         leg.shift = lp["text_offset"][-1] + len(lp["tokens"][-1])
-    leg.resent = text if leg.resends else ""
+    # What D must send again first (a D that resends, when D is asked at all).
+    leg.resent = text if leg.resends and not leg.ended_at_prefill else ""
     leg.resent_left = len(leg.resent)
     finish = _finish_of(p) if leg.ended_at_prefill else None
     if "message" in p:
@@ -169,6 +170,10 @@ def cut_resent(leg: Leg, choice: dict[str, Any]) -> dict[str, Any] | None:
                       f"the prefill engine's ({leg.resent!r}) already streamed: the stream "
                       "stops here rather than join two sequences")
     leg.resent_left -= n
+    if leg.resent_left and choice.get("finish_reason") is not None:
+        raise Spliced(f"the decode engine ended ({text!r}) inside the first token the "
+                      f"prefill engine's stream already sent ({leg.resent!r}): the stream "
+                      "stops here rather than join two sequences")
     rest = text[n:]
     if not rest and choice.get("finish_reason") is None:
         return None  # the first token again (its logprobs went out with P's chunk)

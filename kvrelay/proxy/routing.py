@@ -298,16 +298,15 @@ class Proxy:
                 log.warning("prefill engine %s failed (attempt %d): %s", up.url, attempt + 1, exc)
                 continue
             up.healthy = True
-            leg.prefilled(first, up.url)
-            if leg.ended_at_prefill:
-                if leg.params is not None:  # e.g. max_tokens 1: the lease is not needed
-                    self._background(self._post_release(up.url, leg.params))
-                if leg.tools is not None:
-                    # Token 1 ended it (EOS): D serves the leg whole, so that its answer
-                    # is read for calls as a colocated one is.
-                    leg.served_whole()
-                    self.metrics.requests.labels("colocated").inc()
-                    return
+            unneeded = leg.prefilled(first, up.url)
+            if unneeded is not None:  # e.g. max_tokens 1: the lease is not needed
+                self._background(self._post_release(up.url, unneeded))
+            if leg.ended_at_prefill and leg.tools is not None:
+                # Token 1 ended it (EOS): D serves the leg whole, so that its answer is
+                # read for calls as a colocated one is.
+                leg.served_whole()
+                self.metrics.requests.labels("colocated").inc()
+                return
             self.metrics.requests.labels("disaggregated").inc()
             return
         self.metrics.requests.labels("prefill_unavailable").inc()
@@ -364,7 +363,8 @@ class Proxy:
     def _decode_body(self, leg: Leg, stream: bool) -> dict[str, Any]:
         body = dict(leg.body, stream=stream)
         if leg.first is not None:  # P's answer holds the prompt's echo and logprobs
-            body.pop("echo", None)
+            if not leg.resends:  # a D that resends answers the whole choice: its echo too
+                body.pop("echo", None)
             body.pop("prompt_logprobs", None)
         if stream:
             body["stream_options"] = {"include_usage": True}  # the proxy sums usage
@@ -404,6 +404,10 @@ class Proxy:
             while open_legs:
                 leg, kind, payload = await events.get()
                 if kind is Piece.END:
+                    if leg.resent_left:  # D's stream ended inside P's token
+                        yield sse(error_event(f"the decode engine's answer ended inside the "
+                                              f"first token already sent ({leg.resent!r})"))
+                        break
                     open_legs -= 1
                 elif kind is Piece.ERROR:
                     yield sse(payload)

@@ -260,6 +260,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.api_key is None and env.set_but_empty("KVRELAY_API_KEY"):
+        # Fail closed: an empty secret (a Kubernetes secret that did not populate) must
+        # not serve with no key at all.
+        raise UsageError("KVRELAY_API_KEY is set but empty: set a key, or unset it to "
+                         "serve without one")
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         raise UsageError("--enable-auto-tool-choice needs --tool-call-parser "
                          f"({', '.join(TOOL_PARSERS)})")

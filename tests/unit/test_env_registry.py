@@ -224,3 +224,30 @@ def test_a_bad_wait_policy_warns_and_import_goes_on() -> None:
                          env=clean | {"KVRELAY_OMP_WAIT_POLICY": "spin"}, check=True)
     assert out.stdout.split() == ["PASSIVE", "passive"]
     assert "KVRELAY_OMP_WAIT_POLICY='spin': allowed: one of active, passive, auto" in out.stderr
+
+
+def test_a_bad_knob_is_the_commands_usage_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A value that does not parse, read deep in a command (here while loading the
+    model), is one line and exit 2, as a bad flag is: not a traceback."""
+    from kvrelay.cli import main
+    from kvrelay.testing.models import write_tiny_hf_model
+
+    d = write_tiny_hf_model(tmp_path / "m")
+    monkeypatch.setenv("KVRELAY_HUGEPAGES", "off")
+    assert main(["generate", "--model", str(d), "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvrelay generate: KVRELAY_HUGEPAGES='off': allowed: 0 or 1 (or unset)"], err
+
+
+def test_an_empty_api_key_is_refused_not_served_open(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """KVRELAY_API_KEY set but empty (a secret that did not populate) stops serve before
+    it loads anything: an empty key must not mean no key at all."""
+    from kvrelay.cli import main
+
+    monkeypatch.setenv("KVRELAY_API_KEY", "")
+    assert main(["serve", "/nonexistent-model"]) == 2
+    assert "KVRELAY_API_KEY is set but empty" in capsys.readouterr().err
+    assert env.set_but_empty("KVRELAY_API_KEY") and env.get("KVRELAY_API_KEY") is None

@@ -88,3 +88,33 @@ def test_a_whole_answer_is_the_decode_engines_choice() -> None:
     r = asyncio.run(asked(p, d1, d2, stream=False, body={"temperature": 0.8}))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == " b c"  # WHOLE: D's own text
+
+
+def test_a_greedy_answer_that_ends_inside_ps_token_stops_unspliced() -> None:
+    """D breaks the tie towards a shorter token and stops there: its " " is a prefix of
+    P's " a" and ends the choice. The client must not get P's " a" as D's answer."""
+    d_says = [_chunk(" ", "stop"), USAGE]
+    p, d1, d2 = Engine("prefill", first=RESENDS), Engine("stream", stream=d_says), \
+        Engine("stream")
+    r = asyncio.run(asked(p, d1, d2, body={"temperature": 0}))
+    events = [json.loads(line[5:]) for line in r.text.splitlines()
+              if line.startswith("data:") and line != "data: [DONE]"]
+    assert _text(events) == " a" and "error" in events[-1], events
+    assert "inside" in events[-1]["error"]["message"]
+
+
+def test_an_echo_behind_a_resending_engine_is_ds_whole_echo() -> None:
+    """echo: D answers the whole choice, so it echoes the prompt itself (it is asked to);
+    a sampled stream is D's echo and sequence, a greedy one P's echo and token first,
+    matched against D's."""
+    echoed = dict(RESENDS, choices=[dict(RESENDS["choices"][0], text="hi a")])
+    for sampling in ({"temperature": 0.8}, {"temperature": 0}):
+        d_says = [_chunk("hi", None), _chunk(" a", None), _chunk(" b", "length"), USAGE]
+        p, d1, d2 = Engine("prefill", first=echoed), Engine("stream", stream=d_says), \
+            Engine("stream")
+        r = asyncio.run(asked(p, d1, d2, body={"echo": True, **sampling}))
+        events = [json.loads(line[5:]) for line in r.text.splitlines()
+                  if line.startswith("data:") and line != "data: [DONE]"]
+        assert _text(events) == "hi a b" and not [e for e in events if "error" in e], events
+        [(_, body, _)] = d1.posts
+        assert body["echo"] is True
