@@ -11,12 +11,11 @@ file, named by its dotted path (a package's __init__.py is named like the packag
 3. Import cycles: an edge A -> B when module A imports module B anywhere (absolute or
    relative, in functions, under TYPE_CHECKING); `from P import n` goes to P.n when
    that is a module, else to P. Cycles: strongly connected components (Tarjan) of
-   more than one module. Upward imports: a module is in the first of LAYERS (lowest
-   first) that names it or a package above it (so the old kvrelay.server.proxy_* are
-   kvrelay.server's); kvrelay/__init__.py and the modules of no layer (listed) are
-   exempt. An upward import goes from a lower layer to a higher one. Family imports:
-   edges from kvrelay.model.{formats,text,sampling,kernels}.* to the model root
-   modules (kvrelay.model and its modules outside the families).
+   more than one module. Imports against the layers: a module is in the layer of
+   LAYERS (lowest first) with the longest prefix naming it or a package above it (so
+   the old kvrelay.server.proxy_* are kvrelay.server's); kvrelay/__init__.py and the
+   modules of no layer (listed) are exempt. Counted: an import from a lower layer to a
+   higher one, and one between packages of a layer whose packages are SIBLINGS.
 4. Walks: from a start function, its body (nested functions and lambdas included) is
    read for calls in source order; each call resolved to a function of the package
    is walked in turn, depth-first, each function once, down to --depth calls below
@@ -56,7 +55,6 @@ LAYERS: list[tuple[str, ...]] = [
 # Packages of one layer that must not import each other.
 SIBLINGS = {"kvrelay.model.text", "kvrelay.model.sampling", "kvrelay.server", "kvrelay.proxy",
             "kvrelay.vllm", "kvrelay.sim", "kvrelay.bench"}
-FAMILIES = ("formats", "text", "sampling", "kernels")
 FuncKey = tuple[str, str]  # (module, "func" or "Class.method")
 
 
@@ -313,19 +311,10 @@ def report_imports(mods: dict[str, Module]) -> None:
     print(f"\n== 3. Import cycles: {len(cycles)}")
     for i, comp in enumerate(sorted(cycles, key=len, reverse=True), 1):
         print(f"  cycle {i} ({len(comp)} modules): {', '.join(comp)}")
-    edges = sorted((a, b) for a, bs in graph.items() for b in bs)
     unlayered = [n for n in sorted(mods) if n != "kvrelay" and layer(n) is None]
     if unlayered:
         print(f"  unlayered modules (exempt): {', '.join(unlayered)}")
     print_edges("imports up the layers or across siblings", against_layers(graph))
-    fams = {f"kvrelay.model.{f}" for f in FAMILIES} & set(mods)
-    if not fams:
-        print("\n   model family -> model root imports: n/a (no family folders)")
-        return
-    in_fam = [n for n in mods if any(n == f or n.startswith(f + ".") for f in fams)]
-    root = {n for n in mods if layer(n) == layer("kvrelay.model")}
-    fam_up = [(a, b) for a, b in edges if a in in_fam and b in root]
-    print_edges("model family -> model root imports", fam_up)
 
 
 def find_starts(mods: dict[str, Module]) -> list[tuple[str, FuncKey | None]]:

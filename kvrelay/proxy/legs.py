@@ -152,13 +152,13 @@ class Leg:
         self.on(LegEvent.RELEASE)
         return self.params
 
-    def finished(self) -> None:
-        """The leg's answer is complete, or it failed: nothing of it is the proxy's now
-        (a lease it still held was given back first)."""
-        if self.state is LegState.LEASED:
-            self.on(LegEvent.RELEASE)
+    def finished(self) -> dict[str, Any] | None:
+        """The leg's answer is complete, or it failed: nothing of it is the proxy's now.
+        Returns the lease it still held (RELEASE), for the caller to give back to P."""
+        lease = self.take_lease()
         if self.state is not LegState.DONE:
             self.on(LegEvent.FINISH)
+        return lease
 
     def streams_first_token(self) -> bool:
         """May P's first token reach the client before D answers? Yes where D goes on

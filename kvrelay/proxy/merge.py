@@ -170,16 +170,23 @@ def cut_resent(leg: Leg, choice: dict[str, Any]) -> dict[str, Any] | None:
                       f"the prefill engine's ({leg.resent!r}) already streamed: the stream "
                       "stops here rather than join two sequences")
     leg.resent_left -= n
-    if leg.resent_left and choice.get("finish_reason") is not None:
-        raise Spliced(f"the decode engine ended ({text!r}) inside the first token the "
-                      f"prefill engine's stream already sent ({leg.resent!r}): the stream "
-                      "stops here rather than join two sequences")
+    if choice.get("finish_reason") is not None:
+        check_resent(leg)
     rest = text[n:]
     if not rest and choice.get("finish_reason") is None:
         return None  # the first token again (its logprobs went out with P's chunk)
     if "delta" in choice:
         return dict(choice, delta=dict(choice["delta"], content=rest))
     return dict(choice, text=rest)
+
+
+def check_resent(leg: Leg) -> None:
+    """At the end of D's answer: ``Spliced`` if it ended inside the first token the
+    client already got from P (D's sequence is shorter than what was streamed)."""
+    if leg.resent_left:
+        raise Spliced(f"the decode engine's answer ended inside the first token the "
+                      f"prefill engine's stream already sent ({leg.resent!r}): the stream "
+                      "stops here rather than join two sequences")
 
 
 def reframe(

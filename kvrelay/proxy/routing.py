@@ -268,12 +268,13 @@ class Proxy:
         """The request is over: every lease still the proxy's (D never got it) back to
         its prefill engine, and every leg done."""
         for leg in legs:
-            self._release(leg)
-            leg.finished()
+            self._give_back(leg, leg.finished())
 
     def _release(self, leg: Leg) -> None:
         """A lease the proxy still holds, back to P (D never got it)."""
-        params = leg.take_lease()
+        self._give_back(leg, leg.take_lease())
+
+    def _give_back(self, leg: Leg, params: dict[str, Any] | None) -> None:
         if params is not None and leg.prefill_url is not None:
             self._background(self._post_release(leg.prefill_url, params))
 
@@ -403,25 +404,21 @@ class Proxy:
             open_legs = len(legs)
             while open_legs:
                 leg, kind, payload = await events.get()
-                if kind is Piece.END:
-                    if leg.resent_left:  # D's stream ended inside P's token
-                        yield sse(error_event(f"the decode engine's answer ended inside the "
-                                              f"first token already sent ({leg.resent!r})"))
-                        break
-                    open_legs -= 1
-                elif kind is Piece.ERROR:
+                if kind is Piece.ERROR:
                     yield sse(payload)
                     break
-                else:
+                try:
+                    if kind is Piece.END:
+                        merge.check_resent(leg)
+                        open_legs -= 1
+                        continue
                     if kind is Piece.D_TOKENS and leg.resends:
-                        try:
-                            payload = merge.cut_resent(leg, payload)
-                        except merge.Spliced as exc:
-                            log.warning("leg %d: %s", leg.index, exc)
-                            yield sse(error_event(str(exc)))
-                            break
-                        if payload is None:
-                            continue
+                        payload = merge.cut_resent(leg, payload)
+                except merge.Spliced as exc:
+                    log.warning("leg %d: %s", leg.index, exc)
+                    yield sse(error_event(str(exc)))
+                    break
+                if payload is not None:
                     # D's text offsets count from token 2, unless D sent token 1 again.
                     shift = leg.shift if kind is Piece.D_TOKENS and not leg.resends else 0
                     for chunk in merge.reframe(frame, leg, payload, shift):
