@@ -68,6 +68,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("KVRELAY_FAULT_TRANSFER_DELAY_S", "float", 0.0,
          "fault injection for tests: every KV transfer waits this many seconds "
          "(cancellable) before it starts writing"),
+    Knob("KVRELAY_FAULT_VLLM_HOLD_DELAY_S", "float", 0.0,
+         "fault injection for tests: the vLLM connector's prefill worker waits this many "
+         "seconds before it makes a step's leases"),
+    Knob("KVRELAY_FAULT_VLLM_RAISE", "str", None,
+         "fault injection for tests: POINT[:N],... makes the N-th unit of work (all, "
+         "without N) at a point of the vLLM connector raise (hold, submit, reply; "
+         "kvrelay/vllm/faults.py)"),
     Knob("KVRELAY_HUGEPAGES", "bool", True,
          "0: kvrelay stops asking for 2 MiB pages under the packed decode weights and the "
          "KV cache"),

@@ -60,7 +60,7 @@ def imports() -> int:
     # connector imports vLLM (kvrelay[vllm]), which a plain kvrelay install lacks
     optional = {"kvrelay.bench.nixl_peer", "kvrelay.__main__"}
     if importlib.util.find_spec("vllm") is None:
-        optional.add("kvrelay.vllm.connector")
+        optional |= {"kvrelay.vllm.connector", "kvrelay.vllm.api", "kvrelay.vllm.prom"}
     failed = []
     for mod in pkgutil.walk_packages(kvrelay.__path__, "kvrelay."):
         if mod.name in optional:

@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from kvrelay.relay.port import LeaseBlocks
 from kvrelay.relay.protocol import ErrorCode
 
+MAX_EARLY_ABORTS = 4096  # ABORTs of pending leases remembered (the oldest are dropped)
+
 
 class LeaseState(enum.Enum):
     HELD = "held"
@@ -186,6 +188,7 @@ class LeaseTable:
         hard_cap: float = 480.0,
         tombstone_ttl: float | None = None,
         new_lease_id: Callable[[], str] = new_random_lease_id,
+        pending: Callable[[str], bool] | None = None,
     ) -> None:
         if not 0 < acquire_timeout <= hard_cap:
             raise ValueError(
@@ -197,6 +200,12 @@ class LeaseTable:
         self.hard_cap = hard_cap
         self.tombstone_ttl = hard_cap if tombstone_ttl is None else tombstone_ttl
         self._new_id = new_lease_id
+        # A lease id the engine has handed out but not made yet (vLLM: the scheduler
+        # names it, the worker makes it a step later): answered NOT_YET, not unknown.
+        self.pending = pending
+        # ABORTs of pending leases, oldest first (bounded): the lease is released the
+        # moment it is made, so a decode engine that gave up on it frees P at once.
+        self._aborted_early: OrderedDict[str, float] = OrderedDict()
         self.leases: dict[str, Lease] = {}  # HELD or PULLING
         # Released leases, oldest first, kept a while to answer late messages.
         self._tombstones: OrderedDict[str, Tombstone] = OrderedDict()
@@ -213,13 +222,16 @@ class LeaseTable:
         num_tokens: int,
         first_token: int,
         prompt_digest: bytes = b"",
+        lease_id: str | None = None,
     ) -> Lease:
         """Take a finished request's blocks: one hand-over, then the timer is armed.
 
         Both happen in this one call, so no message can find the lease without a
-        deadline (race 1: a RELEASE racing the arming of the timer).
+        deadline (race 1: a RELEASE racing the arming of the timer). ``lease_id``: the
+        id the engine handed out already (``pending``); otherwise a fresh one. A lease
+        a decode engine aborted while it was pending is released at once (aborted).
         """
-        lease_id = self._new_id()
+        lease_id = self._new_id() if lease_id is None else lease_id
         if lease_id in self.leases or lease_id in self._tombstones:
             raise RuntimeError(f"lease id {lease_id} generated twice")
         ids = list(block_ids)
@@ -240,6 +252,8 @@ class LeaseTable:
         self.stats.created += 1
         self.stats.active["held"] += 1
         heapq.heappush(self._deadlines, (lease.deadline, lease_id))
+        if self._aborted_early.pop(lease_id, None) is not None:
+            self._release(lease, LeaseEvent.ABORT, now)
         return lease
 
     # -- messages from decode engines ----------------------------------------------
@@ -323,6 +337,10 @@ class LeaseTable:
         attempt's commit then fails)."""
         lease, answer = self._find(engine_id, lease_id, holder or "", attempt or "")
         if lease is None:
+            if answer.code is ErrorCode.NOT_YET:
+                self._aborted_early[lease_id] = now
+                while len(self._aborted_early) > MAX_EARLY_ABORTS:
+                    self._aborted_early.popitem(last=False)
             return answer
         if (holder is not None and lease.state is LeaseState.PULLING
                 and not lease.held_by(holder, attempt or "")):
@@ -368,6 +386,9 @@ class LeaseTable:
             self._release(lease, LeaseEvent.EXPIRE, now)
             expired.append(lease)
         self._prune_tombstones(now)
+        early = self._aborted_early
+        while early and next(iter(early.values())) <= now - self.acquire_timeout:
+            early.popitem(last=False)  # never made within a lease timeout: forget it
         return expired
 
     def release_all(self, now: float) -> None:
@@ -418,6 +439,9 @@ class LeaseTable:
         if lease is not None:
             return lease, Answer(Status.OK)
         tomb = self._tombstones.get(lease_id)
+        if tomb is None and self.pending is not None and self.pending(lease_id):
+            return None, Answer(Status.ERROR, error=f"lease {lease_id} is not made yet",
+                                code=ErrorCode.NOT_YET)
         self.stats.stale_messages += 1
         if tomb is None:
             return None, Answer(Status.ERROR, error=f"unknown lease {lease_id}",

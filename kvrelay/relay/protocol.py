@@ -45,7 +45,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = b"KR"
 HEADER = struct.Struct(">2sBBI")
 MAX_FRAME = 1 << 20
@@ -56,6 +56,9 @@ class ErrorCode(enum.Enum):
 
     NONE = ""
     UNKNOWN_LEASE = "unknown_lease"  # no such lease (forged, or its record was pruned)
+    # The engine named this lease before making it (vLLM's scheduler hands the lease to
+    # its worker with the next step): ask again shortly, within a bound (version 5).
+    NOT_YET = "not_yet"
     WRONG_ENGINE = "wrong_engine"  # the lease is of another engine life (P restarted)
     LEASE_BUSY = "lease_busy"  # another attempt holds the lease
     NOT_HOLDER = "not_holder"  # the message is not from the attempt that holds the lease

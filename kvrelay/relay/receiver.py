@@ -73,6 +73,7 @@ _PEER_REASONS = {
     E.AUTH_FAILED: "auth_failed",
     E.REFUSED: "refused",
     E.UNREACHABLE: "unreachable",
+    E.NOT_YET: "lease_not_made",
 }
 
 
@@ -133,6 +134,11 @@ class ReceiverConfig:
     copy_timeout: float = 60.0
     heartbeat_interval: float = 5.0
     drain_timeout: float = 10.0  # a cancelled transfer must stop writing within this
+    # P answers NOT_YET for a lease it named but has not made (vLLM's prefill makes it a
+    # step after the params left): ACQUIRE is asked again, backing off, until this long
+    # after the first; then the load falls back and P is told ABORT (it frees the lease
+    # the moment it makes it).
+    not_yet_timeout: float = 10.0
 
 
 TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -157,6 +163,7 @@ class ReceiverStats:
     # Prompt blocks found in this engine's prefix cache: not pulled (partial pulls).
     cached_blocks: int = 0
     quarantined_blocks: int = 0  # blocks held for transfers that overran drain_timeout
+    not_yet: int = 0  # ACQUIREs answered NOT_YET (the lease was named, not made yet)
 
 
 @dataclass(eq=False)
@@ -174,6 +181,7 @@ class Load:
     first_block: int = 0  # leading blocks found in our prefix cache: not pulled
     prompt_digest: bytes = b""  # protocol.prompt_digest of the request's prompt
     told: bool = False  # P has been sent this lease's outcome
+    not_yet: int = 0  # ACQUIREs P answered NOT_YET
     aborted: bool = False  # the client aborted while a transfer could still write
     fail_reason: str = ""  # why a draining transfer was stopped (empty: abort)
     epoch: int = 0  # bumps on every phase change; invalidates older timers
@@ -277,6 +285,25 @@ class Receiver:
             load.aborted = True
             self.engine.transfer_ended(request_id)
         return aborted
+
+    def fail(self, request_id: str, reason: str, error: str, now: float) -> None:
+        """Fail a load from outside (the code driving it hit an error), the way the
+        receiver's own failures end: before a transfer, fall back and tell P; while
+        copying, stop the copy first (drained, or quarantined). A load already ending
+        (draining, committing, reporting) is left to end."""
+        load = self.loads.get(request_id)
+        if load is None:
+            return
+        if load.phase in (Phase.ADMITTING, Phase.ACQUIRING):
+            self._fallback(load, reason, error)
+            self._tell(load, self._abort_msg(load), now, Phase.REPORTING)
+        elif load.phase is Phase.COPYING:
+            self._stop_copy(load, reason, now)
+
+    def owner(self, seq: int) -> str:
+        """The request a reply's sequence number belongs to ('' if none)."""
+        entry = self._by_seq.get(seq)
+        return entry[0].request_id if entry is not None else ""
 
     # -- events --------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -383,18 +410,38 @@ class Receiver:
         is pulled: ACQUIRE names the first block wanted, and P releases the others.
         With every block cached (race 8) the lease is still acquired: its answer checks
         the params (first token, length) before we decode, and P frees at once."""
-        kv = load.kv
         load.local_blocks = block_ids
         load.first_block = cached
         self.stats.cached_blocks += cached
         self._set_phase(load, Phase.ACQUIRING)
         load.marks["acquire"] = now
+        self._send_acquire(load, now)
+
+    def _send_acquire(self, load: Load, now: float) -> None:
+        kv = load.kv
         self._send(load, P.Acquire(0, kv.engine_id, kv.lease_id, self.holder, load.attempt,
-                                   cached), now)
+                                   load.first_block), now)
 
     def _on_acquired(self, load: Load, reply: P.Reply, now: float) -> None:
         rid, kv = load.request_id, load.kv
         first, need = load.first_block, len(load.local_blocks)
+        if reply.code == E.NOT_YET.value:
+            if now < load.marks["acquire"] + self.config.not_yet_timeout:
+                # Asked again shortly (2, 4, 8 ... ms, at most rto apart); the epoch bump
+                # drops this round's retransmit timer.
+                load.not_yet += 1
+                self.stats.not_yet += 1
+                load.epoch += 1
+                load.msg = None
+                self._timer(load, now + min(self.config.rto, 0.001 * 2 ** load.not_yet))
+                return
+            self._on_refused(load, reply)
+            load.told = True  # best effort: P frees the lease the moment it makes it
+            msg = self._abort_msg(load)
+            msg.seq = next(self._seq)
+            self.link.send(kv.relay, msg)
+            self._finish_load(load)
+            return
         if reply.status != "ok":
             self._on_refused(load, reply)
             self._finish_load(load)  # the lease is gone (or not ours): nothing to tell
@@ -512,6 +559,8 @@ class Receiver:
                 self._timer(load, nxt)
         elif load.phase is Phase.DRAINING:
             self._quarantine_blocks(load, now)
+        elif load.phase is Phase.ACQUIRING and load.msg is None:
+            self._send_acquire(load, now)  # P said NOT_YET: ask again
         elif now >= load.give_up_at:
             self._give_up(load)
         elif load.msg is not None:

@@ -8,6 +8,8 @@ timeout derived from the lease timeout is made here, so the adapters cannot disa
 - a decode side's socket waits are bounded by half the lease timeout, so a frozen or
   cut-off prefill engine makes it fall back within the lease timeout;
 - it heartbeats a lease four times per lease timeout (at least every 50 ms apart);
+- it asks again for a lease P has named but not made (NOT_YET) for at most half the
+  lease timeout (10 s at most);
 - a prefill side's reply or stream send gives up after the lease timeout (the decode
   engine lost the lease by then anyway), and idle connections outlive heartbeats.
 """
@@ -182,6 +184,7 @@ def build_decode_side(
         loads, link, transport, holder=engine_id, compat=compat,
         config=ReceiverConfig(policy=policy, peer_timeout=settings.lease_timeout,
                               heartbeat_interval=max(0.05, settings.lease_timeout / 4),
-                              copy_timeout=settings.lease_max),
+                              copy_timeout=settings.lease_max,
+                              not_yet_timeout=min(10.0, settings.io_timeout)),
         **({"new_attempt": new_attempt} if new_attempt is not None else {}))
     return DecodeParts(receiver, clients, transport)

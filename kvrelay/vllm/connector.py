@@ -5,9 +5,11 @@ that owns the KV memory in a process of its own; nothing shared but what vLLM pi
 between them):
 
 - scheduler (``KVConnectorRole.SCHEDULER``): decides. Prefill: ``request_finished``
-  asks the worker for a lease (HoldServer, synchronously) for a request that asked for
-  remote decode and finished by length, and returns ``delay_free=True`` with the
-  params. Decode: ``get_num_new_matched_tokens`` validates the params before vLLM
+  names a lease (``<worker engine id>.<n>``, from the worker's handshake) for a request
+  that asked for remote decode and finished by length, returns ``delay_free=True`` with
+  the params, and hands the lease's making to the worker in the next step's metadata
+  (no round trip on vLLM's scheduler thread; an ACQUIRE that comes first is answered
+  NOT_YET). Decode: ``get_num_new_matched_tokens`` validates the params before vLLM
   allocates anything; ``update_state_after_alloc`` queues the load with its blocks;
   ``build_connector_meta`` hands loads and aborts to the worker.
 - worker (``KVConnectorRole.WORKER``): the lease table and relay server (prefill.py),
@@ -18,6 +20,7 @@ between them):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -25,24 +28,24 @@ import secrets
 import socket
 import threading
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from kvrelay.relay.geometry import KvGeometry
+from kvrelay.relay.prefill import KvTransferParams
+from kvrelay.relay.remote import RemoteKv
+from kvrelay.relay.transports.layout import layer_regions
+from kvrelay.vllm.api import (
+    P2P_SOURCE,
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorStats,
     KVConnectorTransferResults,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-
-from kvrelay.relay.geometry import KvGeometry
-from kvrelay.relay.remote import RemoteKv
-from kvrelay.relay.transports.layout import layer_regions
-from kvrelay.vllm.decode import DecodeSide, LoadSpec
-from kvrelay.vllm.prefill import PrefillSide, prompt_digest
-from kvrelay.vllm.settings import ConnectorSettings, run_unpinned
+from kvrelay.vllm.decode import UNTRUSTED, DecodeSide, LoadSpec, trusts
+from kvrelay.vllm.prefill import HoldSpec, PrefillSide, prompt_digest
+from kvrelay.vllm.settings import ConnectorSettings, relay_cpus, run_on_relay_cpus
 
 if TYPE_CHECKING:
     import torch
@@ -56,26 +59,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _log_to_stderr() -> None:
-    """vLLM configures only its own loggers: kvrelay's go to stderr, at INFO, so a
-    server's log shows relay addresses, pulls and lease ends."""
-    root = logging.getLogger("kvrelay")
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(
-            "%(levelname)s %(asctime)s [%(name)s pid=%(process)d] %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-        root.propagate = False
+def _join_vllm_logging() -> None:
+    """kvrelay's records go through vLLM's logging configuration: the ``kvrelay``
+    logger becomes a child of ``vllm`` (its handlers, format and VLLM_LOGGING_LEVEL),
+    unless the operator configured ``kvrelay`` itself (VLLM_LOGGING_CONFIG_PATH). No
+    handler is added anywhere. Per-request lines are DEBUG."""
+    ours = logging.getLogger("kvrelay")
+    if not ours.handlers and ours.level == logging.NOTSET and ours.propagate:
+        ours.parent = logging.getLogger("vllm")
 
 
-_log_to_stderr()
-HOLD_TIMEOUT_S = 10.0
+_join_vllm_logging()
 _LOADED = "_kvrelay_loaded"  # set in a request's params once its load was queued
 
 
 @dataclass
 class KvRelayMetadata(KVConnectorMetadata):
+    holds: list[HoldSpec] = field(default_factory=list)  # leases for P's worker to make
     loads: list[LoadSpec] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     give_back: list[dict[str, Any]] = field(default_factory=list)  # leases never loaded
@@ -93,8 +93,9 @@ class KvRelayStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        empty: dict[str, Any] = {"load_ms": [], "fallbacks": {}, "fence_refused": 0,
-                                 "leases_ended": {}}
+        empty: dict[str, Any] = {"load_ms": [], "load_bytes": [], "fallbacks": {},
+                                 "fence_refused": 0, "leases_ended": {}, "leases_made": 0,
+                                 "quarantined": 0}
         self.data = empty
 
     def aggregate(self, other: KVConnectorStats) -> KvRelayStats:
@@ -102,7 +103,10 @@ class KvRelayStats(KVConnectorStats):
             d: dict[str, Any] = self.data
             o: dict[str, Any] = other.data
             d["load_ms"] = [*d["load_ms"], *o["load_ms"]]
+            d["load_bytes"] = [*d.get("load_bytes", ()), *o.get("load_bytes", ())]
             d["fence_refused"] += o["fence_refused"]
+            d["leases_made"] = d.get("leases_made", 0) + o.get("leases_made", 0)
+            d["quarantined"] = max(d.get("quarantined", 0), o.get("quarantined", 0))
             for key in ("fallbacks", "leases_ended"):
                 for why, n in o[key].items():
                     d[key][why] = d[key].get(why, 0) + n
@@ -117,6 +121,8 @@ class KvRelayStats(KVConnectorStats):
             "P90 load time (ms)": round(ms[int(0.9 * (len(ms) - 1))], 3) if ms else 0,
             "Num fallbacks": sum(d["fallbacks"].values()),
             "Num fence refusals": d["fence_refused"],
+            "Num leases made": d.get("leases_made", 0),
+            "Num quarantined": d.get("quarantined", 0),
         }
         out.update({f"Fallbacks {why}": n for why, n in sorted(d["fallbacks"].items())})
         out.update({f"Leases {why}": n for why, n in sorted(d["leases_ended"].items())})
@@ -124,16 +130,24 @@ class KvRelayStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         d: dict[str, Any] = self.data
-        return not (d["load_ms"] or d["fallbacks"] or d["fence_refused"] or d["leases_ended"])
+        return not (d["load_ms"] or d["fallbacks"] or d["fence_refused"] or d["leases_ended"]
+                    or d.get("leases_made") or d.get("quarantined"))
 
 
 @dataclass
 class KvRelayHandshake(KVConnectorHandshakeMetadata):
-    hold_path: str
-    hold_key: bytes
+    """What P's scheduler needs of its worker to name leases: the relay's address, the
+    engine id (a lease id's prefix; it changes with every worker life) and the compat."""
+
+    relay: str
+    engine_id: str
+    compat: str
 
 
 class KvRelayConnector(KVConnectorBase_V1):
+    if P2P_SOURCE is not None:  # vLLM 0.34: prompt tokens from a peer engine's KV
+        _cache_hit_source = P2P_SOURCE
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -143,15 +157,57 @@ class KvRelayConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         # scheduler side
-        self._hold: Connection | None = None
-        self._hold_lock = threading.Lock()
         self._handshake: KvRelayHandshake | None = None
+        self._lease_seq = itertools.count(1)
         self._meta = KvRelayMetadata()
         self._loading: dict[str, Request] = {}  # loads handed to the worker, unreported
         # worker side
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         self._ready = threading.Event()  # a report is queued (either side)
+        if role == KVConnectorRole.SCHEDULER:
+            self._log_start(cfg)
+
+    def _log_start(self, cfg: Any) -> None:
+        s = self.settings
+        side = "/".join(n for n, on in (("prefill", self.producer), ("decode", self.consumer))
+                        if on)
+        trust = ("relay_secret set: every relay must prove it" if s.secret else
+                 "no relay_secret: D pulls only from relays on its own host"
+                 if not s.trust_unauthenticated_relays else
+                 "no relay_secret and trust_unauthenticated_relays: any relay a client "
+                 "names may plant KV in D's prefix cache")
+        log.info("kvrelay: KvRelayConnector (%s; kv_transport %s, lease_timeout %g s, "
+                 "lease_max %g s, idle_step_ms %g; %s)", side, s.kv_transport,
+                 s.lease_timeout, s.lease_max, s.idle_step_ms, trust)
+        if self.consumer and getattr(cfg, "kv_load_failure_policy", "fail") == "fail":
+            log.warning("kvrelay: kv_load_failure_policy is 'fail': every load that does "
+                        "not commit (P restarted, lease expired, fence refused) becomes an "
+                        "error for its client; set \"kv_load_failure_policy\": \"recompute\"")
+
+    # ==== vLLM 0.33 / 0.34 hooks ===========================================================
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """vLLM 0.33+: no. The relay keeps views of the KV memory and NIXL registrations
+        of it, which sleep releases and wake remaps: vLLM refuses --enable-sleep-mode."""
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any = None) -> Any:
+        """vLLM 0.34: how the KV cache may be allocated. IN_PROCESS: the relay reads
+        vLLM's host memory in place (tcp sends, NIXL registration of host memory) in this
+        process; a CUDA cache registered for RDMA would need REGISTERS (the GPU issue)."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.IN_PROCESS
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM 0.34: may this request's load start while the batch is full? Keyed on
+        kvrelay's own lease field (a router rewriting ``do_remote_prefill`` changes
+        nothing), and only for params that validate."""
+        params = request.kv_transfer_params
+        return bool(self.consumer and params and "lease_id" in params
+                    and not params.get(_LOADED))
 
     # ==== worker ===========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -165,23 +221,32 @@ class KvRelayConnector(KVConnectorBase_V1):
             dtype=str(first.dtype).removeprefix("torch."), layout=layout.name)
         compat = geometry.compat_hash(f"vllm:{mc.served_model_name}")
         engine_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        # Started on an unpinned thread: their threads must not share vLLM's bound core.
+        # Built on a thread bound to the relay's CPUs: the threads they start run there,
+        # not on the core vLLM bound this thread to.
         if self.producer:
-            self.prefill = run_unpinned(lambda: PrefillSide(
+            self.prefill = run_on_relay_cpus(self.settings, lambda: PrefillSide(
                 self.settings, regions, layout, compat, engine_id, self._ready))
+            _check_reachable(self.prefill.server.address)
         if self.consumer:
-            self.decode = run_unpinned(lambda: DecodeSide(
+            self.decode = run_on_relay_cpus(self.settings, lambda: DecodeSide(
                 self.settings, regions, layout, compat, engine_id, self._ready))
+        log.info("kvrelay: worker relay threads on CPUs %s (block layout %s, compat %s)",
+                 _ranges(relay_cpus(self.settings)), layout.name, compat)
 
     def get_handshake_metadata(self) -> KvRelayHandshake | None:
         if self.prefill is None:
             return None
-        addr = self.prefill.hold_server.address
-        return KvRelayHandshake(addr.path, addr.authkey)
+        return KvRelayHandshake(self.prefill.server.address, self.prefill.engine_id,
+                                self.prefill.compat)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvRelayMetadata)
+        if self.prefill is not None and meta.holds:
+            self.prefill.hold_all(meta.holds)
+        elif meta.holds:  # P's scheduler named leases no worker of ours can make
+            log.error("kvrelay: leases named with no prefill worker: %d requests",
+                      len(meta.holds))
         if self.decode is not None and (meta.loads or meta.aborts or meta.give_back):
             self.decode.start(meta.loads, meta.aborts, meta.give_back)
 
@@ -221,6 +286,16 @@ class KvRelayConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvRelayStats:
         return KvRelayStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        """``vllm:kvrelay_*`` on vLLM's /metrics (kvrelay/vllm/prom.py)."""
+        from kvrelay.vllm.prom import KvRelayPromMetrics
+
+        return KvRelayPromMetrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         res = self.get_transfer_results(finished_req_ids)
@@ -262,7 +337,7 @@ class KvRelayConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, self._meta = self._meta, KvRelayMetadata()
         meta.idle = (scheduler_output.total_num_scheduled_tokens == 0 and not meta.loads
-                     and not meta.aborts and not meta.give_back)
+                     and not meta.aborts and not meta.give_back and not meta.holds)
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -291,24 +366,36 @@ class KvRelayConnector(KVConnectorBase_V1):
 
         if request.status is not RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None  # aborted, failed or stopped: the client has it all
-        try:
-            lease = self._hold_call(request, block_ids)
-        except Exception as e:  # no lease: vLLM frees, the proxy sees no params
-            log.error("kvrelay: no lease for %s: %s", rid, e)
+        hs = self._handshake
+        if hs is None:  # no lease: vLLM frees, the proxy sees no params
+            log.error("kvrelay: no lease for %s: the worker sent no relay handshake (is "
+                      "kv_role a producer?)", rid)
             return False, None
-        return True, dict(lease, do_remote_prefill=True, do_remote_decode=False,
+        # The worker makes the lease with the next step; until then an ACQUIRE for it
+        # is answered NOT_YET. vLLM holds the request until finished_sending names it.
+        prompt = list(request.prompt_token_ids or ())
+        lease_id = f"{hs.engine_id}.{next(self._lease_seq)}"
+        first = int(request.output_token_ids[0])
+        self._meta.holds.append(HoldSpec(rid, lease_id, list(block_ids), len(prompt), first,
+                                         prompt_digest(prompt)))
+        params_out = KvTransferParams(lease_id, hs.relay, hs.engine_id, list(block_ids),
+                                      len(prompt), first, hs.compat).to_dict()
+        return True, dict(params_out, do_remote_prefill=True, do_remote_decode=False,
                           resends_first_token=True)
 
     # -- helpers ------------------------------------------------------------------------
     def _lease_of(self, request: Request) -> RemoteKv | None:
         """The request's lease params, validated in full; None when it has none, when
-        its load was queued already, or when they are invalid (then vLLM prefills it
-        here: vLLM gives a connector no way to answer the client 400)."""
+        its load was queued already, or when they are refused (then vLLM prefills it
+        here: vLLM gives a connector no way to answer the client 400, and P is told
+        ABORT at once so it frees the lease)."""
         params = request.kv_transfer_params
         if not (self.consumer and params and "lease_id" in params) or params.get(_LOADED):
             return None
         try:
             kv = RemoteKv.from_client(params, vocab_size=self.vocab_size)
+            if not trusts(self.settings, kv.relay):
+                raise ValueError(UNTRUSTED.format(relay=kv.relay))
             n = len(request.prompt_token_ids or ())
             if kv.num_tokens != n:
                 raise ValueError(f"num_tokens {kv.num_tokens}: the prompt has {n} tokens")
@@ -316,32 +403,31 @@ class KvRelayConnector(KVConnectorBase_V1):
                 raise ValueError(f"block_ids: {len(kv.block_ids)} blocks cannot hold {n} "
                                  f"tokens in blocks of {self.block_size}")
         except ValueError as e:
-            log.warning("kvrelay: request %s: invalid kv_transfer_params (%s): prefilling "
+            log.warning("kvrelay: request %s: kv_transfer_params refused (%s): prefilling "
                         "here", request.request_id, e)
             params[_LOADED] = True
+            self._meta.give_back.append(dict(params))  # sent only to a relay D trusts
             return None
         return kv
 
-    def _hold_call(self, request: Request, block_ids: list[int]) -> dict[str, Any]:
-        if self._handshake is None:
-            raise RuntimeError("the worker sent no relay handshake (is kv_role a producer?)")
-        prompt = list(request.prompt_token_ids or ())
-        msg = ("hold", request.request_id, list(block_ids), len(prompt),
-               int(request.output_token_ids[0]), prompt_digest(prompt))
-        with self._hold_lock:
-            if self._hold is None:
-                self._hold = Client(self._handshake.hold_path, "AF_UNIX",
-                                    authkey=self._handshake.hold_key)
-            conn = self._hold
-            try:
-                conn.send(msg)
-                if not conn.poll(HOLD_TIMEOUT_S):
-                    raise TimeoutError(f"the worker did not answer within {HOLD_TIMEOUT_S} s")
-                status, body = conn.recv()
-            except Exception:
-                self._hold = None  # a late answer must not be read as the next one's
-                conn.close()
-                raise
-        if status != "ok":
-            raise RuntimeError(body)
-        return dict(body)
+
+def _check_reachable(relay: str) -> None:
+    """P's start-up self-check: the relay address the params will name answers here
+    (a wrong relay_host otherwise shows only as every request recomputing on D)."""
+    host, _, port = relay.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+    except OSError as e:
+        log.error("kvrelay: the relay address %s (relay_host, relay_port) does not answer "
+                  "from this host (%s): decode engines will fall back to recompute", relay, e)
+
+
+def _ranges(cpus: set[int]) -> str:
+    """{0, 1, 2, 5} -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and runs[-1][1] == c - 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

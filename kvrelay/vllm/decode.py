@@ -17,9 +17,18 @@ only once no transfer writes into the request's blocks:
 | ``quarantine`` (a transfer past its drain bound) | nothing until ``unquarantine`` |
 
 (A quarantined request keeps its blocks in vLLM: they are not reused while a copy may
-still write.) A receiver thread applies relay replies and timers (heartbeats, retransmits, drains)
-between vLLM's steps, so a long forward pass does not stall a pull; vLLM's hooks
-(``start_load_kv``, ``get_finished``) take the same lock.
+still write. tcp: the transfer's receiving thread ends within the socket timeout once
+cancelled, and only then is the request reported; NIXL: UCX gives no bound on a READ it
+was told to stop, so the request stays pinned until NIXL reports the READ ended; each
+is counted in the ``quarantined`` stat and logged once.)
+
+A receiver thread applies relay replies and timers (heartbeats, retransmits, drains)
+between vLLM's steps, so a long forward pass does not stall a pull. vLLM's hooks never
+wait on it: ``start_load_kv`` queues, ``get_transfer_results`` and the stats take only
+the report lock (``VllmKvLoads.lock``), never the receiver's, which is held across a
+READ post or a dial. Every unit of work (a load, an abort, a give-back, a reply) runs
+in its own ``try``: an exception fails that load alone (``failed_recving``: vLLM
+recomputes), after its transfer, if one runs, has stopped.
 """
 
 from __future__ import annotations
@@ -36,14 +45,16 @@ from typing import Any
 import numpy as np
 
 from kvrelay.relay import protocol as P
-from kvrelay.relay.port import Failure, RequestRejected
+from kvrelay.relay.client import is_local
+from kvrelay.relay.port import Failure
 from kvrelay.relay.receiver import Phase, Policy
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.relay.sides import build_decode_side
 from kvrelay.relay.transports.layout import BlockLayout
 from kvrelay.relay.transports.tcp import HostBlocks, TcpTransport
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.vllm.settings import ConnectorSettings, unpin
+from kvrelay.vllm import faults
+from kvrelay.vllm.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
@@ -68,25 +79,31 @@ class LoadSpec:
 
 
 class VllmKvLoads:
-    """``KvLoads`` over vLLM's scheduler: loads end in reports (see the module table)."""
+    """``KvLoads`` over vLLM's scheduler: loads end in reports (see the module table).
+    The receiver calls it under the receiver lock; the reports it queues (``finished``,
+    ``failed``, the pull times) sit under its own ``lock``, which vLLM's step takes."""
 
     def __init__(self, ready: threading.Event | None = None,
-                 timing: Callable[[str], dict[str, float]] | None = None) -> None:
+                 timing: Callable[[str], dict[str, float]] | None = None,
+                 nbytes: Callable[[str], int] | None = None) -> None:
         self.ready = ready or threading.Event()  # set when a report is queued
         self.timing = timing  # a load's phases in ms (Receiver.timing), for the log
+        self.nbytes = nbytes  # the bytes a load copied, for the stats
+        self.lock = threading.Lock()
         self._pending: dict[str, tuple[list[int], int]] = {}
         self._waiting: list[tuple[str, list[int], int]] = []
         self._live: set[str] = set()  # admitted, not reported yet
         self._sizes: dict[str, tuple[int, int]] = {}  # (blocks pulled, blocks), for the log
         self._started: dict[str, float] = {}  # pull started (ACQUIRE answered), for the log
-        self.load_ms: list[float] = []  # pulls committed since the last stats
-        # Committed, not yet taken by vLLM: (load ms, its phases, when it committed);
-        # logged when vLLM takes the report, with how long that took.
+        self.quarantined: dict[str, bool | None] = {}  # rid -> deferred report (failed?)
+        # Under ``lock``: reports not yet taken by vLLM, and pulls committed since the
+        # last stats: (load ms, its phases, when it committed), logged when vLLM takes
+        # the report, with how long that took.
+        self.load_ms: list[float] = []
+        self.load_bytes: list[int] = []
         self._committed: dict[str, tuple[float, dict[str, float], float]] = {}
-        self._quarantined: dict[str, bool | None] = {}  # rid -> deferred report (failed?)
         self.finished: set[str] = set()
         self.failed: set[str] = set()
-        self.errors: dict[str, str] = {}
 
     def expect(self, request_id: str, block_ids: list[int], cached: int) -> None:
         self._pending[request_id] = (block_ids, cached)
@@ -108,50 +125,64 @@ class VllmKvLoads:
     def abort(self, request_id: str) -> bool:
         return request_id in self._live
 
+    def fail_unheld(self, request_id: str, error: str) -> None:
+        """A load the receiver does not hold (it raised before or while admitting it):
+        nothing writes into its blocks; reported failed unless it was already."""
+        if request_id in self._pending:
+            self.reject(request_id, error)
+        elif request_id in self._live and request_id not in self.quarantined:
+            self.load_failed(request_id, error, recompute=True)
+
     def live(self, request_id: str) -> bool:
         return request_id in self._live
 
     def take_waiting(self) -> list[tuple[str, list[int], int]]:
+        """Loads to start (a load that failed before it started is not among them)."""
         out, self._waiting = self._waiting, []
-        return out
+        return [w for w in out if w[0] in self._live]
 
     def load_started(self, request_id: str) -> None:
         pulled, total = self._sizes.pop(request_id, (0, 0))
         self._started[request_id] = time.monotonic()
-        log.info("kvrelay: pulling the KV of request %s (%d of %d blocks; %d in this "
-                 "engine's prefix cache)", request_id, pulled, total, total - pulled)
+        log.debug("kvrelay: pulling the KV of request %s (%d of %d blocks; %d in this "
+                  "engine's prefix cache)", request_id, pulled, total, total - pulled)
 
     def load_done(self, request_id: str, *, shareable: bool) -> None:
         t0 = self._started.pop(request_id, None)
         if t0 is not None:
             now = time.monotonic()
             ms = 1000 * (now - t0)
-            self.load_ms.append(ms)
             phases = self.timing(request_id) if self.timing is not None else {}
-            self._committed[request_id] = (ms, phases, now)
+            nbytes = self.nbytes(request_id) if self.nbytes is not None else 0
+            with self.lock:
+                self.load_ms.append(ms)
+                self.load_bytes.append(nbytes)
+                self._committed[request_id] = (ms, phases, now)
         self.report(request_id, failed=False)
 
     def load_failed(self, request_id: str, error: str, *, recompute: bool,
                     failure: Failure = Failure.KV_LOAD) -> None:
-        log.warning("kvrelay: KV load of %s failed: %s", request_id, error)
-        self.errors[request_id] = error
+        log.info("kvrelay: KV load of %s failed: %s", request_id, error)
         self.report(request_id, failed=True)
 
     def transfer_ended(self, request_id: str) -> None:
         self.report(request_id, failed=False)
 
     def quarantine(self, request_id: str) -> list[int]:
-        self._quarantined[request_id] = None
+        log.warning("kvrelay: the KV transfer of request %s did not stop when told to: the "
+                    "request keeps its blocks until the transport says it ended",
+                    request_id)
+        self.quarantined[request_id] = None
         return []  # the blocks stay the request's in vLLM until unquarantine reports
 
     def unquarantine(self, request_id: str, block_ids: Sequence[int]) -> None:
-        failed = self._quarantined.pop(request_id)
+        failed = self.quarantined.pop(request_id)
         if failed is not None:
             self._emit(request_id, failed)
 
     def report(self, request_id: str, *, failed: bool) -> None:
-        if request_id in self._quarantined:
-            self._quarantined[request_id] = failed  # reported once the transfer stops
+        if request_id in self.quarantined:
+            self.quarantined[request_id] = failed  # reported once the transfer stops
             return
         self._emit(request_id, failed)
 
@@ -159,23 +190,24 @@ class VllmKvLoads:
         self._live.remove(request_id)  # a second report of a load raises here
         self._sizes.pop(request_id, None)
         self._started.pop(request_id, None)
-        self.finished.add(request_id)
-        if failed:
-            self.failed.add(request_id)
+        with self.lock:
+            self.finished.add(request_id)
+            if failed:
+                self.failed.add(request_id)
         self.ready.set()
 
     def take(self) -> tuple[set[str], set[str]]:
-        out = self.finished, self.failed
-        self.finished, self.failed = set(), set()
+        with self.lock:
+            out = self.finished, self.failed
+            self.finished, self.failed = set(), set()
+            committed = [(rid, self._committed.pop(rid)) for rid in out[0]
+                         if rid in self._committed]
         now = time.monotonic()
-        for rid in out[0]:
-            entry = self._committed.pop(rid, None)
-            if entry is not None:
-                ms, phases, at = entry
-                log.info("kvrelay: KV of request %s loaded in %.1f ms (copy and commit; %s; "
-                         "reported to vLLM %.1f ms later)", rid, ms,
-                         ", ".join(f"{k} {v:.1f}" for k, v in phases.items()),
-                         1000 * (now - at))
+        for rid, (ms, phases, at) in committed:
+            log.debug("kvrelay: KV of request %s loaded in %.1f ms (copy and commit; %s; "
+                      "reported to vLLM %.1f ms later)", rid, ms,
+                      ", ".join(f"{k} {v:.1f}" for k, v in phases.items()),
+                      1000 * (now - at))
         return out
 
 
@@ -185,7 +217,9 @@ class DecodeSide:
     def __init__(self, settings: ConnectorSettings, regions: list[np.ndarray],
                  layout: BlockLayout, compat: str, engine_id: str,
                  ready: threading.Event | None = None) -> None:
-        self.loads = VllmKvLoads(ready, timing=lambda rid: self.receiver.timing(rid))
+        self.settings = settings
+        self.loads = VllmKvLoads(ready, timing=lambda rid: self.receiver.timing(rid),
+                                 nbytes=self._nbytes)
         # Policy recompute: a failure is reported as failed_recving, and vLLM's own
         # kv_load_failure_policy decides between recompute and an error.
         parts = build_decode_side(
@@ -198,11 +232,12 @@ class DecodeSide:
             self.transport.on_end = lambda _handle: self.client.replies.put(_WAKE)
             self.transport.commit = True  # the verdict after the bytes: no commit round trip
         self._poll_s = POLL_S.get(settings.kv_transport, 0.01)
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the receiver's: held across a READ post or a dial
         self._inbox: queue.SimpleQueue[
             tuple[Sequence[LoadSpec], Sequence[str], Sequence[dict[str, Any]]]] = (
             queue.SimpleQueue())
         self.engine_id = engine_id
+        self.errors = 0  # units of work that raised (each failed alone)
         self._seen_fallbacks: dict[str, int] = {}  # receiver counts at the last stats
         self._seen_fence = 0
         self._stop = threading.Event()
@@ -212,9 +247,10 @@ class DecodeSide:
     def start(self, loads: Sequence[LoadSpec], aborts: Sequence[str],
               give_back: Sequence[dict[str, Any]] = ()) -> None:
         """From vLLM's step: the receiver thread submits them (the threads of the relay
-        client and the transport are started from there: not pinned to vLLM's core).
+        client and the transport are started from there, on the relay's CPUs).
         ``give_back``: params of requests that ended before any load (aborted while
-        queued, or vLLM's rejection path): P is told ABORT so it frees at once."""
+        queued, refused params, or vLLM's rejection path): P is told ABORT so it frees
+        at once."""
         self._inbox.put((loads, aborts, give_back))
         self.client.replies.put(_WAKE)
 
@@ -225,32 +261,73 @@ class DecodeSide:
             except queue.Empty:
                 return
             for spec in loads:
-                self._submit(spec, now)
+                self._guarded(spec.request_id, self._submit, spec, now)
             for rid in aborts:
-                self._abort(rid, now)
+                self._guarded(rid, self._abort, rid, now)
             for params in give_back:
-                self._give_back(params)
+                self._guarded("", self._give_back, params)
+
+    def _guarded(self, rid: str, fn: Callable[..., None], *args: Any) -> None:
+        """One unit of work: an exception fails request ``rid``'s load alone."""
+        try:
+            fn(*args)
+        except Exception as e:
+            self.errors += 1
+            log.exception("kvrelay: %s of request %s failed", fn.__name__.strip("_"),
+                          rid or "-")
+            if rid:
+                self._fail(rid, f"{type(e).__name__}: {e}")
+
+    def _fail(self, rid: str, why: str) -> None:
+        """Fail a load whose driver raised. A load the receiver holds ends the way its
+        own failures do (a transfer that may still write is stopped first: drained or
+        quarantined); one it does not hold writes nothing and is reported at once."""
+        try:
+            self.receiver.fail(rid, "connector_error", f"the connector failed: {why}",
+                               time.monotonic())
+        except Exception:
+            log.exception("kvrelay: failing the load of %s failed", rid)
+        if rid not in self.receiver.loads:
+            self.loads.fail_unheld(rid, why)
 
     def _give_back(self, params: dict[str, Any]) -> None:
         """ABORT a lease no load of ours holds, under a fresh attempt: P frees a HELD
-        lease; one another attempt pulls refuses it (not_holder); a released one
-        answers released. The answer has no load and is counted stale."""
+        lease (or one it has not made yet, when it makes it); one another attempt pulls
+        refuses it (not_holder); a released one answers released. The answer has no load
+        and is counted stale. Never sent to a relay this engine would not pull from."""
         try:
             kv = RemoteKv.from_client(params)  # a relay that is host:port, or nothing
         except ValueError:
             return
+        if not self.trusts(kv.relay):
+            return
         self.client.send(kv.relay, P.Abort(0, kv.engine_id, kv.lease_id, self.engine_id,
                                            secrets.token_hex(8)))
+
+    def _nbytes(self, rid: str) -> int:
+        load = self.receiver.loads.get(rid)
+        status = load.transfer if load is not None else None
+        return status.nbytes if status is not None else 0
+
+    def trusts(self, relay: str) -> bool:
+        return trusts(self.settings, relay)
 
     def _submit(self, spec: LoadSpec, now: float) -> None:
         self.loads.expect(spec.request_id, spec.block_ids, spec.cached_blocks)
         try:
+            faults.hit("submit", spec.request_id)
             kv = RemoteKv.from_dict(spec.params)
+            if not self.trusts(kv.relay):
+                raise ValueError(UNTRUSTED.format(relay=kv.relay))
             self.receiver.submit(spec.request_id, spec.prompt_token_ids, SamplingParams(), kv,
                                  now)
-        except (RequestRejected, ValueError) as e:
+        except ValueError as e:  # RequestRejected too
             # Rejected before any transfer (P was told ABORT): vLLM recomputes or fails.
             self.loads.reject(spec.request_id, str(e))
+        except Exception:
+            if spec.request_id not in self.receiver.loads:
+                self._give_back(spec.params)  # P was told nothing: ABORT frees it now
+            raise
 
     def _abort(self, rid: str, now: float) -> None:
         load = self.receiver.loads.get(rid)
@@ -262,25 +339,28 @@ class DecodeSide:
             self.loads.transfer_ended(rid)  # nothing writes: vLLM may free now
 
     def take_finished(self) -> tuple[set[str], set[str]]:
-        with self.lock:
-            return self.loads.take()
+        return self.loads.take()
 
     def collect_stats(self, data: dict[str, Any]) -> None:
-        """Add what happened since the last call to ``data`` (connector.KvRelayStats)."""
-        with self.lock:
+        """Add what happened since the last call to ``data`` (connector.KvRelayStats).
+        Reads the receiver's counters without its lock (whole-value reads)."""
+        with self.loads.lock:
             data["load_ms"].extend(self.loads.load_ms)
-            self.loads.load_ms = []
-            st = self.receiver.stats
-            for why, n in st.fallbacks.items():
-                new = n - self._seen_fallbacks.get(why, 0)
-                if new:
-                    data["fallbacks"][why] = data["fallbacks"].get(why, 0) + new
-            self._seen_fallbacks = dict(st.fallbacks)
-            data["fence_refused"] += st.fence_failures - self._seen_fence
-            self._seen_fence = st.fence_failures
+            data.setdefault("load_bytes", []).extend(self.loads.load_bytes)
+            self.loads.load_ms, self.loads.load_bytes = [], []
+        st = self.receiver.stats
+        fallbacks = dict(st.fallbacks)
+        for why, n in fallbacks.items():
+            new = n - self._seen_fallbacks.get(why, 0)
+            if new:
+                data["fallbacks"][why] = data["fallbacks"].get(why, 0) + new
+        self._seen_fallbacks = fallbacks
+        fence = st.fence_failures
+        data["fence_refused"] += fence - self._seen_fence
+        self._seen_fence = fence
+        data["quarantined"] = max(data.get("quarantined", 0), len(self.loads.quarantined))
 
     def _drive(self) -> None:
-        unpin()
         replies = self.client.replies
         while not self._stop.is_set():
             try:
@@ -299,17 +379,40 @@ class DecodeSide:
                     self._take_inbox(time.monotonic())
                     while reply is not None:
                         if reply is not _WAKE:
-                            self.receiver.on_reply(reply, time.monotonic())
+                            self._guarded(self.receiver.owner(reply.seq), self._on_reply,
+                                          reply)
                         try:
                             reply = replies.get_nowait()
                         except queue.Empty:
                             reply = None
                     self.receiver.tick(time.monotonic())
-            except Exception:  # a bug must not stop every later load
+            except Exception:  # a bug outside any one load's work: later loads go on
+                self.errors += 1
                 log.exception("kvrelay: receiver step failed")
-                time.sleep(0.05)
+                self._stop.wait(0.05)
+
+    def _on_reply(self, reply: P.Reply) -> None:
+        rid = self.receiver.owner(reply.seq)
+        if rid:
+            faults.hit("reply", rid)
+        self.receiver.on_reply(reply, time.monotonic())
 
     def close(self) -> None:
         self._stop.set()
         self.client.close()
         self.transport.close()
+        self._thread.join(timeout=5)
+
+
+UNTRUSTED = (
+    "the relay {relay} is not on this host and no relay_secret proves it: its KV would "
+    "enter this engine's prefix cache, which vLLM shares between requests; set "
+    "relay_secret on both engines (or trust_unauthenticated_relays: true)")
+
+
+def trusts(settings: ConnectorSettings, relay: str) -> bool:
+    """May this engine pull from ``relay``? vLLM caches every committed load for other
+    requests, so only KV it may share: from a relay that proved the secret (with one,
+    every relay must), one on this host, or any with the operator's opt-in."""
+    return (settings.secret is not None or settings.trust_unauthenticated_relays
+            or is_local(relay))

@@ -17,33 +17,33 @@ A lease still holding its blocks at RELEASE(ok) therefore always has unchanged
 generations; the state check (released, or another attempt) is what refuses in
 practice, the counters keep the check honest should vLLM ever free early.
 
-The scheduler makes a lease through ``HoldServer``: a local socket (AF_UNIX, in a
-0700 directory, authenticated by a key the worker hands the scheduler in vLLM's
-handshake metadata) answering ``hold`` synchronously, so the lease exists before
-``request_finished`` returns the params to the client: no ACQUIRE can find it missing.
+The scheduler names each lease and hands its making to the worker in the step's
+connector metadata (``HoldSpec``, as NixlConnector's ``reqs_to_send``): no round trip
+on vLLM's scheduler thread. A lease id is ``<worker's engine id>.<sequence>``; the
+worker makes them in order (``hold_all``), so an ACQUIRE that races the metadata (the
+params reached D before P's worker had its next step) names a sequence number past the
+last one made and is answered NOT_YET (``pending``): D asks again, within a bound. Each
+hold ends in exactly one ``finished_sending``: the lease's release, or at once when the
+lease could not be made. A request is named in a hold only after ``request_finished``
+returned ``delay_free=True`` for it, so every report names a request vLLM still holds.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import secrets
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 import numpy as np
 
 from kvrelay.relay import protocol as P
-from kvrelay.relay.prefill import KvTransferParams
 from kvrelay.relay.sides import build_prefill_side
 from kvrelay.relay.transports.layout import BlockLayout
 from kvrelay.relay.transports.tcp import HostBlocks
+from kvrelay.vllm import faults
 from kvrelay.vllm.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,11 @@ class VllmLeaseBlocks:
             self._released.append((request_id, lease_id))
             self.ready.set()
 
+    def unheld(self, request_id: str) -> None:
+        """A hold whose lease could not be made: vLLM may free the request at once."""
+        self._released.append((request_id, ""))
+        self.ready.set()
+
     def generations(self, block_ids: Sequence[int]) -> list[int]:
         return [int(g) for g in self._gen[list(block_ids)]]
 
@@ -100,15 +105,19 @@ class VllmLeaseBlocks:
 
 
 @dataclass(frozen=True)
-class HoldAddress:
-    """Where the scheduler asks the worker for leases (handed over in the handshake)."""
+class HoldSpec:
+    """A lease the scheduler named (``request_finished``) for the worker to make."""
 
-    path: str
-    authkey: bytes
+    request_id: str
+    lease_id: str
+    block_ids: list[int]
+    num_tokens: int
+    first_token: int
+    prompt_digest: bytes
 
 
 class PrefillSide:
-    """Lease table + relay server + hold server, one per prefill worker."""
+    """Lease table + relay server, one per prefill worker."""
 
     def __init__(self, settings: ConnectorSettings, regions: list[np.ndarray],
                  layout: BlockLayout, compat: str, engine_id: str,
@@ -116,102 +125,76 @@ class PrefillSide:
         self.lock = threading.Lock()
         num_blocks = int(regions[0].shape[0])
         self.blocks = VllmLeaseBlocks(num_blocks, ready)
+        self._made_upto = 0  # the sequence number of the last hold taken (hold_all)
         parts = build_prefill_side(
             self.blocks, settings.sides(), engine_id=engine_id, compat=compat,
             kv_cache=regions, kv_blocks=HostBlocks(regions), layout=layout.name,
             lock=self.lock)
         self.table, self.server, self.nixl = parts.table, parts.server, parts.nixl
+        self.table.pending = self.pending
         self.compat = compat
         self._ended: dict[str, int] = {}  # lease ends by reason since the last stats
-        self.hold_server = HoldServer(self)
+        self.made = 0  # leases made since the last stats
         log.info("kvrelay: relay for decode engines on %s (layout %s, compat %s)",
                  self.server.address, layout.name, compat)
 
-    def hold(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int,
-             prompt_digest: bytes) -> dict[str, Any]:
+    @property
+    def engine_id(self) -> str:
+        return self.table.engine_id
+
+    def pending(self, lease_id: str) -> bool:
+        """Named by our scheduler, not made yet (called under ``lock``)."""
+        prefix, _, seq = lease_id.rpartition(".")
+        return prefix == self.engine_id and seq.isdigit() and int(seq) > self._made_upto
+
+    def hold_all(self, holds: Sequence[HoldSpec]) -> None:
+        """Make the leases the scheduler named, in order. One that cannot be made (a bug,
+        or blocks outside the cache) fails alone: its request is reported at once."""
+        faults.hold_delay()
+        now = time.monotonic()
         with self.lock:
-            lease = self.table.create(request_id, block_ids, time.monotonic(),
-                                      num_tokens=num_tokens, first_token=first_token,
-                                      prompt_digest=prompt_digest)
-        # The relay's expiry thread looks again within 1 s: a deadline is never missed
-        # by more than that.
-        params = KvTransferParams(lease.lease_id, self.server.address, self.table.engine_id,
-                                  list(lease.block_ids), num_tokens, first_token, self.compat)
-        log.info("kvrelay: lease %s for request %s (%d blocks)", lease.lease_id, request_id,
-                 len(block_ids))
-        return params.to_dict()
+            for h in holds:
+                seq = h.lease_id.rpartition(".")[2]
+                if seq.isdigit():
+                    self._made_upto = max(self._made_upto, int(seq))
+                try:
+                    faults.hit("hold", h.request_id)
+                    self.table.create(h.request_id, h.block_ids, now, num_tokens=h.num_tokens,
+                                      first_token=h.first_token,
+                                      prompt_digest=h.prompt_digest, lease_id=h.lease_id)
+                except Exception as e:
+                    log.warning("kvrelay: no lease for request %s (%s: %s): vLLM frees it",
+                                h.request_id, type(e).__name__, e)
+                    self.blocks.unheld(h.request_id)
+                    continue
+                self.made += 1
+                log.debug("kvrelay: lease %s for request %s (%d blocks)", h.lease_id,
+                          h.request_id, len(h.block_ids))
 
     def take_released(self) -> set[str]:
         with self.lock:
             released = self.blocks.take_released()
-            reasons = [self.table.release_reason(lid) for _, lid in released]
+            reasons = [self.table.release_reason(lid) if lid else None
+                       for _, lid in released]
         for (rid, lid), why in zip(released, reasons, strict=True):
-            name = why.value if why else "?"
+            name = why.value if why else "not_made"
             self._ended[name] = self._ended.get(name, 0) + 1
-            log.info("kvrelay: lease %s of request %s ended (%s): its blocks return to vLLM",
-                     lid, rid, name)
+            log.debug("kvrelay: lease %s of request %s ended (%s): its blocks return to "
+                      "vLLM", lid or "-", rid, name)
         return {rid for rid, _ in released}
 
     def collect_stats(self, data: dict[str, Any]) -> None:
-        """Lease ends by reason since the last call, into ``data`` (KvRelayStats)."""
+        """Leases made and ended by reason since the last call, into ``data``."""
         ended, self._ended = self._ended, {}
         for why, n in ended.items():
             data["leases_ended"][why] = data["leases_ended"].get(why, 0) + n
+        made, self.made = self.made, 0
+        data["leases_made"] = data.get("leases_made", 0) + made
 
     def close(self) -> None:
-        self.hold_server.close()
         self.server.close()
         if self.nixl is not None:
             self.nixl.close()
-
-
-class HoldServer:
-    """Answers the scheduler's ``("hold", request_id, block_ids, num_tokens, first_token,
-    prompt_digest)`` with ``("ok", params)`` or ``("error", message)``."""
-
-    def __init__(self, side: PrefillSide) -> None:
-        self.side = side
-        folder = self._folder = tempfile.mkdtemp(prefix="kvrelay-vllm-")  # 0700: this user
-        self.address = HoldAddress(os.path.join(folder, "hold.sock"), secrets.token_bytes(32))
-        self._listener = Listener(self.address.path, "AF_UNIX", authkey=self.address.authkey)
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True, name="kvrelay-hold").start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn = self._listener.accept()
-            except Exception:  # a failed handshake (wrong key) or the listener closed
-                if self._closed:
-                    return
-                log.warning("kvrelay: refused a hold connection", exc_info=True)
-                continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name="kvrelay-hold-conn").start()
-
-    def _serve(self, conn: Connection) -> None:
-        with conn:
-            while True:
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    return
-                try:
-                    kind, rid, block_ids, num_tokens, first_token, digest = msg
-                    if kind != "hold":
-                        raise ValueError(f"unknown request {kind!r}")
-                    reply: tuple[str, Any] = ("ok", self.side.hold(
-                        rid, list(block_ids), num_tokens, first_token, digest))
-                except Exception as e:  # one bad hold fails that request only
-                    log.exception("kvrelay: hold failed")
-                    reply = ("error", f"{type(e).__name__}: {e}")
-                conn.send(reply)
-
-    def close(self) -> None:
-        self._closed = True
-        self._listener.close()  # unlinks the socket
-        with contextlib.suppress(OSError):
-            os.rmdir(self._folder)
 
 
 def prompt_digest(prompt_token_ids: Sequence[int]) -> bytes:

@@ -31,6 +31,13 @@ class ConnectorSettings:
     # vLLM steps empty while a lease is held or D waits for KV (~440 steps/s): an empty
     # step waits up to this long in the worker unless a report is ready. 0: no wait.
     idle_step_ms: float = 20.0
+    # D: pull from a relay on another host with no relay_secret proving it. vLLM caches
+    # every committed load for all requests, and the params name any relay a client
+    # likes: off, such a pull is refused (the request is prefilled on D).
+    trust_unauthenticated_relays: bool = False
+    # The CPUs the relay's threads run on ("0-3,8"); empty: the CPUs this engine was
+    # given (its parent process's affinity: vLLM binds its CPU worker's own threads).
+    relay_cpus: str = ""
 
     def __post_init__(self) -> None:
         if self.kv_transport not in TRANSPORTS:
@@ -43,6 +50,7 @@ class ConnectorSettings:
         if not 0 <= self.idle_step_ms <= 1000:
             raise ValueError("kv_connector_extra_config.idle_step_ms must be 0..1000, got "
                              f"{self.idle_step_ms}")
+        parse_cpus(self.relay_cpus)
         if not 0 < self.lease_timeout <= self.lease_max:
             raise ValueError("kv_connector_extra_config: need 0 < lease_timeout "
                              f"({self.lease_timeout}) <= lease_max ({self.lease_max})")
@@ -82,6 +90,8 @@ def _typed(key: str, value: Any, want: type) -> Any:
         if value is not None and not isinstance(value, str):
             raise ValueError("kv_connector_extra_config.relay_secret must be a string")
         return value
+    if want is bool and isinstance(value, bool):
+        return value
     if want is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if want is int and isinstance(value, int) and not isinstance(value, bool):
@@ -91,22 +101,45 @@ def _typed(key: str, value: Any, want: type) -> Any:
     raise ValueError(f"kv_connector_extra_config.{key} must be {want.__name__}, got {value!r}")
 
 
-def unpin() -> None:
-    """Let the calling thread (and the threads it starts) run on every CPU. vLLM's CPU
-    worker binds its threads to the cores it computes on; the relay's threads must not
-    queue behind the forward pass on that core (a HELLO then took seconds)."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+def parse_cpus(spec: str) -> set[int]:
+    """``relay_cpus`` ("0-3,8") as a set; empty for ""."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or int(hi or lo) < int(lo):
+            raise ValueError(f"kv_connector_extra_config.relay_cpus {spec!r}: allowed: CPU "
+                             "numbers and ranges, e.g. '0-3,8'")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
-def run_unpinned(fn: Callable[[], T]) -> T:
-    """``fn()`` on a fresh unpinned thread, so the threads it starts are unpinned too."""
+def relay_cpus(settings: ConnectorSettings) -> set[int]:
+    """Where the relay's threads run: ``relay_cpus``, else the CPUs this engine was
+    given. vLLM's CPU worker binds the thread that builds the connector (and OpenMP's)
+    to the cores it computes on, and a relay thread queued behind a forward pass made a
+    HELLO take seconds; the engine's parent process (EngineCore) still runs on what the
+    operator gave the engine (taskset, numactl, cgroup)."""
+    if settings.relay_cpus:
+        return parse_cpus(settings.relay_cpus)
+    mine = os.sched_getaffinity(0)
+    with contextlib.suppress(OSError):
+        parent = os.sched_getaffinity(os.getppid())
+        if mine < parent:
+            return parent
+    return mine
+
+
+def run_on_relay_cpus(settings: ConnectorSettings, fn: Callable[[], T]) -> T:
+    """``fn()`` on a fresh thread bound to ``relay_cpus(settings)``, so the threads it
+    starts (the relay's) run there too."""
     out: list[T] = []
     errors: list[BaseException] = []
+    cpus = relay_cpus(settings)
 
     def body() -> None:
-        unpin()
         try:
+            with contextlib.suppress(AttributeError):
+                os.sched_setaffinity(0, cpus)
             out.append(fn())
         except BaseException as e:  # re-raised in the caller
             errors.append(e)

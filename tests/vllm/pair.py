@@ -38,6 +38,17 @@ def missing() -> str:
     return ""
 
 
+LOGGING = {
+    "version": 1, "disable_existing_loggers": False,
+    "formatters": {"plain": {
+        "format": "%(levelname)s %(asctime)s [%(name)s pid=%(process)d] %(message)s"}},
+    "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "plain",
+                         "stream": "ext://sys.stdout"}},
+    "loggers": {"vllm": {"handlers": ["out"], "level": "INFO", "propagate": False},
+                "kvrelay": {"handlers": ["out"], "level": "DEBUG", "propagate": False}},
+}
+
+
 @dataclass
 class VllmEngine:
     name: str
@@ -70,7 +81,12 @@ class VllmEngine:
         if cfg:
             cmd += ["--kv-transfer-config", json.dumps(cfg)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_KVCACHE")}
-        env.update(PYTHONPATH=str(REPO), VLLM_LOGGING_LEVEL="INFO", **self.env)
+        # vLLM's logging configuration, with kvrelay's per-request lines (DEBUG) shown:
+        # the tests read them.
+        log_config = self.log.with_suffix(".logging.json")
+        log_config.write_text(json.dumps(LOGGING))
+        env.update(PYTHONPATH=str(REPO), VLLM_LOGGING_LEVEL="INFO",
+                   VLLM_LOGGING_CONFIG_PATH=str(log_config), **self.env)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)

