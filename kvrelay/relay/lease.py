@@ -339,6 +339,7 @@ class LeaseTable:
         if lease is None:
             if answer.code is ErrorCode.NOT_YET:
                 self._aborted_early[lease_id] = now
+                self._aborted_early.move_to_end(lease_id)
                 while len(self._aborted_early) > MAX_EARLY_ABORTS:
                     self._aborted_early.popitem(last=False)
             return answer

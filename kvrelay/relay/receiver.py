@@ -141,6 +141,8 @@ class ReceiverConfig:
     not_yet_timeout: float = 10.0
 
 
+NOT_YET_MAX_GAP = 0.02  # the longest wait between two ACQUIREs that met NOT_YET
+
 TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                             2.5, 5.0, 10.0, 30.0, float("inf"))
 
@@ -427,13 +429,14 @@ class Receiver:
         first, need = load.first_block, len(load.local_blocks)
         if reply.code == E.NOT_YET.value:
             if now < load.marks["acquire"] + self.config.not_yet_timeout:
-                # Asked again shortly (2, 4, 8 ... ms, at most rto apart); the epoch bump
-                # drops this round's retransmit timer.
+                # Asked again shortly (2, 4, 8, 16, then every 20 ms: the lease is made
+                # when P's worker starts its next step); the epoch bump drops this
+                # round's retransmit timer.
                 load.not_yet += 1
                 self.stats.not_yet += 1
                 load.epoch += 1
                 load.msg = None
-                self._timer(load, now + min(self.config.rto, 0.001 * 2 ** load.not_yet))
+                self._timer(load, now + min(NOT_YET_MAX_GAP, 0.001 * 2 ** load.not_yet))
                 return
             self._on_refused(load, reply)
             load.told = True  # best effort: P frees the lease the moment it makes it

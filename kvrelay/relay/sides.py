@@ -8,8 +8,8 @@ timeout derived from the lease timeout is made here, so the adapters cannot disa
 - a decode side's socket waits are bounded by half the lease timeout, so a frozen or
   cut-off prefill engine makes it fall back within the lease timeout;
 - it heartbeats a lease four times per lease timeout (at least every 50 ms apart);
-- it asks again for a lease P has named but not made (NOT_YET) for at most half the
-  lease timeout (10 s at most);
+- it asks again for a lease P has named but not made (NOT_YET) for at most
+  ``NOT_YET_TIMEOUT`` (P's worker makes it when its next step starts);
 - a prefill side's reply or stream send gives up after the lease timeout (the decode
   engine lost the lease by then anyway), and idle connections outlive heartbeats.
 """
@@ -37,6 +37,7 @@ from kvrelay.relay.transports.tcp import TcpTransport
 log = logging.getLogger(__name__)
 
 KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "tcp", "nixl")
+NOT_YET_TIMEOUT = 10.0
 NIXL_WITHOUT_SECRET = (
     "kv_transport nixl without a relay secret: any peer that reaches the relay port gets "
     "the NIXL metadata, with which it can read this engine's KV cache")
@@ -185,6 +186,6 @@ def build_decode_side(
         config=ReceiverConfig(policy=policy, peer_timeout=settings.lease_timeout,
                               heartbeat_interval=max(0.05, settings.lease_timeout / 4),
                               copy_timeout=settings.lease_max,
-                              not_yet_timeout=min(10.0, settings.io_timeout)),
+                              not_yet_timeout=NOT_YET_TIMEOUT),
         **({"new_attempt": new_attempt} if new_attempt is not None else {}))
     return DecodeParts(receiver, clients, transport)

@@ -93,9 +93,9 @@ class KvRelayStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
+        # "quarantined" (a gauge) is present only when its value changed.
         empty: dict[str, Any] = {"load_ms": [], "load_bytes": [], "fallbacks": {},
-                                 "fence_refused": 0, "leases_ended": {}, "leases_made": 0,
-                                 "quarantined": 0}
+                                 "fence_refused": 0, "leases_ended": {}, "leases_made": 0}
         self.data = empty
 
     def aggregate(self, other: KVConnectorStats) -> KvRelayStats:
@@ -106,7 +106,8 @@ class KvRelayStats(KVConnectorStats):
             d["load_bytes"] = [*d.get("load_bytes", ()), *o.get("load_bytes", ())]
             d["fence_refused"] += o["fence_refused"]
             d["leases_made"] = d.get("leases_made", 0) + o.get("leases_made", 0)
-            d["quarantined"] = max(d.get("quarantined", 0), o.get("quarantined", 0))
+            if "quarantined" in o:  # the latest count of each worker, summed
+                d["quarantined"] = d.get("quarantined", 0) + o["quarantined"]
             for key in ("fallbacks", "leases_ended"):
                 for why, n in o[key].items():
                     d[key][why] = d[key].get(why, 0) + n
@@ -131,7 +132,7 @@ class KvRelayStats(KVConnectorStats):
     def is_empty(self) -> bool:
         d: dict[str, Any] = self.data
         return not (d["load_ms"] or d["fallbacks"] or d["fence_refused"] or d["leases_ended"]
-                    or d.get("leases_made") or d.get("quarantined"))
+                    or d.get("leases_made") or "quarantined" in d)
 
 
 @dataclass
@@ -152,6 +153,16 @@ class KvRelayConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         cfg = self._kv_transfer_config
+        pc = vllm_config.parallel_config
+        if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"KvRelayConnector serves one worker per engine; this engine has tensor "
+                f"parallel size {pc.tensor_parallel_size} and pipeline parallel size "
+                f"{pc.pipeline_parallel_size} (both must be 1)")
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError(
+                f"KvRelayConnector serves one KV cache group; this model has "
+                f"{len(kv_cache_config.kv_cache_groups)} (sliding-window or hybrid layers)")
         self.settings = ConnectorSettings.from_extra(cfg.kv_connector_extra_config)
         self.producer, self.consumer = cfg.is_kv_producer, cfg.is_kv_consumer
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -165,6 +176,7 @@ class KvRelayConnector(KVConnectorBase_V1):
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         self._ready = threading.Event()  # a report is queued (either side)
+        self._unheld: set[str] = set()  # holds no worker of ours could take
         if role == KVConnectorRole.SCHEDULER:
             self._log_start(cfg)
 
@@ -194,19 +206,23 @@ class KvRelayConnector(KVConnectorBase_V1):
 
     @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any = None) -> Any:
-        """vLLM 0.34: how the KV cache may be allocated. IN_PROCESS: the relay reads
-        vLLM's host memory in place (tcp sends, NIXL registration of host memory) in this
-        process; a CUDA cache registered for RDMA would need REGISTERS (the GPU issue)."""
+        """vLLM 0.34: how the KV cache may be allocated. tcp: IN_PROCESS (the relay reads
+        the blocks in place, in this process); nixl: REGISTERS (NIXL registers the cache
+        with UCX: each segment must be one physical allocation)."""
         from vllm.config.kv_transfer import KVCacheAccess
 
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+        if extra.get("kv_transport") == "nixl":
+            return KVCacheAccess.REGISTERS
         return KVCacheAccess.IN_PROCESS
 
     def may_load_async(self, request: Request) -> bool:
         """vLLM 0.34: may this request's load start while the batch is full? Keyed on
         kvrelay's own lease field (a router rewriting ``do_remote_prefill`` changes
-        nothing), and only for params that validate."""
+        nothing); cheap, as vLLM asks: params are validated later, and refused ones
+        (``_LOADED``) answer False from then on."""
         params = request.kv_transfer_params
-        return bool(self.consumer and params and "lease_id" in params
+        return bool(self.consumer and params and isinstance(params.get("lease_id"), str)
                     and not params.get(_LOADED))
 
     # ==== worker ===========================================================================
@@ -239,14 +255,25 @@ class KvRelayConnector(KVConnectorBase_V1):
         return KvRelayHandshake(self.prefill.server.address, self.prefill.engine_id,
                                 self.prefill.compat)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's metadata, before its forward pass (vLLM 0.32 and 0.34 start loads
+        after it): the leases the scheduler named are made here, a forward pass sooner
+        than in ``start_load_kv``."""
+        super().bind_connector_metadata(connector_metadata)
+        holds = getattr(connector_metadata, "holds", None)
+        if not holds:
+            return
+        if self.prefill is not None:
+            self.prefill.hold_all(holds)
+        else:  # named for a worker that is not a producer: vLLM frees them
+            log.error("kvrelay: %d leases named for a worker with no relay: their "
+                      "requests are freed", len(holds))
+            self._unheld.update(h.request_id for h in holds)
+            self._ready.set()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvRelayMetadata)
-        if self.prefill is not None and meta.holds:
-            self.prefill.hold_all(meta.holds)
-        elif meta.holds:  # P's scheduler named leases no worker of ours can make
-            log.error("kvrelay: leases named with no prefill worker: %d requests",
-                      len(meta.holds))
         if self.decode is not None and (meta.loads or meta.aborts or meta.give_back):
             self.decode.start(meta.loads, meta.aborts, meta.give_back)
 
@@ -270,6 +297,9 @@ class KvRelayConnector(KVConnectorBase_V1):
         out = KVConnectorTransferResults()
         if self.prefill is not None:
             out.finished_sending = self.prefill.take_released()
+        if self._unheld:
+            out.finished_sending = (out.finished_sending or set()) | self._unheld
+            self._unheld = set()
         if self.decode is not None:
             out.finished_recving, out.failed_recving = self.decode.take_finished()
         return out
@@ -373,15 +403,25 @@ class KvRelayConnector(KVConnectorBase_V1):
             return False, None
         # The worker makes the lease with the next step; until then an ACQUIRE for it
         # is answered NOT_YET. vLLM holds the request until finished_sending names it.
-        prompt = list(request.prompt_token_ids or ())
-        lease_id = f"{hs.engine_id}.{next(self._lease_seq)}"
-        first = int(request.output_token_ids[0])
-        self._meta.holds.append(HoldSpec(rid, lease_id, list(block_ids), len(prompt), first,
-                                         prompt_digest(prompt)))
-        params_out = KvTransferParams(lease_id, hs.relay, hs.engine_id, list(block_ids),
-                                      len(prompt), first, hs.compat).to_dict()
-        return True, dict(params_out, do_remote_prefill=True, do_remote_decode=False,
-                          resends_first_token=True)
+        # The id: this worker life, a sequence number (the worker makes them in order,
+        # so an ACQUIRE naming one past the last made is NOT_YET) and 128 random bits (a
+        # lease id is a capability: nobody may guess the next one).
+        try:
+            prompt = list(request.prompt_token_ids or ())
+            lease_id = f"{hs.engine_id}.{next(self._lease_seq)}.{secrets.token_hex(16)}"
+            first = int(request.output_token_ids[0])
+            hold = HoldSpec(rid, lease_id, list(block_ids), len(prompt), first,
+                            prompt_digest(prompt))
+            params_out = dict(
+                KvTransferParams(lease_id, hs.relay, hs.engine_id, list(block_ids),
+                                 len(prompt), first, hs.compat).to_dict(),
+                do_remote_prefill=True, do_remote_decode=False, resends_first_token=True,
+                block_size=self.block_size)
+        except Exception:  # no lease: vLLM frees, the proxy sees no params
+            log.exception("kvrelay: no lease for %s", rid)
+            return False, None
+        self._meta.holds.append(hold)  # last: a hold exists only with delay_free=True
+        return True, params_out
 
     # -- helpers ------------------------------------------------------------------------
     def _lease_of(self, request: Request) -> RemoteKv | None:
@@ -396,6 +436,11 @@ class KvRelayConnector(KVConnectorBase_V1):
             kv = RemoteKv.from_client(params, vocab_size=self.vocab_size)
             if not trusts(self.settings, kv.relay):
                 raise ValueError(UNTRUSTED.format(relay=kv.relay))
+            p_block = params.get("block_size", self.block_size)
+            if p_block != self.block_size:
+                raise ValueError(
+                    f"block_size: the prefill engine's blocks hold {p_block!r} tokens, this "
+                    f"engine's {self.block_size}: start both with the same --block-size")
             n = len(request.prompt_token_ids or ())
             if kv.num_tokens != n:
                 raise ValueError(f"num_tokens {kv.num_tokens}: the prompt has {n} tokens")

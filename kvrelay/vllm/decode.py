@@ -240,6 +240,7 @@ class DecodeSide:
         self.errors = 0  # units of work that raised (each failed alone)
         self._seen_fallbacks: dict[str, int] = {}  # receiver counts at the last stats
         self._seen_fence = 0
+        self._sent_quarantined = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drive, daemon=True, name="kvrelay-recv")
         self._thread.start()
@@ -316,7 +317,7 @@ class DecodeSide:
         self.loads.expect(spec.request_id, spec.block_ids, spec.cached_blocks)
         try:
             faults.hit("submit", spec.request_id)
-            kv = RemoteKv.from_dict(spec.params)
+            kv = RemoteKv.from_client(spec.params)  # the relay made canonical
             if not self.trusts(kv.relay):
                 raise ValueError(UNTRUSTED.format(relay=kv.relay))
             self.receiver.submit(spec.request_id, spec.prompt_token_ids, SamplingParams(), kv,
@@ -358,7 +359,9 @@ class DecodeSide:
         fence = st.fence_failures
         data["fence_refused"] += fence - self._seen_fence
         self._seen_fence = fence
-        data["quarantined"] = max(data.get("quarantined", 0), len(self.loads.quarantined))
+        quarantined = len(self.loads.quarantined)
+        if quarantined != self._sent_quarantined:  # a gauge: sent when it changes
+            data["quarantined"] = self._sent_quarantined = quarantined
 
     def _drive(self) -> None:
         replies = self.client.replies
@@ -385,11 +388,23 @@ class DecodeSide:
                             reply = replies.get_nowait()
                         except queue.Empty:
                             reply = None
-                    self.receiver.tick(time.monotonic())
+                    try:
+                        self.receiver.tick(time.monotonic())
+                    except Exception:
+                        self._after_tick_error()
+                        raise
             except Exception:  # a bug outside any one load's work: later loads go on
                 self.errors += 1
                 log.exception("kvrelay: receiver step failed")
                 self._stop.wait(0.05)
+
+    def _after_tick_error(self) -> None:
+        """A tick raised part way: loads it took to start but never started (admitted,
+        no longer waiting, no ACQUIRE sent, no timer) would wait forever. Fail them."""
+        waiting = {w[0] for w in self.loads._waiting}
+        for rid, load in list(self.receiver.loads.items()):
+            if load.phase is Phase.ADMITTING and rid not in waiting:
+                self._fail(rid, "the receiver's tick failed before this load started")
 
     def _on_reply(self, reply: P.Reply) -> None:
         rid = self.receiver.owner(reply.seq)

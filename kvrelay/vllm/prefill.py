@@ -19,13 +19,14 @@ practice, the counters keep the check honest should vLLM ever free early.
 
 The scheduler names each lease and hands its making to the worker in the step's
 connector metadata (``HoldSpec``, as NixlConnector's ``reqs_to_send``): no round trip
-on vLLM's scheduler thread. A lease id is ``<worker's engine id>.<sequence>``; the
-worker makes them in order (``hold_all``), so an ACQUIRE that races the metadata (the
-params reached D before P's worker had its next step) names a sequence number past the
-last one made and is answered NOT_YET (``pending``): D asks again, within a bound. Each
-hold ends in exactly one ``finished_sending``: the lease's release, or at once when the
-lease could not be made. A request is named in a hold only after ``request_finished``
-returned ``delay_free=True`` for it, so every report names a request vLLM still holds.
+on vLLM's scheduler thread. A lease id is ``<worker's engine id>.<sequence>.<128 random
+bits>``; the worker makes them in order as its next step starts (``hold_all``, from
+``bind_connector_metadata``), so an ACQUIRE that races the metadata (the params reached
+D first) names a sequence number past the last one made and is answered NOT_YET
+(``pending``): D asks again, within a bound. Each hold ends in exactly one
+``finished_sending``: the lease's release, or at once when the lease could not be made.
+A request is named in a hold only after ``request_finished`` returned
+``delay_free=True`` for it, so every report names a request vLLM still holds.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class VllmLeaseBlocks:
         self._leases[lease_id] = (request_id, ids)
 
     def release(self, lease_id: str, block_ids: Sequence[int]) -> None:
+        if not block_ids and lease_id not in self._leases:
+            return  # every block went at ACQUIRE (a partial pull of none): reported then
         request_id, held = self._leases[lease_id]
         ids = set(block_ids)
         if not ids <= held:
@@ -143,9 +146,11 @@ class PrefillSide:
         return self.table.engine_id
 
     def pending(self, lease_id: str) -> bool:
-        """Named by our scheduler, not made yet (called under ``lock``)."""
-        prefix, _, seq = lease_id.rpartition(".")
-        return prefix == self.engine_id and seq.isdigit() and int(seq) > self._made_upto
+        """Named by our scheduler, not made yet (called under ``lock``): an id of this
+        worker life whose number is past the last one made, by at most PENDING_WINDOW
+        (a forged far-future id is unknown, not pending)."""
+        seq = _seq_of(lease_id, self.engine_id)
+        return seq is not None and self._made_upto < seq <= self._made_upto + PENDING_WINDOW
 
     def hold_all(self, holds: Sequence[HoldSpec]) -> None:
         """Make the leases the scheduler named, in order. One that cannot be made (a bug,
@@ -154,18 +159,23 @@ class PrefillSide:
         now = time.monotonic()
         with self.lock:
             for h in holds:
-                seq = h.lease_id.rpartition(".")[2]
-                if seq.isdigit():
-                    self._made_upto = max(self._made_upto, int(seq))
+                seq = _seq_of(h.lease_id, self.engine_id)
+                if seq is not None:
+                    self._made_upto = max(self._made_upto, seq)
                 try:
                     faults.hit("hold", h.request_id)
                     self.table.create(h.request_id, h.block_ids, now, num_tokens=h.num_tokens,
                                       first_token=h.first_token,
                                       prompt_digest=h.prompt_digest, lease_id=h.lease_id)
                 except Exception as e:
-                    log.warning("kvrelay: no lease for request %s (%s: %s): vLLM frees it",
-                                h.request_id, type(e).__name__, e)
-                    self.blocks.unheld(h.request_id)
+                    made = (h.lease_id in self.table.leases
+                            or self.table.release_reason(h.lease_id) is not None)
+                    log.warning("kvrelay: %s for request %s (%s: %s)%s",
+                                "lease made, then an error" if made else "no lease",
+                                h.request_id, type(e).__name__, e,
+                                "" if made else ": vLLM frees it")
+                    if not made:  # a made lease reports at its release
+                        self.blocks.unheld(h.request_id)
                     continue
                 self.made += 1
                 log.debug("kvrelay: lease %s for request %s (%d blocks)", h.lease_id,
@@ -195,6 +205,18 @@ class PrefillSide:
         self.server.close()
         if self.nixl is not None:
             self.nixl.close()
+
+
+PENDING_WINDOW = 4096  # lease ids named ahead of the last one made that count as pending
+
+
+def _seq_of(lease_id: str, engine_id: str) -> int | None:
+    """The sequence number of ``<engine_id>.<n>.<random>``, or None."""
+    head, _, _rand = lease_id.rpartition(".")
+    prefix, _, seq = head.rpartition(".")
+    if prefix != engine_id or not (seq.isascii() and seq.isdigit() and len(seq) <= 18):
+        return None
+    return int(seq)
 
 
 def prompt_digest(prompt_token_ids: Sequence[int]) -> bytes:

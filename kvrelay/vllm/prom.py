@@ -1,7 +1,8 @@
 """KvRelayConnector's series on vLLM's ``/metrics`` (``build_prom_metrics``), made from
 the ``KvRelayStats`` each worker step reports: ``vllm:kvrelay_*``, with the labels vLLM
 gives every connector series (model name, engine index) plus ``reason`` where one is
-counted by reason. Imports vLLM: loaded only by the connector."""
+counted by reason; counters are named as vLLM names its own (prometheus_client adds
+``_total``). Imports vLLM: loaded only by the connector."""
 
 from __future__ import annotations
 
@@ -29,14 +30,14 @@ class KvRelayPromMetrics(KVConnectorPromMetrics):
                                      labelnames=[*labelnames, "reason"]), engines
 
         self.leases_made = per_engine(
-            self._counter_cls, "vllm:kvrelay_leases_made_total",
+            self._counter_cls, "vllm:kvrelay_leases_made",
             "Leases made on this prefill engine (one per request handed to a decode engine)")
         self.leases_ended, _ = by_reason(
-            "vllm:kvrelay_leases_ended_total",
+            "vllm:kvrelay_leases_ended",
             "Leases ended, by reason: done (pulled and committed), aborted, expired, failed, "
             "not_made (the worker could not make it)")
         self.pulls = per_engine(
-            self._counter_cls, "vllm:kvrelay_pulls_total",
+            self._counter_cls, "vllm:kvrelay_pulls",
             "KV pulls committed on this decode engine (the fence said done)")
         self.pull_seconds = per_engine(
             self._histogram_cls, "vllm:kvrelay_pull_seconds",
@@ -45,15 +46,16 @@ class KvRelayPromMetrics(KVConnectorPromMetrics):
             self._histogram_cls, "vllm:kvrelay_pull_bytes", "Bytes a committed pull copied",
             buckets=PULL_BYTES)
         self.fallbacks, _ = by_reason(
-            "vllm:kvrelay_fallbacks_total",
+            "vllm:kvrelay_fallbacks",
             "Loads that did not commit, by reason (vLLM recomputes them, or fails them "
             "under kv_load_failure_policy fail)")
         self.fence_refused = per_engine(
-            self._counter_cls, "vllm:kvrelay_fence_refused_total",
+            self._counter_cls, "vllm:kvrelay_fence_refused",
             "Copies whose commit the fence refused (the lease was lost or a block changed)")
         self.quarantined = per_engine(
             self._gauge_cls, "vllm:kvrelay_quarantined_requests",
-            "Requests whose cancelled transfer has not stopped: their blocks stay theirs")
+            "Requests whose cancelled transfer has not stopped: their blocks stay theirs",
+            multiprocess_mode="mostrecent")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data

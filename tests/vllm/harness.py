@@ -11,9 +11,10 @@ the sequence. A router plays the proxy: P with ``do_remote_decode``, then D with
 params. Each seed draws its scenario: step order between P and D (so D's ACQUIRE often
 beats P's worker making the lease: NOT_YET), aborts of P and of D at every step
 boundary (while the lease is held, while D waits, loads, decodes), params never sent to
-D (the lease expires), replayed and refused params, pulls racing lease expiry (a short
-lease timeout, a held-back copy, D asked late), and an exception injected into one
-connector thread (hold, submit, reply).
+D (the lease expires), replayed and refused params (another length, another block
+size), pulls racing lease expiry (a short lease timeout, a held-back copy, D asked
+late), an exception injected into one connector thread (hold, submit, reply), and on
+vLLM 0.34 ``--max-num-inflight-kv-loads``.
 
 At the end of each seed: no exception from vLLM (its ``assert req_id in
 self.requests`` included), every ``finished_sending`` and ``finished_recving`` named
@@ -190,8 +191,7 @@ class Engine:
         assert isinstance(meta, KvRelayMetadata)
         for spec in meta.loads:
             self.loads[spec.request_id] += 1
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)  # type: ignore[arg-type]
+        self.worker.bind_connector_metadata(meta)  # P's worker makes the named leases
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         for rid, n in so.num_scheduled_tokens.items():
@@ -211,6 +211,8 @@ class Engine:
         # same step computes is read after that request wrote them (as attention does).
         for rid in checks:
             self.check(rid, starts[rid])
+        # vLLM starts loads after the forward pass when none is synchronous (ours).
+        self.worker.start_load_kv(None)  # type: ignore[arg-type]
         res = self.worker.get_transfer_results(so.finished_req_ids)
         self.sending.update(res.finished_sending or ())
         self.recving.update(res.finished_recving or ())
@@ -295,7 +297,7 @@ class Flow:
     abort_d_after: int | None = None  # engine steps after D got it
     skip_d: bool = False  # the proxy never sends D the params: P's lease expires
     replay: bool = False  # a second D request with the same params
-    corrupt: bool = False  # params D refuses (num_tokens off by one)
+    corrupt: str = ""  # params D refuses: num_tokens off by one, or another block_size
     d_wait_s: float = 0.0  # wall-clock wait before D gets the params
     p_steps: int = 0
     d_steps: dict[str, int] = field(default_factory=dict)
@@ -330,7 +332,8 @@ def scenario(rng: random.Random, n: int) -> tuple[list[Flow], dict[str, Any]]:
         elif r < 0.50:
             f.abort_d_after = rng.randint(0, 8)
         f.replay = rng.random() < 0.08
-        f.corrupt = rng.random() < 0.05
+        if rng.random() < 0.08:
+            f.corrupt = rng.choice(["num_tokens", "block_size"])
         if lease_timeout < 2 and rng.random() < 0.3:
             f.d_wait_s = rng.uniform(0.5, 1.5) * lease_timeout  # around the expiry
         flows.append(f)
@@ -389,8 +392,10 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
                         and time.monotonic() >= f.params_at + f.d_wait_s):
                     f.d_sent = True
                     params = dict(f.params)
-                    if f.corrupt:
+                    if f.corrupt == "num_tokens":
                         params["num_tokens"] += 1
+                    elif f.corrupt == "block_size":
+                        params["block_size"] = 2 * BLOCK
                     for k in range(2 if f.replay else 1):
                         rid = f"d{f.i}.{k}"
                         by_d[rid] = f

@@ -167,7 +167,8 @@ class Pair:
     proxy; fp32, ~25 KV blocks of 128 tokens each (reuse comes quickly)."""
 
     def __init__(self, tmp: Path, transport: str = "tcp", p_role: str = "kv_both",
-                 args: tuple[str, ...] = ()) -> None:
+                 args: tuple[str, ...] = (), p_env: dict[str, str] | None = None,
+                 d_env: dict[str, str] | None = None) -> None:
         self.transport = transport
         p_extra = {"lease_timeout": LEASE_TIMEOUT, "lease_max": 60, "kv_transport": transport}
         d_extra = {"lease_timeout": D_LEASE_TIMEOUT, "lease_max": D_LEASE_TIMEOUT,
@@ -175,10 +176,12 @@ class Pair:
         # vLLM binds each engine's worker to the cores it picks, both to core 0 here
         # unless told: one core each, as two engines on one host should be.
         self.p = VllmEngine("prefill", p_role, tmp / "p.log", p_extra,
-                            env={"VLLM_CPU_OMP_THREADS_BIND": "0"}, args=list(args))
+                            env={"VLLM_CPU_OMP_THREADS_BIND": "0", **(p_env or {})},
+                            args=list(args))
         self.d = VllmEngine("decode", "kv_consumer", tmp / "d.log", d_extra,
                             env={"KVRELAY_FAULT_TRANSFER_DELAY_S": "1.0",
-                                 "VLLM_CPU_OMP_THREADS_BIND": str(1 % (os.cpu_count() or 1))},
+                                 "VLLM_CPU_OMP_THREADS_BIND": str(1 % (os.cpu_count() or 1)),
+                                 **(d_env or {})},
                             args=list(args))
         self.proxy_port = free_port()
         self.proxy: subprocess.Popen[bytes] | None = None
@@ -224,9 +227,10 @@ class Pair:
 
 
 def start_pair(tmp: Path, transport: str = "tcp", p_role: str = "kv_both",
-               args: tuple[str, ...] = ()) -> Iterator[Pair]:
-    """For a module-scoped fixture: one pair for the module, every process stopped."""
-    pr = Pair(tmp, transport, p_role, args)
+               args: tuple[str, ...] = (), **env: dict[str, str]) -> Iterator[Pair]:
+    """For a module-scoped fixture: one pair for the module, every process stopped.
+    ``p_env``/``d_env``: more environment for P or D (fault hooks)."""
+    pr = Pair(tmp, transport, p_role, args, **env)
     try:
         started = pr.start()
         print(f"\nvLLM P and D ({transport}) healthy after {started:.0f} s (side by side)")

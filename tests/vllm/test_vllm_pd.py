@@ -14,9 +14,11 @@ test_vllm_slow.py runs the scenarios that take a transport over nixl, and the ab
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -28,6 +30,7 @@ from tests.vllm.pair import (
     LEASE_TIMEOUT,
     PULLING,
     Pair,
+    VllmEngine,
     chat,
     colocated,
     completion,
@@ -91,6 +94,28 @@ def test_kv_both_decodes_from_its_own_lease(pair: Pair) -> None:
     pair.p.wait_log(r"ended \(done\)", done + 1, timeout=10)
 
 
+def metric(engine: VllmEngine, name: str) -> float:
+    """The sum of a series over its labels on the engine's /metrics (0 if absent)."""
+    text = httpx.get(engine.url + "/metrics", timeout=5).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$",
+                                            text, re.M))
+
+
+def test_connector_series_on_vllms_metrics(pair: Pair) -> None:
+    """build_prom_metrics: the relay's counts on vLLM's own /metrics, as NixlConnector's."""
+    made = metric(pair.p, "vllm:kvrelay_leases_made_total")
+    pulls = metric(pair.d, "vllm:kvrelay_pulls_total")
+    assert decode_on(pair.d, lease_from(pair.p)) == colocated(pair)
+    end = time.monotonic() + 30
+    while (metric(pair.p, "vllm:kvrelay_leases_made_total") < made + 1
+           or metric(pair.d, "vllm:kvrelay_pulls_total") < pulls + 1):
+        assert time.monotonic() < end, "the series did not move"
+        time.sleep(0.2)
+    assert metric(pair.d, "vllm:kvrelay_pull_seconds_count") >= 1
+    assert metric(pair.d, "vllm:kvrelay_pull_bytes_sum") > 0
+    assert metric(pair.p, "vllm:kvrelay_leases_ended_total") >= 1
+
+
 def test_replayed_params_never_commit(pair: Pair) -> None:
     want = colocated(pair)
     params = lease_from(pair.p)
@@ -98,6 +123,21 @@ def test_replayed_params_never_commit(pair: Pair) -> None:
     consumed = pair.d.count(r"lease already consumed")
     assert decode_on(pair.d, params) == want  # recomputed on D
     pair.d.wait_log(r"lease already consumed", consumed + 1)
+
+
+def test_a_relay_elsewhere_is_never_pulled_without_a_secret(pair: Pair) -> None:
+    """No relay_secret: params naming a relay on another host (a client's own, which could
+    plant KV in D's prefix cache for everyone) are refused before any dial or block
+    allocation, and D prefills the prompt itself; the genuine params still pull."""
+    want = colocated(pair)
+    params = lease_from(pair.p)
+    refused = pair.d.count(r"the relay relay\.invalid:7100 is not on this host")
+    pulls = pair.d.count(PULLING)
+    assert decode_on(pair.d, dict(params, relay="relay.invalid:7100")) == want
+    pair.d.wait_log(r"the relay relay\.invalid:7100 is not on this host", refused + 1)
+    assert pair.d.count(PULLING) == pulls
+    assert decode_on(pair.d, params) == want
+    assert pair.d.count(PULLING) == pulls + 1
 
 
 def test_blocks_reused_under_a_delayed_pull_are_fenced(pair: Pair) -> None:

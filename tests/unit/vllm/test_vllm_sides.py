@@ -3,7 +3,9 @@ caches cut as vLLM's CPU cache is (layer-major views of one storage), without vL
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import secrets
 import subprocess
 import sys
 import time
@@ -74,7 +76,7 @@ def name_lease(p: PrefillSide, rid: str = "p-req", blocks: list[int] | None = No
                ) -> tuple[HoldSpec, dict[str, Any]]:
     """What P's scheduler does in request_finished: a lease id, the hold for the worker
     and the params for the client (the lease is made by ``p.hold_all``)."""
-    lid = f"{p.engine_id}.{next(_lease_seq)}"
+    lid = f"{p.engine_id}.{next(_lease_seq)}.{secrets.token_hex(16)}"
     blocks = blocks or [5, 2, 3]
     hold = HoldSpec(rid, lid, blocks, len(PROMPT), 42, prompt_digest(PROMPT))
     params = KvTransferParams(lid, p.server.address, p.engine_id, blocks, len(PROMPT), 42,
@@ -250,7 +252,9 @@ def test_lease_blocks_shared_prefix_and_one_report() -> None:
     assert blocks.take_released() == [("a", "L1")]
     assert blocks.generations([1, 2, 3]) == [g[0], g[1] + 1, g[2]]  # 1 is still L2's
     with pytest.raises(KeyError):
-        blocks.release("L1", [])  # the lease is gone: a second release cannot report
+        blocks.release("L1", [2])  # the lease is gone: a second release cannot report
+    blocks.release("L1", [])  # its table's final release after a pull of no blocks
+    assert blocks.take_released() == []
     blocks.release("L2", [1, 3])
     assert blocks.take_released() == [("b", "L2")]
     assert blocks.generations([1, 3]) == [g[0] + 1, g[2] + 1]
@@ -336,9 +340,10 @@ def test_an_acquire_before_the_lease_is_made_waits_for_it(pair: Any) -> None:
 
 
 def test_a_lease_made_after_d_gave_up_is_freed_at_once(pair: Any) -> None:
-    """D's NOT_YET bound passes (half the lease timeout): D recomputes and tells P ABORT;
-    P frees the lease the moment its worker makes it, not at its timeout."""
-    p, d, _, _ = pair(lease_timeout=30.0, d_lease_timeout=0.4)
+    """D's NOT_YET bound passes: D recomputes and tells P ABORT; P frees the lease the
+    moment its worker makes it, not at its timeout."""
+    p, d, _, _ = pair(lease_timeout=30.0)
+    d.receiver.config = dataclasses.replace(d.receiver.config, not_yet_timeout=0.3)
     hold, params = name_lease(p)
     d.start([LoadSpec("d-req", params, PROMPT, [9, 10, 1], 0)], [])
     got: dict[str, bool] = {}
@@ -390,15 +395,16 @@ def test_a_client_named_relay_elsewhere_is_never_dialled(pair: Any) -> None:
     """No secret: a relay on another host could plant KV in vLLM's prefix cache, so the
     load is refused (recompute) before any dial, and no ABORT goes there either."""
     p, d, _, _ = pair()
-    params = dict(lease(p), relay="192.0.2.1:7100")
+    params = dict(lease(p), relay="relay.invalid:7100")
     d.start([LoadSpec("d-req", params, PROMPT, [9, 10, 1], 0)], [], [params])
     got: dict[str, bool] = {}
     wait_for(finished(d, got), "the refusal")
     assert got == {"d-req": True} and not d.client._peers
     s = ConnectorSettings()
-    assert not trusts(s, "192.0.2.1:7100") and trusts(s, "127.0.0.1:7100")
-    assert trusts(ConnectorSettings(relay_secret="k"), "192.0.2.1:7100")
-    assert trusts(ConnectorSettings(trust_unauthenticated_relays=True), "192.0.2.1:7100")
+    assert not trusts(s, "relay.invalid:7100") and not trusts(s, "192.0.2.1:7100")
+    assert trusts(s, "127.0.0.1:7100") and trusts(s, "localhost:7100")
+    assert trusts(ConnectorSettings(relay_secret="k"), "relay.invalid:7100")
+    assert trusts(ConnectorSettings(trust_unauthenticated_relays=True), "relay.invalid:7100")
 
 
 def test_vllms_step_never_waits_for_the_receiver_lock(pair: Any) -> None:
@@ -427,3 +433,33 @@ def test_relay_cpus_parse() -> None:
                                         ).trust_unauthenticated_relays
     with pytest.raises(ValueError, match="trust_unauthenticated_relays must be bool"):
         ConnectorSettings.from_extra({"trust_unauthenticated_relays": "yes"})
+
+
+def test_pending_means_named_by_this_worker_life_and_not_made_yet(pair: Any) -> None:
+    p, _, _, _ = pair()
+    hold, params = name_lease(p)
+    lid, eid = params["lease_id"], p.engine_id
+    with p.lock:
+        assert p.pending(lid)
+        assert not p.pending(f"{eid}.{10**6}.ab")  # far ahead: a forgery, not pending
+        assert not p.pending(f"{eid}.\u00b2.ab") and not p.pending("other.1.ab")
+        assert not p.pending(f"{eid}.{'9' * 5000}.ab")  # no int() of a huge string
+    p.hold_all([hold])
+    with p.lock:
+        assert not p.pending(lid) and lid in p.table.leases
+
+
+def test_an_acquire_of_no_blocks_ends_the_lease_once(pair: Any) -> None:
+    """A partial pull of none (every block in D's cache): the lease's blocks all go at
+    ACQUIRE (reported then); its end releases none and reports nothing more."""
+    p, _, _, _ = pair()
+    params = lease(p)
+    with p.lock:
+        assert p.table.acquire(p.engine_id, params["lease_id"], "d", "a1", time.monotonic(),
+                               first_block=3).ok
+    assert p.take_released() == {"p-req"}
+    with p.lock:
+        assert p.table.release(p.engine_id, params["lease_id"], "d", "a1", True,
+                               time.monotonic()).ok
+        assert not p.table.leases
+    assert p.take_released() == set()
