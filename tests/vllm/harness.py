@@ -13,8 +13,8 @@ beats P's worker making the lease: NOT_YET), aborts of P and of D at every step
 boundary (while the lease is held, while D waits, loads, decodes), params never sent to
 D (the lease expires), replayed and refused params (another length, another block
 size), pulls racing lease expiry (a short lease timeout, a held-back copy, D asked
-late), an exception injected into one connector thread (hold, submit, reply), and on
-vLLM 0.34 ``--max-num-inflight-kv-loads``.
+late), an exception injected into one connector thread (hold, submit, reply), P or D
+restarted with live leases, and on vLLM 0.34 ``--max-num-inflight-kv-loads``.
 
 At the end of each seed: no exception from vLLM (its ``assert req_id in
 self.requests`` included), every ``finished_sending`` and ``finished_recving`` named
@@ -304,6 +304,7 @@ class Flow:
     params: dict[str, Any] | None = None
     params_at: float = 0.0
     p_done: bool = False
+    p_lost: bool = False  # its P engine restarted before it finished
     d_pending: list[str] = field(default_factory=list)  # D request ids not finished
     d_sent: bool = False
 
@@ -317,7 +318,11 @@ def scenario(rng: random.Random, n: int) -> tuple[list[Flow], dict[str, Any]]:
                                                f"reply:{rng.randint(1, 2 * n)}"]),
              "order": rng.choice(["both", "random", "d_first"]),
              # vLLM 0.34: loads admitted while the batch is full, at most this many
-             "inflight": rng.choice([None, 2]) if INFLIGHT else None}
+             "inflight": rng.choice([None, 2]) if INFLIGHT else None,
+             # an engine restarted with live leases, after this many loop turns (D only
+             # with short leases: P frees what D held at their timeout)
+             "restart": rng.choice([None] * 4 + ["p"] + (["d"] if lease_timeout < 2 else [])),
+             "restart_at": rng.randint(2, 12)}
     shared = [rng.randrange(VOCAB) for _ in range(BLOCK * 2)]  # a prefix many prompts share
     flows = []
     for i in range(n):
@@ -360,6 +365,8 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
     by_d: dict[str, Flow] = {}
     d_out: dict[str, list[int]] = {}
     deadline = time.monotonic() + limit_s
+    retired: list[Engine] = []  # engines that "died" mid-seed (closed)
+    turn = 0
     try:
         for f in flows:
             p.sched.add_request(Request(
@@ -373,13 +380,35 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
                 raise TimeoutError(f"the seed did not settle in {limit_s:g} s: flows "
                                    f"{pending}; P has {sorted(p.sched.requests)}, D has "
                                    f"{sorted(d.sched.requests)}")
+            turn += 1
+            if knobs["restart"] == "p" and turn == knobs["restart_at"]:
+                # P dies with live leases (some held, some being pulled): its clients
+                # get errors; params it handed out name a relay that is gone.
+                retired.append(p)
+                p.close()
+                p = Engine("P", make_config("kv_producer", extra, sched_cls), sched_cls)
+                for f in flows:
+                    f.p_lost = not f.p_done and f.abort_p_after is None
+                stats["p_restarted"] += 1
+            elif knobs["restart"] == "d" and turn == knobs["restart_at"]:
+                # D dies mid-pull: P must free what D held (at the lease timeout).
+                retired.append(d)
+                d.close()
+                d = Engine("D", make_config("kv_consumer", extra, sched_cls,
+                                            knobs["inflight"]), sched_cls)
+                dec = d.worker.decode
+                assert dec is not None
+                dec.transport.delay = knobs["transfer_delay"]
+                for f in by_d.values():
+                    f.d_pending.clear()
+                stats["d_restarted"] += 1
             order = knobs["order"]
             step_p = order == "both" or (order == "random" and rng.random() < 0.5) or (
                 order == "d_first" and rng.random() < 0.3)
             if step_p:
                 for out in p.step():
                     f = flows[int(out.request_id[1:])]
-                    if out.finish_reason is not None:
+                    if out.finish_reason is not None and not f.p_lost:
                         f.p_done = True
                         f.params, f.params_at = out.kv_transfer_params, time.monotonic()
             for f in flows:
@@ -425,7 +454,7 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
                         f.d_pending.remove(rid)
                         stats[f"d_aborted_{where}"] += 1
             settled = all(
-                (f.p_done or f.abort_p_after is not None) and not f.d_pending
+                (f.p_done or f.abort_p_after is not None or f.p_lost) and not f.d_pending
                 and (f.d_sent or f.skip_d or not f.params) for f in flows)
             if settled and not p.sched.has_requests() and not d.sched.has_requests() \
                     and not p.in_flight and not d.in_flight:
@@ -436,6 +465,10 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
         while dec.receiver.loads and time.monotonic() < settle:
             time.sleep(0.01)
         problems = p.violations + d.violations + p.leftovers() + d.leftovers()
+        for old in retired:  # up to its death, each report once
+            problems += old.violations + [
+                f"{old.name} (before its restart): reported twice: {r}"
+                for c in (old.sending, old.recving) for r, k in c.items() if k > 1]
         stats.update(pulls=dec.receiver.stats.loaded, requests=len(flows),
                      not_yet=dec.receiver.stats.not_yet,
                      fallbacks=sum(dec.receiver.stats.fallbacks.values()),

@@ -43,6 +43,7 @@ def check_exercised(t: dict) -> None:
     assert t.get("fallback_connector_error", 0) > 0  # an exception in a connector thread
     assert t.get("d_aborted_waiting_for_remote_kvs", 0) + t.get("d_aborted_copying", 0) > 0
     assert t.get("d_aborted_running", 0) > 0 and t.get("p_aborted", 0) > 0
+    assert t.get("p_restarted", 0) > 0 and t.get("d_restarted", 0) > 0
 
 
 @pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present")
