@@ -16,8 +16,10 @@ _module: ModuleType | None = None
 _load_error: str | None = None
 
 # The bindings' version (csrc/bindings.cpp, m.attr("API")): 2 since attention() takes
-# skip_from and skip_tokens (ints) where it took skip_fresh (a bool).
-API = 2
+# skip_from and skip_tokens (ints) where it took skip_fresh (a bool); 3 since every
+# attention tile scores in one order (a module from older sources would run without
+# error but answer otherwise once a prompt's prefix is cached: docs/model.md).
+API = 3
 
 
 def load() -> ModuleType | None:

@@ -485,10 +485,9 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
         const int64_t s = s0 + j;
         const bool last = j + 1 == s1 - s0;
         f.n = last ? int64_t(runs.size()) : first[j + 2];
-        // the tile kernels call step() once a chunk of 16 positions and pass (generic:
-        // K and V; AVX-512 BF16: K once per query row, V once)
+        // the tile kernels call step() once a chunk of 16 positions and pass (K, V)
         const int chunks = (tiles[s * KVH].pos0 + 1 + 15) / 16;
-        const int64_t calls = KVH * chunks * (bf16 ? G + 1 : 2);
+        const int64_t calls = KVH * chunks * 2;
         f.per = last ? 0 : int(lines[j + 1] / calls) + 1;
         // the generic kernel's own fetch of its next chunk: only where Fetch has not
         // brought the rows (the share's first sequence)
@@ -988,7 +987,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvrelay native CPU kernels (see kvrelay/model/native.py)";
   // native.API: bumped whenever a binding's signature changes meaning, so a module built
   // from older sources is refused at load (pybind11 would, say, take an int for a bool).
-  m.attr("API") = 2;
+  m.attr("API") = 3;
   m.def("isa", &kvr::isa, "the instruction set the kernels run with");
   m.def("set_isa", &kvr::set_isa, "use the kernels of an instruction set this CPU has");
   m.def("max_threads", []() { return omp_get_max_threads(); });

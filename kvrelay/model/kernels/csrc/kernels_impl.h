@@ -5,6 +5,11 @@
 #ifndef KVR_ISA
 #error "define KVR_ISA before including kernels_impl.h"
 #endif
+#include <immintrin.h>
+// GCC 12 warns that its own intrinsics' "undefined" vectors (`__Y = __Y`) may be used
+// uninitialized once inlined here (transpose.h); they are not.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace kvr {
 namespace KVR_ISA {
@@ -28,6 +33,7 @@ template <> inline bf16 from_f<bf16>(float x) {
 template <typename T> static inline float round_t(float x) { return to_f(from_f<T>(x)); }
 
 #include "softmax.h"
+#include "transpose.h"
 
 template <typename T>
 static float sum_squares(const T* __restrict x, int n) {
@@ -130,44 +136,6 @@ constexpr int kW = KVR_ATTN_LANES;
 constexpr int kP = 16 / kW;  // vectors per 16 floats
 typedef float vw __attribute__((vector_size(kW * 4)));
 
-// The sums of v[0..kW) each, in lane order: a tree of shuffle pairs (each level adds
-// the halves of two vectors' partial sums side by side), kW - 1 shuffle pairs and adds
-// where kW separate hsums take kW * log2(kW) dependent ones.
-static inline vw hsums(const vw* v) {
-#if KVR_ATTN_LANES == 16
-  vw t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i)
-    t[i] = __builtin_shufflevector(v[i], v[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
-                                   20, 21, 22, 23) +
-           __builtin_shufflevector(v[i], v[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
-                                   27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    u[i] = __builtin_shufflevector(t[i], t[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11,
-                                   24, 25, 26, 27) +
-           __builtin_shufflevector(t[i], t[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15,
-                                   28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    w[i] = __builtin_shufflevector(u[i], u[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25,
-                                   12, 13, 28, 29) +
-           __builtin_shufflevector(u[i], u[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27,
-                                   14, 15, 30, 31);
-  return __builtin_shufflevector(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12,
-                                 28, 14, 30) +
-         __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
-                                 15, 31);
-#else
-  vw t[4], u[2];
-  for (int i = 0; i < 4; ++i)
-    t[i] = __builtin_shufflevector(v[i], v[i + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(v[i], v[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
-  for (int i = 0; i < 2; ++i)
-    u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13) +
-           __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-  return __builtin_shufflevector(u[0], u[1], 0, 8, 2, 10, 4, 12, 6, 14) +
-         __builtin_shufflevector(u[0], u[1], 1, 9, 3, 11, 5, 13, 7, 15);
-#endif
-}
-
 template <typename T>
 static inline void load_f32(const T* __restrict src, float* __restrict dst, int D) {
 #pragma omp simd
@@ -176,77 +144,75 @@ static inline void load_f32(const T* __restrict src, float* __restrict dst, int 
 
 // Scores of query rows [r0, rows) against a chunk of `nk` <= 16 key rows kf (float32,
 // D each, `ks` floats apart): row r sees the chunk's keys [0, lim(r)). DT: head_dim
-// known at compile time (64, 128) or 0 (runtime, a multiple of 16). Few rows (decode:
-// the G heads of one token): a vector of products per key, the chunk's 16 reduced
-// together (hsums). Many rows (prefill tiles): the chunk is transposed once (kT, D x 16)
-// and each row accumulates its 16 scores in one vector, with no reduction at all.
+// known at compile time (64, 128) or 0 (runtime, a multiple of 16). The chunk is
+// transposed once (kT, D x 16) and each row accumulates its 16 scores in one vector,
+// one lane a key: every score is the same FMA chain over d = 0 .. D-1, whatever the
+// number of rows, the tile the query came in or the vector width (ISA). A decode
+// row's score then equals a prompt row's bit for bit, so a prompt gives the same KV
+// cold, after a cached prefix, chunked or batched (docs/model.md, "One answer per
+// request"); a horizontal sum for few rows (decode), as before, made the score depend
+// on the tile's row count.
+// kT[d * 16 + j] = kf[j * ks + d]: the chunk's nk keys (0 for the lanes past them) as
+// 16-wide columns, d < D (a multiple of 16), transposed in registers.
+static inline void transpose_keys(const float* __restrict kf, int64_t ks, int nk, int D,
+                                  float* __restrict kT) {
+#if KVR_ATTN_LANES == 16
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j)
+      r[j] = j < nk ? _mm512_loadu_si512((const void*)(kf + j * ks + d0)) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int d = 0; d < 16; ++d) _mm512_storeu_si512((void*)(kT + (d0 + d) * 16), r[d]);
+  }
+#else
+  for (int d0 = 0; d0 < D; d0 += 8)
+    for (int j0 = 0; j0 < 16; j0 += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j)
+        r[j] = j0 + j < nk ? _mm256_loadu_ps(kf + (j0 + j) * ks + d0) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int d = 0; d < 8; ++d) _mm256_storeu_ps(kT + (d0 + d) * 16 + j0, r[d]);
+    }
+#endif
+}
+
 template <int DT>
 static inline void scores_chunk(const float* __restrict q, const float* __restrict kf,
                                 int64_t ks, int nk, int r0, int rows, int G,
                                 int first_pos_minus_pos0, int Drt, float* __restrict s,
                                 int s_stride, float* __restrict kT) {
   const int D = DT ? DT : Drt;
-  if (rows - r0 >= 8) {
-    for (int d = 0; d < D; ++d)
-      for (int j = 0; j < 16; ++j) kT[d * 16 + j] = j < nk ? kf[j * ks + d] : 0.f;
-    // Four rows at a time: four independent FMA chains share each kT load.
-    for (int r = r0; r < rows; r += 4) {
-      const int nr = rows - r < 4 ? rows - r : 4;
-      const float* q0 = q + r * D;
-      const float* q1 = q + (r + (nr > 1 ? 1 : 0)) * D;
-      const float* q2 = q + (r + (nr > 2 ? 2 : 0)) * D;
-      const float* q3 = q + (r + (nr > 3 ? 3 : 0)) * D;
-      vw a0[kP] = {}, a1[kP] = {}, a2[kP] = {}, a3[kP] = {};
-      for (int d = 0; d < D; ++d) {
-        for (int p = 0; p < kP; ++p) {
-          vw k;
-          __builtin_memcpy(&k, kT + d * 16 + p * kW, kW * 4);
-          a0[p] += q0[d] * k;
-          a1[p] += q1[d] * k;
-          a2[p] += q2[d] * k;
-          a3[p] += q3[d] * k;
-        }
-      }
-      float acc[4][16];
+  transpose_keys(kf, ks, nk, D, kT);
+  // Four rows at a time: four independent FMA chains share each kT load.
+  for (int r = r0; r < rows; r += 4) {
+    const int nr = rows - r < 4 ? rows - r : 4;
+    const float* q0 = q + r * D;
+    const float* q1 = q + (r + (nr > 1 ? 1 : 0)) * D;
+    const float* q2 = q + (r + (nr > 2 ? 2 : 0)) * D;
+    const float* q3 = q + (r + (nr > 3 ? 3 : 0)) * D;
+    vw a0[kP] = {}, a1[kP] = {}, a2[kP] = {}, a3[kP] = {};
+    for (int d = 0; d < D; ++d) {
       for (int p = 0; p < kP; ++p) {
-        __builtin_memcpy(acc[0] + p * kW, &a0[p], kW * 4);
-        __builtin_memcpy(acc[1] + p * kW, &a1[p], kW * 4);
-        __builtin_memcpy(acc[2] + p * kW, &a2[p], kW * 4);
-        __builtin_memcpy(acc[3] + p * kW, &a3[p], kW * 4);
-      }
-      for (int i = 0; i < nr; ++i) {
-        int lim = (r + i) / G - first_pos_minus_pos0 + 1;
-        lim = lim < nk ? lim : nk;
-        float* sr = s + (r + i) * s_stride;
-        for (int j = 0; j < lim; ++j) sr[j] = acc[i][j];
+        vw k;
+        __builtin_memcpy(&k, kT + d * 16 + p * kW, kW * 4);
+        a0[p] += q0[d] * k;
+        a1[p] += q1[d] * k;
+        a2[p] += q2[d] * k;
+        a3[p] += q3[d] * k;
       }
     }
-    return;
-  }
-  for (int r = r0; r < rows; ++r) {
-    // query token r / G sees positions <= pos0 + r / G, i.e. chunk keys j <= lim
-    int lim = r / G - first_pos_minus_pos0 + 1;
-    lim = lim < nk ? lim : nk;
-    const float* qr = q + r * D;
-    float* sr = s + r * s_stride;
-    for (int j0 = 0; j0 < lim; j0 += kW) {
-      vw acc[kW] = {};
-      const int n = lim - j0 < kW ? lim - j0 : kW;
-      for (int j = 0; j < n; ++j) {
-        const float* kj = kf + (j0 + j) * ks;
-        vw sum = {};  // in a register; acc[j] (a run-time index) lives in memory
-        for (int d = 0; d < D; d += kW) {
-          vw a, b;
-          __builtin_memcpy(&a, qr + d, kW * 4);
-          __builtin_memcpy(&b, kj + d, kW * 4);
-          sum += a * b;
-        }
-        acc[j] = sum;
-      }
-      float out[kW];
-      const vw sums = hsums(acc);
-      __builtin_memcpy(out, &sums, kW * 4);
-      for (int j = 0; j < n; ++j) sr[j0 + j] = out[j];
+    float acc[4][16];
+    for (int p = 0; p < kP; ++p) {
+      __builtin_memcpy(acc[0] + p * kW, &a0[p], kW * 4);
+      __builtin_memcpy(acc[1] + p * kW, &a1[p], kW * 4);
+      __builtin_memcpy(acc[2] + p * kW, &a2[p], kW * 4);
+      __builtin_memcpy(acc[3] + p * kW, &a3[p], kW * 4);
+    }
+    for (int i = 0; i < nr; ++i) {
+      int lim = (r + i) / G - first_pos_minus_pos0 + 1;
+      lim = lim < nk ? lim : nk;
+      float* sr = s + (r + i) * s_stride;
+      for (int j = 0; j < lim; ++j) sr[j] = acc[i][j];
     }
   }
 }
