@@ -96,10 +96,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "is imported, before torch (a bad value: a warning, then passive); an "
          "OMP_WAIT_POLICY in the environment wins", ("active", "passive", "auto")),
     Knob("KVRELAY_PREFILL_AMX", "bool", True,
-         "0: prompt chunks never attend through kvrelay's AMX kernel"),
+         "with KVRELAY_PREFILL_SDPA=1, 0: prompt chunks never attend through kvrelay's AMX "
+         "kernel"),
     Knob("KVRELAY_PREFILL_SDPA", "bool", None,
-         "1: every prompt chunk attends through torch's SDPA, 0: none; unset: by dtype "
-         "and CPU"),
+         "1: every prompt chunk attends through torch's SDPA (or kvrelay's AMX kernel), "
+         "faster on long prompts but a prompt's answer then depends on how it was "
+         "chunked or cached; unset or 0: the native tiles"),
     Knob("KVRELAY_RELAY_SECRET", "str", None,
          "shared secret authenticating decode engines (HMAC of HELLO): the default of "
          "serve's --relay-secret and of the vLLM connector's relay_secret"),

@@ -32,21 +32,17 @@ class Linear:
     on every call; packed is 1.3-2.5x faster at decode batch sizes (docs/model.md).
     With ``small`` (the backend's small_gemm: bfloat16 on an AVX-512 BF16 CPU, float32
     with AVX-512 or AVX2) calls of at most ``small.max_rows`` rows go to the native
-    kernel instead; with ``large`` (the native AMX bfloat16 GEMM beside the GGUF codes)
-    the calls above them go to that one. oneDNN's copy is made only where some calls
-    are left to it."""
+    kernel instead (the GGUF codes take every call). oneDNN's copy is made only where
+    some calls are left to it."""
 
-    __slots__ = ("bias", "large", "large_k", "large_w", "packed", "small", "small_k",
-                 "small_rows", "small_w", "weight")
+    __slots__ = ("bias", "packed", "small", "small_k", "small_rows", "small_w", "weight")
     small: Callable[..., torch.Tensor] | None
-    large: Callable[..., torch.Tensor] | None
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
         small: SmallGemm | None = None,
         arena: hugepages.Arena | None = None,
         small_w: torch.Tensor | None = None,
-        large: SmallGemm | None = None,
     ) -> None:
         """``arena``: where the native GEMMs' packed weights go (2 MiB pages);
         ``small_w``: small's weight already packed (the GGUF codes as stored)."""
@@ -60,16 +56,8 @@ class Linear:
         self.small = small.run if small is not None and self.small_w is not None else None
         self.small_k = small if self.small is not None else None
         self.small_rows = small.rows_for(weight) if small is not None and self.small else 0
-        self.large = self.large_w = self.large_k = None
-        if (large is not None and self.small_rows < EVERY_ROWS
-                and large.rows_for(weight) >= EVERY_ROWS):
-            self.large_w = large.pack(weight)
-            if arena is not None and self.large_w is not None:
-                self.large_w = arena.copy(self.large_w)
-            self.large = large.run if self.large_w is not None else None
-            self.large_k = large if self.large is not None else None
         self.packed: torch.Tensor | None = None
-        if pack and self.large is None and self.small_rows < EVERY_ROWS:
+        if pack and self.small_rows < EVERY_ROWS:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,9 +65,6 @@ class Linear:
         rows = x.shape[0]
         if self.small is not None and 0 < rows <= self.small_rows:
             y: torch.Tensor = self.small(x, self.small_w, self.weight.shape[0], self.bias)
-            return y
-        if self.large is not None and rows > 0:
-            y = self.large(x, self.large_w, self.weight.shape[0], self.bias)
             return y
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -93,9 +78,8 @@ class Linear:
         decode GEMMs; the same values, one pass over memory less), else
         ``unfused(self(x))`` (oneDNN's calls)."""
         rows = x.shape[0]
-        kernel, w = ((self.small_k, self.small_w) if rows <= self.small_rows
-                     else (self.large_k, self.large_w))
-        if kernel is not None and w is not None and rows > 0:
+        kernel, w = self.small_k, self.small_w
+        if kernel is not None and w is not None and 0 < rows <= self.small_rows:
             y = kernel.run_silu(x, w, self.weight.shape[0], self.bias)
             if y is not None:
                 return y
@@ -149,8 +133,8 @@ class LlamaModel:
     ) -> None:
         """``state`` uses Hugging Face parameter names and layout; ``kernels``: see
         backend.select_backend; ``quantized``: GGUF weights to serve as stored
-        (``--quantization gguf``; every call under AVX2 and with AVX-512 VNNI in float32,
-        decode-sized ones with VNNI in bfloat16), the native backend's job; with
+        (``--quantization gguf``; every call, whatever the dtype and ISA), the native
+        backend's job; with
         ``quantized_optional`` (``auto``) the float weights where that backend is not
         the one chosen."""
         self.cfg = cfg
@@ -173,17 +157,14 @@ class LlamaModel:
         gguf = None
         if quantized and (not quantized_optional or self.backend.serves_quantized):
             gguf = self.backend.quantized_gemms(quantized)
-        # Beside the codes: the AMX GEMM for the calls above theirs, where there is one.
-        large = self.backend.amx_gemm() if gguf is not None else None
         self.small_gemm = small is not None or gguf is not None  # a native small-M GEMM
         decode = gguf.label if gguf else small.label if small else "onednn" if pack else "torch"
-        every = (gguf.every if gguf is not None
-                 else small is not None and small.max_rows >= EVERY_ROWS)
+        every = gguf is not None or (small is not None and small.max_rows >= EVERY_ROWS)
         kernel_choice.record_gemm(
             decode,
             "" if small or gguf
             else self.backend.gemm_off or "not the native backend",
-            prefill=large.label if large else decode if every else "onednn" if pack else "torch",
+            prefill=decode if every else "onednn" if pack else "torch",
         )
         # The decode GEMMs' packed weights on 2 MiB pages (hugepages), copied as packed.
         arena = hugepages.Arena() if self.small_gemm and hugepages.enabled() else None
@@ -191,12 +172,12 @@ class LlamaModel:
         def linear(names: Sequence[str], weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
             """One (fused) Linear: the GGUF codes as stored when every part has them in
             served types (one call per type where they differ: gemms.NativeGgufParts;
-            with ``large`` for the calls above theirs), else the float weight (packed for
+            every call), else the float weight (packed for
             ``small`` if there is one)."""
             if gguf is not None:
                 served = gguf.pack(names)
                 if served is not None:
-                    return Linear(weight, bias, pack, served[0], arena, served[1], large)
+                    return Linear(weight, bias, pack, served[0], arena, served[1])
             return Linear(weight, bias, pack, small, arena)
 
         self.embed = get("model.embed_tokens.weight")

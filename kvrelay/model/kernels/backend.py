@@ -78,12 +78,6 @@ class KernelBackend(Protocol):
         or None."""
         ...
 
-
-    def amx_gemm(self) -> SmallGemm | None:
-        """A GEMM for every row count that takes the calls above the GGUF codes' rows
-        (native: bfloat16 on AMX tiles), or None."""
-        ...
-
     def quantized_gemms(self, quantized: Mapping[str, QuantWeight]) -> QuantGemms:
         """``--quantization gguf``: the GEMMs that serve ``quantized`` as stored, or a
         ValueError that says why this backend cannot."""
@@ -92,7 +86,6 @@ class KernelBackend(Protocol):
 
 class QuantGemms(Protocol):
     label: str  # e.g. native-gguf-avx2
-    every: bool  # the codes take every call (prefill chunks too), oneDNN none
 
     def pack(self, names: Sequence[str]) -> tuple[SmallGemm, torch.Tensor] | None:
         """A (fused) Linear's kernel and packed codes when all its parts are stored in
@@ -230,9 +223,6 @@ class TorchBackend:
         return F.silu(gate) * up
 
     def small_gemm(self) -> SmallGemm | None:
-        return None
-
-    def amx_gemm(self) -> SmallGemm | None:
         return None
 
     def quantized_gemms(self, quantized: Mapping[str, QuantWeight]) -> QuantGemms:

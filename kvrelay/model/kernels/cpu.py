@@ -19,7 +19,3 @@ def cpu_flags() -> set[str]:
 def cpu_has_native_bf16() -> bool:
     # x86: AVX512-BF16 or AMX; Arm: the bf16 feature (FEAT_BF16).
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def cpu_has_amx_bf16() -> bool:
-    return "amx_bf16" in cpu_flags()

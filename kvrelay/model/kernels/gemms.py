@@ -23,16 +23,15 @@ BF16_GEMM_ROWS = 128
 F32_GEMM_ROWS = 32
 # Where the CPU has AMX-BF16, bfloat16 calls of AMX_GEMM_ROWS rows or more run on AMX
 # tiles (csrc/gemm_bf16_amx.cpp), fewer on vdpbf16ps; between them they take every call.
-# Beside a GGUF's codes (VNNI), AMX takes the calls above GGUF_AMX_ROWS rows, where it
-# streams the bfloat16 weights faster than VNNI computes on the codes (docs/model.md,
-# "AMX GEMM"). KVRELAY_AMX_GEMM=0 turns the AMX kernel off.
+# KVRELAY_AMX_GEMM=0 turns the AMX kernel off.
 AMX_GEMM_ROWS = 5
-GGUF_AMX_ROWS = 12
-# The quantized GEMM serves every call, prefill chunks too (GGUF_GEMM_ROWS_EVERY), under
-# AVX2 and with AVX-512 VNNI for float32 activations, where it beat oneDNN's float32 GEMM
-# (docs/notebook/ has the figures): a row's result then never depends on the batch it
-# ran in, nor on the CPU's oneDNN kernels. With VNNI and bfloat16 activations, where
-# oneDNN has AMX or AVX-512 BF16 for prefill, up to F32_GEMM_ROWS.
+# The quantized GEMM serves every call, prefill chunks too, for every dtype and ISA: a
+# token's output row is then a function of its input row and the codes alone, whatever
+# the call's row count, the chunk or the batch (csrc/gemm_q_impl.h quantizes each row on
+# its own and sums every row in one order), so a prompt answers the same cold, after a
+# cached prefix, chunked or through P/D (docs/model.md, "One answer per request").
+# oneDNN or the AMX GEMM for the large calls were faster in bfloat16 but computed those
+# rows otherwise.
 GGUF_GEMM_ROWS_EVERY = EVERY_ROWS
 
 
@@ -190,14 +189,10 @@ class GgufGemms:
     and packed codes when all its parts are stored in served types (NativeGgufParts where
     they differ), else None."""
 
-    def __init__(self, mod: Any, quantized: Mapping[str, QuantWeight],
-                 dtype: torch.dtype, amx: bool = False) -> None:
-        """``amx``: the AMX GEMM takes the calls above the codes' rows."""
+    def __init__(self, mod: Any, quantized: Mapping[str, QuantWeight]) -> None:
         self.label = f"native-gguf-{mod.gguf_isa()}"
         self._mod, self._quantized = mod, quantized
-        self.every = mod.gguf_isa() == "avx2" or dtype is torch.float32  # serve every call
-        self._max_rows = (GGUF_GEMM_ROWS_EVERY if self.every
-                          else GGUF_AMX_ROWS if amx else F32_GEMM_ROWS)
+        self._max_rows = GGUF_GEMM_ROWS_EVERY
         self._kernels: dict[int, NativeGgufGemm] = {}
 
     def pack(self, names: Sequence[str]

@@ -63,7 +63,7 @@ class NativeBackend:
         self.eps = cfg.rms_norm_eps
         self.gemm_off = small_gemm_unavailable(mod, dtype)
         self.amx_off = self.gemm_off or amx_gemm_unavailable(mod, dtype)
-        self.sdpa_from = prefill_sdpa_from(dtype)
+        self.sdpa_from = prefill_sdpa_from()
         self.sdpa_min_tokens = SDPA_MIN_TOKENS
         # where SDPA would take prompt chunks, the AMX kernel takes every one if it can
         self.prefill_amx = self.sdpa_from is not None and prefill_amx_available(mod, dtype, cfg)
@@ -94,13 +94,8 @@ class NativeBackend:
             return None
         return NativeSmallGemm(self._ops, self.dtype, amx=self.amx_off is None)
 
-    def amx_gemm(self) -> NativeSmallGemm | None:
-        """The bfloat16 GEMM on AMX tiles for every row count, or None (amx_off says
-        why): beside the GGUF codes, it takes the calls above theirs."""
-        return NativeSmallGemm(self._ops, self.dtype, amx=True) if self.amx_off is None else None
-
     def quantized_gemms(self, quantized: Mapping[str, QuantWeight]) -> GgufGemms:
-        return GgufGemms(self._ops, quantized, self.dtype, amx=self.amx_off is None)
+        return GgufGemms(self._ops, quantized)
 
     def build_metadata(
         self, chunks: Sequence[ChunkSpec], positions: torch.Tensor, block_size: int

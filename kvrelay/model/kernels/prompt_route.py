@@ -1,6 +1,6 @@
-"""Where a prompt chunk's attention runs under the native backend: on the native tiles,
-through torch's SDPA, or on the AMX kernel, by the chunk's length, what it attends to,
-the dtype and the CPU (KVRELAY_PREFILL_SDPA and KVRELAY_PREFILL_AMX override)."""
+"""Where a prompt chunk's attention runs under the native backend: on the native tiles
+(the default), or through torch's SDPA or the AMX kernel (KVRELAY_PREFILL_SDPA=1,
+KVRELAY_PREFILL_AMX)."""
 
 from __future__ import annotations
 
@@ -10,31 +10,27 @@ import torch
 
 from kvrelay import env
 from kvrelay.model.config import ModelConfig
-from kvrelay.model.kernels.cpu import cpu_has_amx_bf16
 
-# Where prompt chunks leave the native tiles for torch's SDPA: a chunk that attends to at
-# least this many positions (its cached context and its own tokens), by the model's
-# dtype, and has at least SDPA_MIN_TOKENS tokens (for fewer, SDPA would gather the whole
-# context's K/V for little work). The tiles' cost per query grows with the context
-# faster than SDPA's, and SDPA costs more per call; the crossings were measured per dtype
-# and ISA (docs/notebook/, "Prompt attention by length"). bfloat16 on a CPU with
-# AMX-BF16: SDPA (on AMX itself) for every chunk, or the AMX kernel where it can.
-SDPA_FROM = {torch.float32: 640, torch.bfloat16: 320}
+# Prompt chunks attend on the native tiles by default, whatever their length: the tiles
+# compute a query's output from its q and the context's K/V alone, in one order, the
+# same as a decode row's, so a prompt answers the same cold, after a cached prefix,
+# chunked or through P/D (docs/model.md, "One answer per request"). torch's SDPA and
+# the AMX kernel (flash attention: blocks of keys sized by the call, a running max)
+# were faster past a few hundred positions in float32 and on AMX, but a chunk's route
+# then depended on its length, and a prompt computed in one chunk cold and as a short
+# one after its cached prefix answered otherwise. KVRELAY_PREFILL_SDPA=1 sends every
+# prompt chunk of two tokens or more there (to the AMX kernel where it can), trading
+# that for speed on long prompts (docs/notebook/, "Prompt attention by length").
 SDPA_MIN_TOKENS = 128
 EVERY_PROMPT_CHUNK = 2  # a prompt chunk has two tokens or more, so attends to 2 or more
 NEVER = 1 << 62  # no chunk attends to this many positions
 
 
-def prefill_sdpa_from(dtype: torch.dtype) -> int | None:
+def prefill_sdpa_from() -> int | None:
     """From how many attended positions a prompt chunk goes to torch's SDPA instead of the
-    native tiles, or None for never (KVRELAY_PREFILL_SDPA=1: every prompt chunk, =0:
-    none; default: SDPA_FROM by dtype, every chunk for bfloat16 on AMX-BF16)."""
-    forced = env.get("KVRELAY_PREFILL_SDPA")
-    if forced is not None:
-        return EVERY_PROMPT_CHUNK if forced else None
-    if dtype is torch.bfloat16 and cpu_has_amx_bf16():
-        return EVERY_PROMPT_CHUNK
-    return SDPA_FROM.get(dtype)
+    native tiles, or None for never (the default, every dtype alike;
+    KVRELAY_PREFILL_SDPA=1: every prompt chunk)."""
+    return EVERY_PROMPT_CHUNK if env.get("KVRELAY_PREFILL_SDPA") else None
 
 
 def prefill_amx_available(mod: Any, dtype: torch.dtype, cfg: ModelConfig) -> bool:
