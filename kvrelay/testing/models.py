@@ -170,7 +170,7 @@ def write_tiny_hf_model(dir: Path, arch: str = "llama", seed: int = 0) -> Path:
 
 
 def write_tiny_gguf(path: Path, seed: int = 0, *, reference_dir: Path | None = None,
-                    k_quants: bool = False) -> Path:
+                    k_quants: bool = False, types: dict[str, Any] | None = None) -> Path:
     """A tiny random llama model as GGUF, with F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors.
 
     With ``reference_dir``, also writes an HF directory holding exactly the weights
@@ -178,7 +178,8 @@ def write_tiny_gguf(path: Path, seed: int = 0, *, reference_dir: Path | None = N
     ``k_quants``: a wider model (hidden 256, intermediate 512: K-quant super-blocks are
     256 values) typed as llama.cpp's Q4_K_M mix: q, k, gate and up Q4_K, v, down and the
     output Q6_K (so q/k/v mixes types), o Q5_0 (llama.cpp's Q4_K stand-in where rows are
-    not a multiple of 256), the embedding Q4_0.
+    not a multiple of 256), the embedding Q4_0. ``types``: GGUF tensor kinds typed
+    otherwise (``gguf.GGMLQuantizationType`` each), over either.
     """
     from gguf import GGMLQuantizationType as Q
 
@@ -187,14 +188,16 @@ def write_tiny_gguf(path: Path, seed: int = 0, *, reference_dir: Path | None = N
     tok = tiny_tokenizer_json()
     vocab = len(json.loads(tok)["model"]["vocab"])
     cfg = tiny_hf_config("llama", vocab)
-    types = None
+    kinds: dict[str, Any] = {}
     if k_quants:
         cfg.update(hidden_size=256, intermediate_size=512,
                    head_dim=256 // cfg["num_attention_heads"])
-        types = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_0,
+        kinds = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_0,
                  "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K,
                  "output": Q.Q6_K, "token_embd": Q.Q4_0}
-    decoded = write_gguf(Path(path), cfg, tiny_weights(cfg, seed), tok, CHATML_TEMPLATE, types)
+    kinds.update(types or {})
+    decoded = write_gguf(Path(path), cfg, tiny_weights(cfg, seed), tok, CHATML_TEMPLATE,
+                         kinds or None)
     if reference_dir is not None:
         write_hf_dir(Path(reference_dir), cfg, decoded, tok)
     return Path(path)

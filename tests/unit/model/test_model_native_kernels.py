@@ -24,7 +24,6 @@ from kvrelay.model.kernels import choice as kernel_choice
 from kvrelay.model.kernels import ext, gemms, native, native_step, prompt_route
 from kvrelay.model.kernels.attention import ChunkSpec
 from kvrelay.model.kernels.backend import TorchBackend
-from kvrelay.model.kernels.cpu import cpu_has_amx_bf16
 from kvrelay.model.kernels.rope import RotaryTable
 from kvrelay.model.kernels.select import select_backend
 from kvrelay.model.model import Linear, LlamaModel
@@ -178,8 +177,8 @@ SHAPES = [
 
 
 # Where prompt chunks attend in the tests below: the native tiles, SDPA, or split by the
-# positions a chunk attends to (prompt_route.SDPA_FROM's rule; 24: the random steps' prompt
-# chunks fall on both sides).
+# positions a chunk attends to (NativeBackend's rule for a sdpa_from; 24: the random
+# steps' prompt chunks fall on both sides).
 SDPA_FROM = {"tiles": None, "sdpa": prompt_route.EVERY_PROMPT_CHUNK, "split": 24}
 
 
@@ -577,24 +576,24 @@ def test_select_backend_follows_request_and_env(monkeypatch: pytest.MonkeyPatch)
     blank = {"omp_wait_policy": "", "omp_spincount": "", "gemm": "", "prefill_gemm": "",
              "prompt_attention": ""}
     assert kernel_choice.info() | blank == {"backend": "native", "isa": _best} | blank
-    # where prompt chunks attend, named for the log and /metrics: float32 on the tiles up
-    # to 640 positions, SDPA from there, never the AMX kernel; bfloat16 at head_dim 64
-    # on the AMX kernel where the CPU has AMX-BF16, else on SDPA for every chunk where
-    # SDPA computes on AMX, else split at 320
+    # where prompt chunks attend, named for the log and /metrics: on the tiles by
+    # default, every dtype and CPU alike (one answer per request); with
+    # KVRELAY_PREFILL_SDPA=1 on SDPA, or for bfloat16 at head_dim 64 on the AMX kernel
+    # where the CPU has AMX-BF16
     monkeypatch.delenv("KVRELAY_PREFILL_SDPA", raising=False)
     monkeypatch.delenv("KVRELAY_PREFILL_AMX", raising=False)
     assert select_backend(cfg, rope, torch.float32, cpu).name == "native"
-    assert kernel_choice.info()["prompt_attention"] == "native-tiles+sdpa>=640"
-    amx_cpu = cpu_has_amx_bf16()
-    split = "sdpa" if amx_cpu else "native-tiles+sdpa>=320"
+    assert kernel_choice.info()["prompt_attention"] == "native-tiles"
     cfg64 = _cfg(4, 2, 64)
     rope64 = RotaryTable(cfg64, 64, torch.bfloat16, cpu)
     assert select_backend(cfg64, rope64, torch.bfloat16, cpu).name == "native"
-    assert kernel_choice.info()["prompt_attention"] == ("amx" if _amx_now() else split)
+    assert kernel_choice.info()["prompt_attention"] == "native-tiles"
+    monkeypatch.setenv("KVRELAY_PREFILL_SDPA", "1")  # every prompt chunk to SDPA
+    select_backend(cfg64, rope64, torch.bfloat16, cpu)
+    assert kernel_choice.info()["prompt_attention"] == ("amx" if _amx_now() else "sdpa")
     monkeypatch.setenv("KVRELAY_PREFILL_AMX", "0")
     select_backend(cfg64, rope64, torch.bfloat16, cpu)
-    assert kernel_choice.info()["prompt_attention"] == split
-    monkeypatch.setenv("KVRELAY_PREFILL_SDPA", "1")  # every prompt chunk to SDPA
+    assert kernel_choice.info()["prompt_attention"] == "sdpa"
     select_backend(cfg, rope, torch.float32, cpu)
     assert kernel_choice.info()["prompt_attention"] == "sdpa"
     monkeypatch.setenv("KVRELAY_PREFILL_SDPA", "0")
@@ -790,23 +789,19 @@ def test_model_runs_every_bf16_gemm_natively_on_amx(
     onednn = torch.ops.mkldnn._linear_pointwise(x, odd.packed, None, "none", [], "")
     assert torch.equal(odd(x), onednn)
 
+    # a GGUF's codes take every call themselves, AMX none (one answer per request)
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", seed=4))
     model = LLM(path, dtype="bfloat16").model.runner.model  # type: ignore[attr-defined]
-    assert kernel_choice.info()["prefill_gemm"] == "native-bf16-amx"
+    assert kernel_choice.info()["prefill_gemm"] == f"native-gguf-{_mod.gguf_isa()}"
     down = model.layers[0].down
     assert isinstance(down.small.__self__, gemms.NativeGgufGemm)
-    assert down.small_rows == gemms.GGUF_AMX_ROWS and down.packed is None
-    x = torch.randn(gemms.GGUF_AMX_ROWS + 1, down.weight.shape[1]).bfloat16()
-    direct = _mod.bf16_gemm_amx(x, _mod.pack_bf16_gemm(down.weight), down.weight.shape[0])
-    assert torch.equal(down(x), direct)
+    assert down.small_rows >= gemms.GGUF_GEMM_ROWS_EVERY and down.packed is None
 
     monkeypatch.setenv("KVRELAY_AMX_GEMM", "0")
     m = _tiny_model(torch.bfloat16)
     assert kernel_choice.info()["gemm"] == "native-bf16"
     assert kernel_choice.info()["prefill_gemm"] == "onednn"
     assert m.layers[0].down.packed is not None
-    model = LLM(path, dtype="bfloat16").model.runner.model  # type: ignore[attr-defined]
-    assert model.layers[0].down.large is None and model.layers[0].down.packed is not None
 
 
 @needs_bf16_gemm
@@ -1190,7 +1185,7 @@ def test_quantization_gguf_serves_the_stored_weights(tmp_path: Path, dtype: str)
     from kvrelay.testing.models import write_tiny_gguf, write_tiny_hf_model
 
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", seed=4))
-    ids = list(range(40, 40 + gemms.GGUF_AMX_ROWS))  # rows the codes take on every CPU
+    ids = list(range(40, 52))
     logits = {}
     for quant in ("gguf", "none"):
         llm = LLM(path, dtype=dtype, quantization=quant)
@@ -1228,7 +1223,7 @@ def test_quantization_gguf_serves_k_quants(tmp_path: Path, dtype: str) -> None:
     from kvrelay.testing.models import write_tiny_gguf
 
     path = str(write_tiny_gguf(tmp_path / "k.gguf", seed=5, k_quants=True))
-    ids = list(range(40, 40 + gemms.GGUF_AMX_ROWS))
+    ids = list(range(40, 52))
     logits = {}
     for quant in ("gguf", "none"):
         runner = LLM(path, dtype=dtype, quantization=quant).model.runner  # type: ignore[attr-defined]
@@ -1265,7 +1260,7 @@ def test_fused_parts_of_different_types_run_as_one_linear() -> None:
             for n, t in zip(rows, types, strict=True)]
     quantized = {f"p{i}": QuantWeight(t, torch.from_numpy(r), k)
                  for i, (t, r) in enumerate(zip(types, raws, strict=True))}
-    model_gemms = gemms.GgufGemms(_mod, quantized, torch.float32)
+    model_gemms = gemms.GgufGemms(_mod, quantized)
     served = model_gemms.pack([f"p{i}" for i in range(4)])
     assert served is not None
     kernel, flat = served
@@ -1292,7 +1287,7 @@ def test_fused_parts_of_different_types_run_as_one_linear() -> None:
     raws = [_gguf_quantize(torch.randn(16, 96, generator=g), t) for t in (8, 3)]
     parts = {f"p{i}": QuantWeight(t, torch.from_numpy(r), 96)
              for i, (t, r) in enumerate(zip((8, 3), raws, strict=True))}
-    model_gemms = gemms.GgufGemms(_mod, parts, torch.float32)
+    model_gemms = gemms.GgufGemms(_mod, parts)
     served = model_gemms.pack(["p0", "p1"])
     assert served is not None
     kernel, flat = served
@@ -1332,28 +1327,19 @@ def test_quantization_auto_serves_the_codes_where_it_can(
 ) -> None:
     """The default, ``auto``: a GGUF's codes when the native kernels run; the
     float weights for an HF directory, and (not an error, as ``gguf`` is) where the
-    native kernels were not chosen. In float32 (and under AVX2 in any dtype) the codes
-    serve prefill-sized calls too, without oneDNN's copy of the float weight."""
+    native kernels were not chosen. In every dtype and ISA the codes serve prefill-sized
+    calls too, without oneDNN's copy of the float weight."""
     from kvrelay.model.llm import LLM
     from kvrelay.testing.models import write_tiny_gguf, write_tiny_hf_model
 
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", seed=4))
-    model = LLM(path, dtype="float32").model.runner.model  # type: ignore[attr-defined]
-    assert kernel_choice.info()["gemm"] == f"native-gguf-{_mod.gguf_isa()}"
-    down = model.layers[0].down
-    assert isinstance(down.small.__self__, gemms.NativeGgufGemm)
-    assert down.small_rows >= gemms.GGUF_GEMM_ROWS_EVERY and down.packed is None
-    # a 64-row call (prefill-sized) runs on the codes: equal to the rows one by one
-    x = torch.randn(64, down.weight.shape[1])
-    whole = down(x)
-    assert torch.equal(whole, torch.cat([down(x[i : i + 1]) for i in range(64)]))
-    if _mod.gguf_isa() != "avx2" and _mod.has_bf16_gemm():
-        # bfloat16 with VNNI: prefill keeps oneDNN (AVX-512 BF16 there), or the native
-        # AMX GEMM where the CPU has AMX (test_model_runs_every_bf16_gemm_natively_on_amx)
-        bf16 = LLM(path, dtype="bfloat16").model.runner.model  # type: ignore[attr-defined]
-        down = bf16.layers[0].down
-        assert down.small_rows == (gemms.GGUF_AMX_ROWS if _amx else gemms.F32_GEMM_ROWS)
-        assert (down.large is not None) == _amx and (down.packed is not None) == (not _amx)
+    for dtype in ("float32", "bfloat16") if _mod.has_bf16_gemm() else ("float32",):
+        model = LLM(path, dtype=dtype).model.runner.model  # type: ignore[attr-defined]
+        assert kernel_choice.info()["gemm"] == f"native-gguf-{_mod.gguf_isa()}"
+        assert kernel_choice.info()["prefill_gemm"] == f"native-gguf-{_mod.gguf_isa()}"
+        down = model.layers[0].down
+        assert isinstance(down.small.__self__, gemms.NativeGgufGemm)
+        assert down.small_rows >= gemms.GGUF_GEMM_ROWS_EVERY and down.packed is None
     LLM(str(write_tiny_hf_model(tmp_path / "hf")), dtype="float32")
     assert not kernel_choice.info()["gemm"].startswith("native-gguf")
     monkeypatch.setenv("KVRELAY_KERNELS", "torch")
