@@ -214,9 +214,10 @@ def record_gemm(gemm: str, why: str, prefill: str = "") -> None:
 
 
 def record_prompt_attention(route: str) -> None:
-    """Where prompt chunks (more than one token) attend: ``amx`` (kvrelay's AMX kernel),
-    ``sdpa`` (torch's), ``native-tiles``, ``native-tiles+sdpa>=N`` (SDPA for the chunks
-    that attend to N positions or more) or ``torch`` (the torch backend); see
+    """Where prompt chunks (more than one token) attend: ``native-tiles`` (the default),
+    ``amx`` (kvrelay's AMX kernel) or ``sdpa`` (torch's) with KVRELAY_PREFILL_SDPA=1,
+    ``native-tiles+sdpa>=N`` (SDPA for the chunks that attend to N positions or more:
+    a NativeBackend given such a rule, the tests') or ``torch`` (the torch backend); see
     native.NativeBackend.prompt_route."""
     _kernels.update(prompt_attention=route)
     log.info("prompt attention: %s", route)
