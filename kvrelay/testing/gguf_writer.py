@@ -107,6 +107,26 @@ def quantize_as(w: np.ndarray, qtype: Q) -> np.ndarray:
     return np.ascontiguousarray(quantize(w, qtype))
 
 
+# Served types whose every byte pattern is a valid block: (values a block, bytes a block,
+# the bytes of its float16 scale, and min where it has one).
+_ANY_BYTES = {Q.Q8_0: (32, 34, slice(0, 2)), Q.Q4_1: (32, 20, slice(0, 4)),
+              Q.Q5_1: (32, 24, slice(0, 4)), Q.Q4_K: (256, 144, slice(0, 4)),
+              Q.Q5_K: (256, 176, slice(0, 4)), Q.Q6_K: (256, 210, slice(208, 210))}
+
+
+def random_blocks(qtype: Q, n: int, k: int, seed: int,
+                  scales: tuple[float, float]) -> np.ndarray:
+    """n rows of k values as random blocks of qtype, (n, bytes a row) uint8: every code,
+    sub-block scale and min a quantizer may never write, with the float16 scales (and
+    mins) drawn from ``scales`` so the values stay finite."""
+    per, size, d_at = _ANY_BYTES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
+    d = rng.uniform(*scales, size=(n, k // per, (d_at.stop - d_at.start) // 2))
+    blocks[..., d_at] = d.astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
 def gguf_name(hf: str) -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"

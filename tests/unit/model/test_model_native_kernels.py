@@ -35,20 +35,11 @@ if _mod is None:
     pytestmark = pytest.mark.skip(reason=f"native kernels unavailable: {ext.load_error()}")
 
 _best = _mod.isa() if _mod is not None else "none"
-ISAS = ["avx512", "avx2"] if _best == "avx512" else [_best]
 
 
 def _amx_now() -> bool:
     """The AMX prompt kernel runs under the ISA the kernels run with now (not forced AVX2)."""
     return _mod is not None and bool(_mod.has_amx_prefill_attention())
-
-
-@pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    assert _mod is not None
-    assert _mod.set_isa(request.param)
-    yield request.param
-    _mod.set_isa(_best)
 
 
 @pytest.fixture(params=["per-head", "all-heads"])
@@ -1044,19 +1035,16 @@ def test_k_quant_gemm_on_any_block_bytes(isa: str, qtype: int, rows: int) -> Non
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    from kvrelay.testing.gguf_writer import random_blocks
+
     assert _mod is not None
-    rng = np.random.default_rng(rows * 100 + qtype)
     n, k = 40, 512
-    per, size, d_at = {12: (256, 144, slice(0, 4)), 13: (256, 176, slice(0, 4)),
-                       14: (256, 210, slice(208, 210)), 7: (32, 24, slice(0, 4))}[qtype]
-    blocks = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
-    d = rng.uniform(1e-4, 1e-3, size=(n, k // per, (d_at.stop - d_at.start) // 2))
-    blocks[..., d_at] = d.astype(np.float16).view(np.uint8)
-    raw = blocks.reshape(n, -1)
+    raw = random_blocks(GGMLQuantizationType(qtype), n, k, seed=rows * 100 + qtype,
+                        scales=(1e-4, 1e-3))
     w = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType(qtype)),
                                     dtype=np.float64)).view(n, k)
     if qtype == 14:
-        assert (blocks[..., 192:208].view(np.int8) < 0).any()
+        assert (raw.reshape(n, k // 256, -1)[..., 192:208].view(np.int8) < 0).any()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     out = _mod.gguf_gemm(x, _mod.pack_gguf_gemm(torch.from_numpy(raw), qtype, k), qtype, n)
     ref = _q8_activations(x).double() @ w.T

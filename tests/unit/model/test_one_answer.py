@@ -10,11 +10,9 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -24,46 +22,26 @@ from kvrelay.model.kernels.cpu import cpu_has_native_bf16
 _mod = ext.load()
 pytestmark = pytest.mark.skipif(_mod is None, reason=f"native kernels unavailable: "
                                                      f"{ext.load_error()}")
-_best = _mod.isa() if _mod is not None else "none"
-ISAS = ["avx512", "avx2"] if _best == "avx512" else [_best]
 DTYPES = ["float32", "bfloat16"]
 
-# (values a block, bytes a block, the bytes of its float16 scales (and min))
-BLOCKS = {8: (32, 34, slice(0, 2)), 3: (32, 20, slice(0, 4)), 7: (32, 24, slice(0, 4)),
-          12: (256, 144, slice(0, 4)), 13: (256, 176, slice(0, 4)),
-          14: (256, 210, slice(208, 210))}
 QNAMES = {8: "Q8_0", 3: "Q4_1", 7: "Q5_1", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
-@pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    assert _mod is not None
-    assert _mod.set_isa(request.param)
-    yield request.param
-    _mod.set_isa(_best)
-
-
-def _codes(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
-    """n rows of random blocks of qtype (any bytes are a valid block of these types),
-    with small float16 scales."""
-    per, size, d_at = BLOCKS[qtype]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
-    d = rng.uniform(1e-3, 1e-2, size=(n, k // per, (d_at.stop - d_at.start) // 2))
-    blocks[..., d_at] = d.astype(np.float16).view(np.uint8)
-    return torch.from_numpy(blocks.reshape(n, -1))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("qtype", list(BLOCKS), ids=lambda q: QNAMES[q])
+@pytest.mark.parametrize("qtype", list(QNAMES), ids=lambda q: QNAMES[q])
 def test_quantized_gemm_rows_do_not_depend_on_the_call(isa: str, qtype: int,
                                                        dtype: str) -> None:
     """A GEMM over 45 rows equals the same rows in calls of 1, 2, 3, 7, 8 and 24 rows,
     and each row alone, bit for bit; with the fused SiLU too. Row counts cross every
     tile size (AVX2 4 rows, AVX-512 8 rows and 1-4 column blocks a tile)."""
+    from gguf import GGMLQuantizationType
+
+    from kvrelay.testing.gguf_writer import random_blocks
+
     assert _mod is not None
     n, k = 64, 512
-    raw = _codes(qtype, n, k, seed=qtype)
+    raw = torch.from_numpy(random_blocks(GGMLQuantizationType(qtype), n, k, seed=qtype,
+                                         scales=(1e-3, 1e-2)))
     packed = _mod.pack_gguf_gemm(raw, qtype, k)
     g = torch.Generator().manual_seed(qtype)
     x = (torch.randn(45, k, generator=g) * 3).to(getattr(torch, dtype))

@@ -138,8 +138,10 @@ bool attend_bf16(const void* q, void* out, const void* cache, const AttnGeom& g,
   // then the same vdpbf16ps chain over its pairs of dimensions whatever tile it came
   // in, so a position's output does not depend on whether it was decoded, prefilled
   // whole, or prefilled after a cached prefix (decode's horizontal sums did).
+  // (a decode tile over every KV head, kvh < 0, runs them one after the other)
+  const int h0 = t.kvh < 0 ? 0 : t.kvh, h1 = t.kvh < 0 ? g.KVH : t.kvh + 1;
   AttnTile one = t;
-  for (int h = t.kvh < 0 ? 0 : t.kvh; h < (t.kvh < 0 ? g.KVH : t.kvh + 1); ++h) {
+  for (int h = h0; h < h1; ++h) {
     one.kvh = h;
     if (g.D == 64) prefill<64>(qb, ob, cb, g, one, scratch);
     else prefill<128>(qb, ob, cb, g, one, scratch);
