@@ -5,6 +5,8 @@ call with the engine lock held on the prefill side) and returns ``Family`` recor
 counters are totals since start.
 
     kvrelay_leases{state}                  gauge: live leases (held, pulling)
+    kvrelay_leases_created_total           counter: leases made (P); created == the
+                                           released ones + the live ones, from one scrape
     kvrelay_leases_released_total{reason}  counter: done, failed, aborted, expired
     kvrelay_relay_stale_messages_total     counter: P: messages about released, unknown
                                            or foreign leases; D: replies to an earlier
@@ -61,6 +63,9 @@ def prefill_metrics(table: LeaseTable, server: RelayServer | None = None) -> lis
     out = [
         Family("kvrelay_leases", "gauge", "Live KV leases on this prefill engine, by state",
                ("state",), {(s,): float(n) for s, n in st.active.items()}),
+        _counter("kvrelay_leases_created",
+                 "KV leases made on this prefill engine (each ends once: released by one "
+                 "reason, or live in kvrelay_leases)", st.created),
         Family("kvrelay_leases_released", "counter",
                "KV leases released, by reason (done, failed, aborted, expired)", ("reason",),
                {(r,): float(st.released.get(r, 0))

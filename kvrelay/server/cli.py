@@ -225,7 +225,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         names[0], model.num_blocks, block_size, model.kv_geometry.dtype, model.max_model_len,
         getattr(model, "dtype", model.kv_geometry.dtype), args.device,
     )
-    metrics = ServerMetrics(engine, names[0])
+    metrics = ServerMetrics(engine, names[0], cache_dtype=args.kv_cache_dtype)
     if isinstance(hooks, PrefillHooks | DecodeHooks):
         metrics.register(RelayExport(hooks))  # with model_name, as every engine series
     publisher = None

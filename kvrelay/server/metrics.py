@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from kvrelay.core.engine import Engine
 from kvrelay.core.scheduler import Scheduler
 from kvrelay.model.kernels import choice as kernel_choice
+from kvrelay.server.vllm_metrics import VllmSeries
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 
@@ -56,9 +57,13 @@ class ServerMetrics:
     sampled: P's first token on P, the rest on D, and the per-request histogram by
     the engine that finishes the request for the client (D, with the first token).
     Summing a cluster's engines therefore counts each request once.
+
+    vLLM's names (``vllm:*``, server/vllm_metrics.py) carry the same counts with vLLM's
+    buckets and labels: each update below goes to both series.
     """
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, *, cache_dtype: str = "auto"
+                 ) -> None:
         # One ``_created`` gauge per counter and histogram: series nobody reads (vLLM
         # turns them off too). Process-wide, as every server in a process wants it.
         disable_created_metrics()
@@ -86,38 +91,39 @@ class ServerMetrics:
             [*m, "reason"], registry=r,
         )
         self._model = model_name
-        self.prompt_tokens = Counter(
+        self.vllm = v = VllmSeries(r, engine, model_name, cache_dtype=cache_dtype)
+        self.prompt_tokens = _Counters(v.prompt_tokens, Counter(
             "kvrelay_prompt_tokens", "prompt tokens of accepted requests (on P for a "
-            "disaggregated request)", m, registry=r).labels(model_name)
-        self.generation_tokens = Counter(
+            "disaggregated request)", m, registry=r).labels(model_name))
+        self.generation_tokens = _Counters(v.generation_tokens, Counter(
             "kvrelay_generation_tokens", "tokens sampled by this engine", m,
-            registry=r).labels(model_name)
-        self.request_prompt_tokens = Histogram(
+            registry=r).labels(model_name))
+        self.request_prompt_tokens = _Histograms(v.request_prompt_tokens, Histogram(
             "kvrelay_request_prompt_tokens", "prompt tokens per accepted request (on P for "
             "a disaggregated request)", m, buckets=_TOKEN_BUCKETS, registry=r,
-        ).labels(model_name)
-        self.request_generation_tokens = Histogram(
+        ).labels(model_name))
+        self.request_generation_tokens = _Histograms(v.request_generation_tokens, Histogram(
             "kvrelay_request_generation_tokens", "output tokens per finished request (the "
             "first token included; on D for a disaggregated request)", m,
             buckets=_TOKEN_BUCKETS, registry=r,
-        ).labels(model_name)
-        self.queue_time = Histogram(
+        ).labels(model_name))
+        self.queue_time = _Histograms(v.queue_time, Histogram(
             "kvrelay_request_queue_time_seconds", "time from hand-off to the engine to the "
             "request's first step (on D: includes the KV pull)", m, buckets=_QUEUE_BUCKETS,
             registry=r,
-        ).labels(model_name)
-        self.ttft = Histogram(
+        ).labels(model_name))
+        self.ttft = _Histograms(v.ttft, Histogram(
             "kvrelay_time_to_first_token_seconds", "time from arrival to the first token",
             m, buckets=_LATENCY_BUCKETS, registry=r,
-        ).labels(model_name)
-        self.itl = Histogram(
+        ).labels(model_name))
+        self.itl = _Histograms(v.itl, Histogram(
             "kvrelay_inter_token_latency_seconds", "time between two tokens of a request",
             m, buckets=_ITL_BUCKETS, registry=r,
-        ).labels(model_name)
-        self.e2e = Histogram(
+        ).labels(model_name))
+        self.e2e = _Histograms(v.e2e, Histogram(
             "kvrelay_e2e_request_latency_seconds", "time from arrival to the last token",
             m, buckets=_LATENCY_BUCKETS, registry=r,
-        ).labels(model_name)
+        ).labels(model_name))
         Gauge("kvrelay_model_info", "the served model (value 1)", m,
               registry=r).labels(model_name).set(1)
         kernels = kernel_choice.info()
@@ -132,9 +138,33 @@ class ServerMetrics:
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self._model, reason).inc()
+        self.vllm.finished(reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Counters:
+    """One increment to a vLLM-named counter and its ``kvrelay_*`` twin."""
+
+    def __init__(self, *counters: Counter) -> None:
+        self.counters = counters
+
+    def inc(self, n: float = 1) -> None:
+        for c in self.counters:
+            c.inc(n)
+
+
+class _Histograms:
+    """One observation to a vLLM-named histogram and its ``kvrelay_*`` twin (their
+    buckets differ)."""
+
+    def __init__(self, *histograms: Histogram) -> None:
+        self.histograms = histograms
+
+    def observe(self, value: float) -> None:
+        for h in self.histograms:
+            h.observe(value)
 
 
 class _SchedulerCounters(Collector):

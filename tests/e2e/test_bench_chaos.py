@@ -68,6 +68,9 @@ def test_chaos_bench_prints_its_table_and_the_ledger_balances() -> None:
     assert released is not None, out
     total, *by_outcome = (int(x) for x in released.groups())
     assert total == sum(by_outcome) > 0, out
+    # kvrelay_leases_created_total: every lease P made ended exactly once.
+    created = re.search(r"\) of (\d+) created; ", ledger)
+    assert created is not None and int(created.group(1)) == total, out
     assert _line(lines, "ledger balanced").endswith(": yes"), out
     assert re.fullmatch(r"goal \(.*\): (held|NOT held)", lines[-1]), out
 

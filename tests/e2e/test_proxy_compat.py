@@ -360,7 +360,7 @@ def documented_metrics() -> dict[str, set[str]]:
     out: dict[str, set[str]] = {k: set() for k in KINDS.values()}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 3 or not cells[0].startswith("`kvrelay_"):
+        if len(cells) < 3 or not cells[0].startswith(("`kvrelay_", "`vllm:")):
             continue
         name = re.sub(r"\{.*", "", cells[0].strip("`"))
         where = {w.strip() for w in cells[2].split(",")}

@@ -11,6 +11,9 @@ def test_metrics_after_a_handover_and_an_expiry() -> None:
     pair = Pair(acquire=1.0)
     kv = pair.prefill("r")
     pair.prefill("s", seed=2)
+    mid = as_dict(prefill_metrics(pair.table))
+    assert mid["kvrelay_leases_created_total"] == {(): 2.0}
+    assert mid["kvrelay_leases"] == {("held",): 2.0, ("pulling",): 0.0}
     pair.submit("r", kv)
     pair.converse()
     pair.now = 5.0
@@ -20,6 +23,9 @@ def test_metrics_after_a_handover_and_an_expiry() -> None:
     assert p["kvrelay_leases"] == {("held",): 0.0, ("pulling",): 0.0}
     assert p["kvrelay_leases_released_total"][("done",)] == 1.0
     assert p["kvrelay_leases_released_total"][("expired",)] == 1.0
+    # Every lease created ended once: created == released (none live), from one scrape.
+    assert p["kvrelay_leases_created_total"] == {(): 2.0}
+    assert sum(p["kvrelay_leases_released_total"].values()) == 2.0
     assert p["kvrelay_relay_stale_messages_total"][()] == 1.0
     d = as_dict(decode_metrics(pair.rx))
     name = pair.rx.transport.name  # issue 21: transfers are labelled by their transport

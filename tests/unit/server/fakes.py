@@ -124,10 +124,11 @@ class StopDetokenizer:
 def make_state(
     *, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 128,
     delay_s: float = 0.0, api_key: str | None = None, async_scheduling: bool = False,
+    max_num_seqs: int = 32,
 ) -> ServerState:
     config = SchedulerConfig(
         num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-        max_num_seqs=32, max_num_batched_tokens=512, async_scheduling=async_scheduling,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=512, async_scheduling=async_scheduling,
     )
     engine = Engine(config, LetterRunner(delay_s))
     tok = ByteTokenizer()
