@@ -96,11 +96,20 @@ def load_json(raw: bytes) -> dict[str, Any]:
     return data
 
 
+# Unknown field names already warned about: once per name and process, so that a router
+# that adds its own fields to every request (vllm-router: no_stop_trim,
+# return_hidden_states, ...) does not log a line per request. Bounded: names past the
+# cap are logged at DEBUG only, as a client could send a new name each time.
+_WARNED: set[str] = set()
+WARNED_NAMES_MAX = 256
+
+
 def validate(data: dict[str, Any], model: type[M]) -> M:
     """A parsed JSON object -> a request model, or an ApiError naming the field.
 
     Fields the model lacks: a known unsupported sampling field is a 400 naming it; any
-    other is dropped (newer clients keep working) with a warning in the log, as vLLM."""
+    other is dropped (newer clients keep working), with a warning in the log the first
+    time a name is seen, as vLLM warns."""
     refused: dict[str, tuple[Callable[[Any], bool], str]] = getattr(model, "REFUSED", {})
     unknown = []
     for key, value in data.items():
@@ -113,7 +122,13 @@ def validate(data: dict[str, Any], model: type[M]) -> M:
         elif key not in getattr(model, "HARMLESS", ()):
             unknown.append(key)
     if unknown:
-        log.warning("the request's fields %s are not known here: ignored", sorted(unknown))
+        new = sorted(k for k in unknown if k not in _WARNED)
+        if new and len(_WARNED) < WARNED_NAMES_MAX:
+            _WARNED.update(new[:WARNED_NAMES_MAX - len(_WARNED)])
+            log.warning("the request's fields %s are not known here: ignored (said once "
+                        "per name)", new)
+        else:
+            log.debug("the request's fields %s are not known here: ignored", sorted(unknown))
     try:
         return model.model_validate(data)
     except ValidationError as exc:
