@@ -236,6 +236,8 @@ class ToolChatShape(ChatShape):
     carries id, type and name). ``required``: the output is a JSON array of calls, sent
     whole at the end. ``auto``: content streams until the parser's marker; the calls
     after it are sent at the end (as vLLM, the text stays content when they do not parse).
+    A forced call cut by max_tokens is still a call, its arguments partial and the finish
+    ``length`` (``ToolPlan.forced``): a client that forced a tool reads ``tool_calls``.
     """
 
     def __init__(self, rid: str, model: str, with_logprobs: bool, fmt: LogprobFormatter,
@@ -250,7 +252,7 @@ class ToolChatShape(ChatShape):
         if self.plan.mode == "auto":
             assert self.auto is not None
             return self.auto.extract(text)
-        calls = self.plan.forced_calls(text)
+        calls = list(self.plan.forced(text).calls)
         return (text, []) if not calls else (None, calls)
 
     def full_choice(self, index: int, c: Collected) -> dict[str, Any]:
@@ -279,7 +281,7 @@ class ToolChatShape(ChatShape):
             content, calls = "", []
             if d.finish_reason is not None:
                 text = "".join(self._text.pop(d.index))
-                calls = self.plan.forced_calls(text) or []
+                calls = list(self.plan.forced(text).calls)
                 content = "" if calls else text
         out = []
         if content or d.logprobs:

@@ -174,14 +174,16 @@ class Output:
     def _finish(self, reason: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         calls: list[ToolCall] = []
+        cut = False  # the last call's arguments end where the output was cut
         if self.mode == "named":
             assert self.plan is not None
             # Streamed as it came; arguments cut by max_output_tokens stay, marked.
-            self.items[0].cut = not self.plan.forced_calls(self.items[0].text)
+            self.items[0].cut = not self.plan.forced(self.items[0].text).whole
         elif self.mode == "required":
             assert self.plan is not None
             text = "".join(self._held)
-            calls = self.plan.forced_calls(text) or []
+            forced = self.plan.forced(text)
+            calls, cut = list(forced.calls), not forced.whole
             if not calls:
                 out += self._content(text)
         elif self._gate is not None:
@@ -193,9 +195,10 @@ class Output:
             if not item.done:
                 item.cut = item.cut or reason == "length"
                 out += self._close(item)
-        for call in calls:
+        for i, call in enumerate(calls):
             out += self._open("function_call", name=call.name)
             out += self._more(self.items[-1], call.arguments)
+            self.items[-1].cut = cut and i == len(calls) - 1  # its arguments as they came
             out += self._close(self.items[-1])
         self.status = "incomplete" if reason == "length" else "completed"
         self.incomplete = "max_output_tokens" if reason == "length" else None

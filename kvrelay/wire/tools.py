@@ -41,6 +41,15 @@ def call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Forced:
+    """What a forced output holds: its calls (none when not even a name came) and whether
+    it is whole JSON (else the last call's arguments may be cut)."""
+
+    calls: tuple[ToolCall, ...]
+    whole: bool
+
+
+@dataclass(frozen=True)
 class ToolPlan:
     """What a chat request asks of tools, validated. ``mode``: none, auto, required or
     named (then ``name`` is the function)."""
@@ -76,20 +85,67 @@ class ToolPlan:
             raise InvalidParameter("tools", f"the tools' schemas cannot be enforced: {exc}") \
                 from exc
 
-    def forced_calls(self, text: str) -> list[ToolCall] | None:
-        """The calls in a grammar-forced output; None when it is not whole (cut by
-        max_tokens)."""
+    def forced(self, text: str) -> Forced:
+        """The calls in a grammar-forced output, whole or cut (by max_tokens or a stop
+        string). As vLLM: a named choice's output is its call's arguments whatever they
+        hold; a ``required`` array cut short gives its whole elements and, once its name
+        is whole, the element it was cut in, its arguments as far as they came (as vLLM
+        streams them)."""
+        if self.mode == "named":
+            assert self.name is not None
+            calls = (ToolCall(self.name, text),) if text.strip() else ()
+            return Forced(calls, _parses(text))
         try:
             doc = json.loads(text)
         except ValueError:
-            return None
-        if self.mode == "named":
-            assert self.name is not None
-            return [ToolCall(self.name, json.dumps(doc, ensure_ascii=False))]
+            return Forced(tuple(_cut_array(text)), False)
         if not isinstance(doc, list):
-            return None
-        return [ToolCall(str(c["name"]), json.dumps(c["parameters"], ensure_ascii=False))
-                for c in doc if isinstance(c, dict) and "name" in c and "parameters" in c]
+            return Forced((), False)
+        return Forced(tuple(ToolCall(str(c["name"]), _args(c["parameters"])) for c in doc
+                            if isinstance(c, dict) and "name" in c and "parameters" in c),
+                      True)
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _args(params: Any) -> str:
+    return json.dumps(params, ensure_ascii=False)
+
+
+# One element of a required array up to its arguments: name first, as the grammar writes
+# the properties in the schema's order; a name as plan_tools allows them (_NAME).
+_ELEMENT_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s*'
+                           r'"parameters"\s*:\s*')
+
+
+def _cut_array(text: str) -> list[ToolCall]:
+    """The calls of a ``required`` array that does not parse: the elements before the
+    cut, then the one cut, with the arguments it has (none yet: ``""``)."""
+    dec, out = json.JSONDecoder(), list[ToolCall]()
+    i = text.find("[") + 1
+    if i == 0 or text[:i - 1].strip():
+        return []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        try:
+            doc, i = dec.raw_decode(text, i)
+        except ValueError:
+            break
+        if not isinstance(doc, dict) or "name" not in doc or "parameters" not in doc:
+            return out
+        out.append(ToolCall(str(doc["name"]), _args(doc["parameters"])))
+    head = _ELEMENT_HEAD.match(text, i)
+    if head is not None:
+        rest = text[head.end():]
+        out.append(ToolCall(head.group(1), _args(json.loads(rest)) if _parses(rest) else rest))
+    return out
 
 
 def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None

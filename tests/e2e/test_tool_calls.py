@@ -172,8 +172,11 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
     ({"tool_choice": NAMED, "max_tokens": 1}, False),
     # Token 1 is EOS: P's answer ends the leg, D serves it again whole.
     ({"tool_choice": "auto", "logit_bias": {"2": 100}}, False),
+    # Cut by max_tokens inside the arguments: still calls, finish length (issue 42).
+    ({"tool_choice": "required", "max_tokens": 44}, True),
+    ({"tool_choice": NAMED, "max_tokens": 8}, True),
 ], ids=["required", "required-greedy-single", "named", "auto", "required-n2", "logprobs",
-        "one-token", "eos-first"])
+        "one-token", "eos-first", "required-cut", "named-cut"])
 def test_tool_answers_split_across_p_and_d_as_colocated(
         procs: dict[str, Proc], stream: bool, kw: dict[str, Any], split: bool) -> None:
     """P samples token 1 under the tools' grammar, D the rest from the pulled KV with its
@@ -196,8 +199,17 @@ def test_tool_answers_split_across_p_and_d_as_colocated(
     legs = kw.get("n", 1)
     assert after["disaggregated"] - before["disaggregated"] == (legs if split else 0)
     assert after["colocated"] - before["colocated"] == (0 if split else legs)
-    if not stream and kw["tool_choice"] != "auto" and "max_tokens" not in kw:
-        assert all(c["message"]["tool_calls"] for c in colo["choices"])
+    if kw["tool_choice"] == "auto":
+        return
+    # Forced: calls, cut short by max_tokens or not (then the finish is length).
+    if stream:
+        assert any(c["delta"].get("tool_calls") for chunk in colo for c in chunk["choices"])
+        assert not any(c["delta"].get("content") for chunk in colo for c in chunk["choices"])
+        return
+    assert all(c["message"]["tool_calls"] and c["message"]["content"] is None
+               for c in colo["choices"])
+    if "max_tokens" in kw:
+        assert all(c["finish_reason"] == "length" for c in colo["choices"])
 
 
 def test_auto_needs_the_flag(procs: dict[str, Proc]) -> None:

@@ -94,3 +94,33 @@ def test_tool_loop_required_then_auto(server: ServerProcess, stream: bool) -> No
     r = c.chat.completions.create(messages=history, tool_choice="none", **kw)
     assert r.choices[0].message.tool_calls is None
     assert "<tool_call>" in (r.choices[0].message.content or "")
+
+
+# The operator's case (issue 42): a schema that lets the model add properties, parallel
+# calls allowed (the default). At max_tokens 64 the model adds properties (named) or
+# calls again and again (required) until it is cut: the answer is still its calls.
+LOOSE: list[Any] = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("tool_choice, stream", [("required", False), ("required", True),
+                                                 (NAMED, False)],
+                         ids=["required", "required-stream", "named"])
+def test_forced_call_cut_by_max_tokens_is_tool_calls(server: ServerProcess, tool_choice: Any,
+                                                     stream: bool) -> None:
+    c = _client(server)
+    kw: dict[str, Any] = dict(model=c.models.list().data[0].id, messages=ASK, tools=LOOSE,
+                              tool_choice=tool_choice, temperature=0, max_tokens=64)
+    if stream:
+        content, calls, finish = _stream_calls(c, **kw)
+    else:
+        r = c.chat.completions.create(**kw)
+        content, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        calls = [(t.function.name, t.function.arguments)
+                 for t in r.choices[0].message.tool_calls or []]
+    assert finish == "length", "the model ended its calls: this no longer tests a cut one"
+    assert not content and calls and all(name == "get_weather" for name, _ in calls)
+    assert calls[0][1].replace(" ", "").startswith('{"city":"Paris"'), calls

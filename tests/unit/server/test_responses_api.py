@@ -208,6 +208,18 @@ def test_required_calls_become_function_call_items() -> None:
          "function": {"name": "get_weather", "arguments": call["arguments"]}}]}]
 
 
+def test_required_cut_by_max_output_tokens_is_still_function_calls() -> None:
+    """As a chat answer: the array's calls, the one it was cut in marked incomplete with
+    its arguments as far as they came."""
+    out = Output("r", settings(), _plan("required"), None)
+    final = run(out, ['[{"name":"get_weather",', '"parameters":{"city":"Os'],
+                finish="length")[-1]["response"]
+    (call,) = final["output"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert call["arguments"] == '{"city":"Os' and call["status"] == "incomplete"
+    assert final["status"] == "incomplete"
+
+
 def test_named_arguments_stream_as_they_come() -> None:
     events = run(Output("r", settings(), _plan({"type": "function", "function": {
         "name": "get_weather"}}), None), ['{"city"', ': "Oslo"}'])

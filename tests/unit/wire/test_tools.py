@@ -136,10 +136,40 @@ def test_required_grammar_lists_each_tool_and_honours_parallel_tool_calls() -> N
 def test_forced_output_as_calls() -> None:
     plan = plan_tools(TOOLS, "required", None)
     assert plan is not None
-    assert plan.forced_calls('[{"name":"now","parameters":{}},{"name":"get_weather",'
-                             '"parameters":{"city":"Oslo"}}]') == [
-        ToolCall("now", "{}"), ToolCall("get_weather", '{"city": "Oslo"}')]
-    assert plan.forced_calls('[{"name":"now","param') is None  # cut by max_tokens
+    whole = plan.forced('[{"name":"now","parameters":{}},{"name":"get_weather",'
+                        '"parameters":{"city":"Oslo"}}]')
+    assert whole.whole and whole.calls == (ToolCall("now", "{}"),
+                                           ToolCall("get_weather", '{"city": "Oslo"}'))
+
+
+@pytest.mark.parametrize("text, calls", [
+    ('[{"name":"now","param', ()),  # no call has its name and arguments yet
+    ('[{"name":"get_weather","parameters":{"city":"Os', (
+        ToolCall("get_weather", '{"city":"Os'),)),
+    ('[{"name":"now","parameters":{}},{"name":"get_weather","parameters":', (
+        ToolCall("now", "{}"), ToolCall("get_weather", ""))),
+    ('[{"name":"now","parameters":{}},{"name":"get_wea', (ToolCall("now", "{}"),)),
+    ('[{"name":"now","parameters":{}}', (ToolCall("now", "{}"),)),  # before the "]"
+    ('[{"name":"get_weather","parameters":{"city":"Oslo"}', (  # before the element's "}"
+        ToolCall("get_weather", '{"city": "Oslo"}'),)),
+])
+def test_required_cut_keeps_its_calls_the_last_one_partial(text: str, calls: Any) -> None:
+    """As vLLM streams a cut array: each call once its name is whole, its arguments as
+    far as they came."""
+    plan = plan_tools(TOOLS, "required", None)
+    assert plan is not None
+    forced = plan.forced(text)
+    assert forced.calls == calls and not forced.whole
+
+
+def test_named_output_is_the_call_whole_or_cut() -> None:
+    plan = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert plan is not None
+    assert plan.forced('{"city":"Oslo"}').calls == (ToolCall("get_weather", '{"city":"Oslo"}'),)
+    assert plan.forced('{"city":"Oslo"}').whole
+    cut = plan.forced('{"city":"Os')
+    assert cut.calls == (ToolCall("get_weather", '{"city":"Os'),) and not cut.whole
+    assert plan.forced("").calls == ()
 
 
 def _tokenizer() -> Tokenizer:
@@ -178,11 +208,12 @@ def _shape(choice: Any, auto: Any = None) -> ToolChatShape:
     return ToolChatShape("id", "m", False, LogprobFormatter(str), plan, auto)
 
 
-def _stream(shape: ToolChatShape, pieces: list[str]) -> list[dict[str, Any]]:
+def _stream(shape: ToolChatShape, pieces: list[str], finish: str = "stop"
+            ) -> list[dict[str, Any]]:
     out = []
     for i, p in enumerate(pieces):
         last = i == len(pieces) - 1
-        d = Delta(0, p, [1], None, "stop" if last else None)
+        d = Delta(0, p, [1], None, finish if last else None)
         out += [c["choices"][0] for c in shape.chunks(d, 0)]
     return out
 
@@ -204,6 +235,41 @@ def test_required_stream_sends_the_calls_at_the_end() -> None:
     assert [(c["index"], c["function"]) for c in calls] == [
         (0, {"name": "now", "arguments": "{}"})]
     assert chunks[-1]["finish_reason"] == "tool_calls"
+    assert not any(c["delta"].get("content") for c in chunks)
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+CUT_REQUIRED = ['[{"name":"now","parameters":{}},', '{"name":"get_weather","parameters":',
+                '{"city":"Os']
+
+
+def _streamed_calls(chunks: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        for tc in c["delta"].get("tool_calls", []):
+            slot = calls.setdefault(tc["index"], ["", ""])
+            slot[0] += tc["function"].get("name") or ""
+            slot[1] += tc["function"].get("arguments") or ""
+    return [(n, a) for n, a in calls.values()]
+
+
+@pytest.mark.parametrize("choice, pieces, finish, calls", [
+    (NAMED, ['{"city":', '"Os'], "length", [("get_weather", '{"city":"Os')]),
+    (NAMED, ['{"city":', '"Oslo"}'], "tool_calls", [("get_weather", '{"city":"Oslo"}')]),
+    ("required", CUT_REQUIRED, "length", [("now", "{}"), ("get_weather", '{"city":"Os')]),
+    ("required", [*CUT_REQUIRED, 'lo"}}]'], "tool_calls",
+     [("now", "{}"), ("get_weather", '{"city": "Oslo"}')]),
+])
+def test_forced_calls_are_calls_whole_or_streamed_cut_or_not(choice: Any, pieces: list[str],
+                                                              finish: str, calls: Any) -> None:
+    """A cut call is a call all the same, finish ``length``; whole and streamed agree."""
+    engine_finish = "length" if finish == "length" else "stop"
+    out = _shape(choice).full_choice(0, Collected(text=pieces, finish_reason=engine_finish))
+    assert out["finish_reason"] == finish and out["message"]["content"] is None
+    assert [(t["function"]["name"], t["function"]["arguments"])
+            for t in out["message"]["tool_calls"]] == calls
+    chunks = _stream(_shape(choice), pieces, engine_finish)
+    assert _streamed_calls(chunks) == calls and chunks[-1]["finish_reason"] == finish
     assert not any(c["delta"].get("content") for c in chunks)
 
 
