@@ -12,14 +12,9 @@ Real processes on loopback: the router binary, kvrelay engines on the tiny model
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +22,8 @@ import httpx
 import openai
 import pytest
 
-from kvrelay.demo import free_port
-from tests.e2e.cluster import Cluster, Proc, ask, metric, metrics, poll, pools_free
+from tests.e2e.cluster import Cluster, ask, metric, metrics, poll, pools_free
+from tests.e2e.router import Router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -39,71 +34,6 @@ PROMPTS = (
     "A much longer prompt that spans several KV blocks of four tokens each, so that the "
     "transfer moves more than one block and the last block is partial.",
 )
-
-
-def router_binary() -> str | None:
-    here = Path(sys.executable).parent / "vllm-router"
-    return str(here) if here.exists() else shutil.which("vllm-router")
-
-
-ROUTER = router_binary()
-if ROUTER is None:
-    pytest.skip("vllm-router is not installed (the dev extra installs it)",
-                allow_module_level=True)
-
-
-@dataclass
-class Router:
-    """One vllm-router process in P/D mode, its log in ``log``."""
-
-    log: Path
-    prefill: list[Proc]
-    decode: list[Proc]
-    extra: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Router:
-        assert ROUTER is not None
-        cmd = [ROUTER, "--host", "127.0.0.1", "--port", str(self.port),
-               "--vllm-pd-disaggregation", "--prometheus-port", str(free_port()),
-               "--prefill", *[p.url for p in self.prefill],
-               *[a for d in self.decode for a in ("--decode", d.url)],
-               "--log-level", "debug", *self.extra]
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True,
-                                         env={**os.environ, **self.env})
-        assert poll(self._ready, 60), self.tail()
-        return self
-
-    def _ready(self) -> bool:
-        assert self.proc is not None and self.proc.poll() is None, self.tail()
-        try:
-            return httpx.get(self.url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def healthy(self, engine: Proc) -> bool:
-        """The router's own view of ``engine`` (its /workers)."""
-        workers = httpx.get(self.url + "/workers", timeout=5).json()["workers"]
-        return bool(next(w["is_healthy"] for w in workers if w["url"] == engine.url))
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def tail(self, n: int = 4000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
 
 
 def client(url: str, key: str = KEY) -> openai.OpenAI:
@@ -132,7 +62,7 @@ def rig(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
                  "d": c.decode("decode", "tcp", *key)}
         for p in procs.values():
             p.wait_healthy()
-        router = Router(logs / "router.log", [procs["p"]], [procs["d"]],
+        router = Router(logs / "router.log", [procs["p"].url], [procs["d"].url],
                         env={"OPENAI_API_KEY": KEY}).start()
         yield {**procs, "router": router, "model": model_dir.name}
     finally:
@@ -276,7 +206,7 @@ def test_drain_leaves_the_rotation_and_a_dead_d_lets_the_lease_expire(
         d1, d2 = c.decode("decode-1", "tcp"), c.decode("decode-2", "tcp")
         for e in (p, d1, d2):
             e.wait_healthy()
-        router = Router(tmp_path / "router.log", [p], [d1, d2], (
+        router = Router(tmp_path / "router.log", [p.url], [d1.url, d2.url], (
             "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
             "--disable-retries")).start()
         model = model_dir.name
@@ -286,7 +216,7 @@ def test_drain_leaves_the_rotation_and_a_dead_d_lets_the_lease_expire(
         hold.start()
         assert poll(lambda: metric(metrics(d2.url), "kvrelay_requests_running") == 1, 30)
         d2.signal(signal.SIGTERM)
-        assert poll(lambda: not router.healthy(d2), 30), router.tail()
+        assert poll(lambda: not router.healthy(d2.url), 30), router.tail()
         served = metric(metrics(d1.url), "kvrelay_requests_finished_total")
         for i in range(8):
             r = client(router.url, "none").completions.create(

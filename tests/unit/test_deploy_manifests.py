@@ -64,10 +64,16 @@ def known_flags(command: str) -> set[str]:
     return set(FLAG.findall(help_text(command)))
 
 
+def is_kvrelay(container: dict[str, Any]) -> bool:
+    """kvrelay's image (a patch names none: it patches a kvrelay container), not a
+    sidecar of another project's."""
+    return "kvrelay" in container.get("image", "kvrelay")
+
+
 def invocations() -> list[tuple[str, str, list[str]]]:
     """(container, subcommand, argv after it) for every kvrelay container."""
     out = []
-    for c in (c for doc in yaml_documents() for c in containers(doc)):
+    for c in (c for doc in yaml_documents() for c in containers(doc) if is_kvrelay(c)):
         argv = [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
         if argv and argv[0] == "kvrelay":
             argv = argv[1:]
@@ -90,8 +96,10 @@ def test_manifests_parse_and_hold_the_deployment_the_docs_describe() -> None:
         assert d["spec"]["selector"]["matchLabels"].items() <= \
             d["spec"]["template"]["metadata"]["labels"].items()
         for c in spec["containers"]:
-            assert c["readinessProbe"]["httpGet"]["path"] == "/health"
             assert "requests" in c["resources"] and "limits" in c["resources"]
+            if not is_kvrelay(c):
+                continue
+            assert c["readinessProbe"]["httpGet"]["path"] == "/health"
             secrets = [e for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
             if "--role=prefill" in c["args"] or "--role=decode" in c["args"]:
                 assert any(e["name"] == "KVRELAY_RELAY_SECRET" for e in secrets)
@@ -134,9 +142,15 @@ def test_every_invocation_parses_with_the_real_parser() -> None:
                 pytest.fail(f"{name}: kvrelay {sub} {' '.join(expanded)}: {err.getvalue()}")
 
 
+# Custom resources the page declares, checked by their own test (kubernetes-validate
+# knows the built-in kinds only).
+CUSTOM = ("InferencePool",)
+
+
 def objects() -> list[dict[str, Any]]:
-    """The whole Kubernetes objects of the page (not the partial patches)."""
-    return [d for d in yaml_documents() if "kind" in d and "apiVersion" in d]
+    """The whole built-in Kubernetes objects of the page (not the partial patches)."""
+    return [d for d in yaml_documents()
+            if "kind" in d and "apiVersion" in d and d["kind"] not in CUSTOM]
 
 
 @pytest.fixture
@@ -198,7 +212,7 @@ def test_engines_get_the_grace_period_their_drain_needs_and_stay_reachable() -> 
     for d in (d for d in docs if d["kind"] == "Deployment"):
         spec = d["spec"]["template"]["spec"]
         labels = d["spec"]["template"]["metadata"]["labels"]
-        for c in spec["containers"]:
+        for c in filter(is_kvrelay, spec["containers"]):
             if c["args"][0] == "proxy":
                 assert "sleep" in c["lifecycle"]["preStop"]["exec"]["command"]
                 continue
@@ -207,8 +221,55 @@ def test_engines_get_the_grace_period_their_drain_needs_and_stay_reachable() -> 
             assert spec["terminationGracePeriodSeconds"] >= grace + EXIT_AFTER_GRACE_S, \
                 d["metadata"]["name"]
             assert "preStop" not in c.get("lifecycle", {}), "SIGTERM itself drains"
+            if any(p["selector"]["matchLabels"].items() <= labels.items() for p in pools()):
+                continue  # llm-d's picker reaches the pods themselves, by the pool
             mine = [s for s in services.values() if s["selector"].items() <= labels.items()]
             assert mine, d["metadata"]["name"]  # its own, and the role's headless one
             assert all(s.get("publishNotReadyAddresses") is True for s in mine), \
                 d["metadata"]["name"]
-    assert engines == 2
+    assert engines == 2 + 2  # the manifests' P and D, and llm-d's (no Service)
+
+
+def pools() -> list[dict[str, Any]]:
+    return [d["spec"] for d in yaml_documents() if d.get("kind") == "InferencePool"]
+
+
+def test_the_inference_pool_is_a_v1_pool_of_kvrelay_pods_with_llm_d_roles() -> None:
+    """The InferencePool's fields as inference.networking.k8s.io/v1 has them
+    (gateway-api-inference-extension v1.0, config/crd/bases/
+    inference.networking.k8s.io_inferencepools.yaml: targetPorts with one number,
+    selector.matchLabels, endpointPickerRef with name, port.number and failureMode),
+    and it selects engine pods of both llm-d roles whose port it names."""
+    docs = [d for d in yaml_documents() if d.get("kind") == "InferencePool"]
+    assert len(docs) == 1
+    pool = docs[0]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    spec = pool["spec"]
+    assert set(spec) <= {"targetPorts", "selector", "endpointPickerRef"}
+    assert set(spec["selector"]) == {"matchLabels"}
+    (port,) = spec["targetPorts"]
+    assert set(port) == {"number"} and 1 <= port["number"] <= 65535
+    ref = spec["endpointPickerRef"]
+    assert set(ref) <= {"name", "kind", "group", "port", "failureMode"} and ref["name"]
+    assert set(ref["port"]) == {"number"} and ref.get("failureMode") in (
+        None, "FailOpen", "FailClose")
+    selected = [d for d in objects() if d["kind"] == "Deployment" and spec["selector"][
+        "matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+    roles = {d["spec"]["template"]["metadata"]["labels"]["llm-d.ai/role"] for d in selected}
+    assert roles == {"prefill", "decode"}
+    for d in selected:  # the pool's port is the first container's (engine or sidecar)
+        first = d["spec"]["template"]["spec"]["containers"][0]
+        assert port["number"] in [p["containerPort"] for p in first["ports"]]
+
+
+def test_engine_pods_carry_llm_d_role_labels() -> None:
+    """llm-d.ai/role on every engine pod, as its --role (both: prefill-decode)."""
+    want = {"prefill": "prefill", "decode": "decode", "both": "prefill-decode"}
+    for d in (d for d in objects() if d["kind"] == "Deployment"):
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        for c in filter(is_kvrelay, d["spec"]["template"]["spec"]["containers"]):
+            if c["args"][0] == "proxy":
+                continue
+            role = next((a.split("=", 1)[1] for a in c["args"] if a.startswith("--role=")),
+                        "both")
+            assert labels.get("llm-d.ai/role") == want[role], d["metadata"]["name"]

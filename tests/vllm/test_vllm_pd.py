@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -209,3 +210,45 @@ def test_decode_killed_mid_pull_p_frees_at_lease_timeout(pair: Pair) -> None:
     pair.p.wait_log(r"ended \(expired\)", expired + 1, timeout=4 * LEASE_TIMEOUT)
     pair.p.wait_kv_free(timeout=30)
     assert completion(pair.p.url, False)  # P keeps serving
+
+
+def test_behind_vllm_router(pair: Pair, tmp_path: Path) -> None:
+    """vllm-router 0.1.17 (its default nixl P/D mode) in front of the pair instead of
+    kvrelay's proxy: completions and chat, whole and streamed, give colocated vLLM's
+    texts, each one's KV pulled over the relay; a client that leaves mid-stream ends D's
+    request at once (its KV cache empties) and P's lease was ended by the pull."""
+    from tests.e2e.router import ROUTER, Router
+
+    if ROUTER is None:
+        raise RuntimeError("vllm-router is not installed: the dev extra installs it")
+    router = Router(tmp_path / "router.log", [pair.p.url], [pair.d.url]).start()
+    try:
+        want = {"completion": colocated(pair), "chat": chat(pair.p.url, False)}
+        for kind, ask in (("completion", completion), ("chat", chat)):
+            for stream in (False, True):
+                pulls, fallbacks = pair.d.count(PULLING), pair.d.count(FELL_BACK)
+                assert ask(router.url, stream) == want[kind], (kind, stream)
+                assert pair.d.count(PULLING) == pulls + 1, pair.d.tail()
+                assert pair.d.count(FELL_BACK) == fallbacks
+        ended = pair.p.count(r"ended \(done\)")
+        aborted = aborts(pair.d)
+        with httpx.stream("POST", router.url + "/v1/completions", timeout=120, json={
+                "model": "smol", "prompt": "Count slowly from one to a thousand:",
+                "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line.startswith("data:"))
+        end = time.monotonic() + 60
+        while aborts(pair.d) < aborted + 1:  # not run to its 400 tokens: aborted
+            assert time.monotonic() < end, pair.d.tail()
+            time.sleep(0.1)
+        pair.d.wait_kv_free(timeout=30)
+        pair.p.wait_log(r"ended \(done\)", ended + 1, timeout=30)
+    finally:
+        router.kill()
+
+
+def aborts(engine: VllmEngine) -> float:
+    """Requests vLLM counted as finished by abort."""
+    text = httpx.get(engine.url + "/metrics", timeout=5).text
+    return sum(float(v) for v in re.findall(
+        r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', text, re.M))
