@@ -42,6 +42,7 @@ BENCH_COMMANDS: list[str] = [
     "kvrelay.bench.conditional",
     "kvrelay.bench.chaos",
     "kvrelay.bench.soak",
+    "kvrelay.bench.front",
 ]
 
 
