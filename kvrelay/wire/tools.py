@@ -127,7 +127,8 @@ _ELEMENT_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s
 def _cut_array(text: str) -> list[ToolCall]:
     """The calls of a ``required`` array that does not parse: the elements before the
     cut, then the one cut, with the arguments it has (none yet: ``""``)."""
-    dec, out = json.JSONDecoder(), list[ToolCall]()
+    dec = json.JSONDecoder()
+    out: list[ToolCall] = []
     i = text.find("[") + 1
     if i == 0 or text[:i - 1].strip():
         return []

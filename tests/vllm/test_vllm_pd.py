@@ -231,24 +231,17 @@ def test_behind_vllm_router(pair: Pair, tmp_path: Path) -> None:
                 assert pair.d.count(PULLING) == pulls + 1, pair.d.tail()
                 assert pair.d.count(FELL_BACK) == fallbacks
         ended = pair.p.count(r"ended \(done\)")
-        aborted = aborts(pair.d)
+        generated = metric(pair.d, "vllm:generation_tokens_total")
         with httpx.stream("POST", router.url + "/v1/completions", timeout=120, json={
                 "model": "smol", "prompt": "Count slowly from one to a thousand:",
                 "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
             assert r.status_code == 200
             next(line for line in r.iter_lines() if line.startswith("data:"))
-        end = time.monotonic() + 60
-        while aborts(pair.d) < aborted + 1:  # not run to its 400 tokens: aborted
-            assert time.monotonic() < end, pair.d.tail()
-            time.sleep(0.1)
-        pair.d.wait_kv_free(timeout=30)
+        pair.d.wait_kv_free(timeout=60)
+        # Freed long before its 400 tokens: aborted (vLLM 0.32 counts no abort in
+        # vllm:request_success, so the tokens tell).
+        assert metric(pair.d, "vllm:generation_tokens_total") - generated < 400
         pair.p.wait_log(r"ended \(done\)", ended + 1, timeout=30)
     finally:
         router.kill()
 
-
-def aborts(engine: VllmEngine) -> float:
-    """Requests vLLM counted as finished by abort."""
-    text = httpx.get(engine.url + "/metrics", timeout=5).text
-    return sum(float(v) for v in re.findall(
-        r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', text, re.M))
