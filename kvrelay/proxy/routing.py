@@ -341,7 +341,7 @@ class Proxy:
         try:
             async with self._outstanding(up):
                 try:
-                    r = await self._http().post(f"{up.url}{path}", json=p_body,
+                    r = await self._http().post(up.endpoint(path), json=p_body,
                                                 headers=self.headers(), timeout=self.timeout)
                 except httpx.HTTPError as exc:
                     raise UpstreamDown(f"{type(exc).__name__}: {exc}") from exc
@@ -524,7 +524,7 @@ class Proxy:
         async with self._outstanding(up):
             with _Prefilling(up, _local_work(leg)) as work:
                 try:
-                    async with self._http().stream("POST", f"{up.url}{path}", json=body,
+                    async with self._http().stream("POST", up.endpoint(path), json=body,
                                                    headers=self.headers(),
                                                    timeout=self.timeout) as r:
                         answered = True
