@@ -40,6 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvrelay.proxy import sockets
 from kvrelay.proxy.affinity import POLICIES, RoutingConfig
 from kvrelay.proxy.discovery import add_discovery_args, discovery_from
 from kvrelay.proxy.health import watch_health
@@ -80,6 +81,8 @@ class SweptTransport(httpx.AsyncHTTPTransport):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # httpx takes no network backend: the pool's own, swapped before any connection.
+        self._pool._network_backend = sockets.Backend()
         self._closing: set[asyncio.Future[None]] = set()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:

@@ -341,7 +341,7 @@ class Proxy:
         try:
             async with self._outstanding(up):
                 try:
-                    r = await self._http().post(f"{up.url}{path}", json=p_body,
+                    r = await self._http().post(up.endpoint(path), json=p_body,
                                                 headers=self.headers(), timeout=self.timeout)
                 except httpx.HTTPError as exc:
                     raise UpstreamDown(f"{type(exc).__name__}: {exc}") from exc
@@ -400,12 +400,20 @@ class Proxy:
         tasks = [asyncio.ensure_future(self._stream_leg(path, leg, frame, events))
                  for leg in legs]
         first_out = False
+        # The events of what the legs had queued go out as one write: D's stream arrives
+        # a read of many chunks at a time, and a write per chunk cost more than the rest
+        # of its way through the proxy (kvrelay bench front). The bytes are the same.
+        out: list[bytes] = []
         try:
             open_legs = len(legs)
             while open_legs:
+                if out and events.empty():
+                    yield b"".join(out)
+                    out = []
                 leg, kind, payload = await events.get()
                 if kind is Piece.ERROR:
-                    yield sse(payload)
+                    out.append(sse(payload))
+                    yield b"".join(out)
                     break
                 try:
                     if kind is Piece.END:
@@ -416,7 +424,8 @@ class Proxy:
                         payload = merge.cut_resent(leg, payload)
                 except merge.Spliced as exc:
                     log.warning("leg %d: %s", leg.index, exc)
-                    yield sse(error_event(str(exc)))
+                    out.append(sse(error_event(str(exc))))
+                    yield b"".join(out)
                     break
                 if payload is not None:
                     # D's text offsets count from token 2, unless D sent token 1 again.
@@ -425,10 +434,12 @@ class Proxy:
                         if not first_out:
                             first_out = True
                             self.metrics.ttft.observe(asyncio.get_running_loop().time() - t0)
-                        yield sse(chunk)
+                        out.append(sse(chunk))
             else:
                 if frame.include_usage:
-                    yield sse(merge.usage_chunk(frame, legs))
+                    out.append(sse(merge.usage_chunk(frame, legs)))
+                if out:
+                    yield b"".join(out)
         except (asyncio.CancelledError, GeneratorExit):
             self.metrics.client_disconnects.inc()
             raise
@@ -443,6 +454,7 @@ class Proxy:
     ) -> None:
         """Put the leg's chunk choices on ``events`` (P's token, D's), then END, or one
         ERROR event."""
+        ended = False  # D's [DONE] came: END is on ``events``
         try:
             if leg.first is not None and leg.tools is None:  # a tool leg's chunks are D's
                 frame.saw(leg.first)
@@ -455,14 +467,24 @@ class Proxy:
                     events.put_nowait((leg, Piece.P_TOKEN, merge.seed_chunk(leg)))
             kind = Piece.D_TOKENS if leg.first is not None and leg.tools is None else Piece.WHOLE
             error = None
+
+            def to_client(choice: Any) -> None:
+                nonlocal ended
+                if choice is None:  # D's [DONE]: the leg's END, before D's body is read out
+                    ended = True
+                    events.put_nowait((leg, Piece.END, None))
+                else:
+                    events.put_nowait((leg, kind, choice))
+
             try:
-                await self._decode(path, leg, frame,
-                                   lambda choice: events.put_nowait((leg, kind, choice)))
+                await self._decode(path, leg, frame, to_client)
             except _LegFailed as exc:
                 error = _json_body(exc.response)
         except Exception as exc:  # never leave the client's stream waiting
             log.exception("leg %d failed", leg.index)
             error = error_event(f"the proxy failed: {type(exc).__name__}: {exc}", 500)
+        if ended:
+            return  # the answer was whole at D's [DONE]: what failed after it is not the leg's
         if error is not None:
             self._release(leg)
             events.put_nowait((leg, Piece.ERROR, error))
@@ -474,7 +496,8 @@ class Proxy:
         self, path: str, leg: Leg, frame: Frame, stream_to: Callable[[Any], None] | None,
     ) -> dict[str, Any] | None:
         """D's answer for the leg: its JSON (whole), or each chunk choice to
-        ``stream_to`` (streamed, returns None); ``_LegFailed`` with the client's error
+        ``stream_to`` and None at its end (streamed, returns None); ``_LegFailed`` with the
+        client's error
         otherwise. An engine that refuses the leg unseen (connection refused, closed
         before its status line, 429, 503) hands it to the next (``_decode_order``),
         the lease untouched: the same rule for whole and streamed answers."""
@@ -501,7 +524,7 @@ class Proxy:
         async with self._outstanding(up):
             with _Prefilling(up, _local_work(leg)) as work:
                 try:
-                    async with self._http().stream("POST", f"{up.url}{path}", json=body,
+                    async with self._http().stream("POST", up.endpoint(path), json=body,
                                                    headers=self.headers(),
                                                    timeout=self.timeout) as r:
                         answered = True
@@ -544,14 +567,24 @@ class Proxy:
 
 async def _read_stream(r: httpx.Response, up: Upstream, leg: Leg, frame: Frame,
                        work: _Prefilling, stream_to: Callable[[Any], None]) -> None:
-    """D's SSE chunks, each choice to ``stream_to``, until [DONE]; ``_LegFailed`` with D's
-    error event, or when the stream ends early."""
+    """D's SSE chunks, each choice to ``stream_to``, until [DONE] (``stream_to(None)``);
+    ``_LegFailed`` with D's error event, or when the stream ends early.
+
+    After [DONE] the rest of D's body (its chunked end) is read, so that its connection
+    goes back to the pool: left unread, httpcore closes the connection, and every
+    streamed leg paid a new one (kvrelay bench front). The answer is complete by then:
+    what comes there, or fails, is no longer the leg's."""
     landed = False
-    async for line in r.aiter_lines():
+    lines = r.aiter_lines()
+    async for line in lines:
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
+            stream_to(None)
+            with contextlib.suppress(httpx.HTTPError):
+                async for _ in lines:
+                    pass
             return
         chunk = json.loads(data)
         if "error" in chunk:

@@ -4,7 +4,7 @@ failure is told apart from its refusal."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
@@ -70,6 +70,15 @@ class Upstream:
     # Prompt tokens sent here to prefill and not yet answered by a first token: the
     # engine's prefill work in flight, for conditional disaggregation (_Prefilling).
     prefilling: float = 0.0
+    _endpoints: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
+
+    def endpoint(self, path: str) -> httpx.URL:
+        """``url`` + ``path``, parsed once: httpx parses a URL given as text on every
+        request (~3% of the proxy's CPU per request, kvrelay bench front)."""
+        url = self._endpoints.get(path)
+        if url is None:
+            url = self._endpoints[path] = httpx.URL(f"{self.url}{path}")
+        return url
 
 
 class Upstreams:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 
 import httpx
 import pytest
 
+from kvrelay.proxy import sockets
 from kvrelay.proxy.app import SweptTransport
 
 BODY = b"data: 1\n\ndata: [DONE]\n\n"
@@ -135,3 +137,33 @@ def test_swept_transport_closes_the_socket_of_a_response_whose_close_was_cancell
 
 def test_swept_transport_closes_the_socket_of_a_read_whose_close_was_cancelled() -> None:
     assert asyncio.run(scenario(SweptTransport(), bound=10.0, stalls=True))
+
+
+def test_the_pools_readiness_check_sees_an_engine_close_its_side() -> None:
+    """The proxy's network backend (kvrelay.proxy.sockets) answers httpcore's "did the
+    engine close this idle connection?" as the anyio one does: not while it is open,
+    yes once the engine closed it."""
+
+    async def check() -> tuple[bool, bool]:
+        closed = asyncio.Event()
+
+        async def serve(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await closed.wait()
+            writer.close()
+            await writer.wait_closed()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        stream = await sockets.Backend().connect_tcp("127.0.0.1", port, timeout=5)
+        open_readable = stream.get_extra_info("is_readable")
+        closed.set()
+        sock = stream.get_extra_info("socket")
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: select.select([sock], [], [], 5))  # the engine's FIN, at most 5 s
+        readable = stream.get_extra_info("is_readable")
+        await stream.aclose()
+        server.close()
+        await server.wait_closed()
+        return open_readable, readable
+
+    assert asyncio.run(check()) == (False, True)
