@@ -82,7 +82,9 @@ class SweptTransport(httpx.AsyncHTTPTransport):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         # httpx takes no network backend: the pool's own, swapped before any connection.
-        self._pool._network_backend = sockets.Backend()
+        backend = sockets.backend()
+        if backend is not None and hasattr(self._pool, "_network_backend"):
+            self._pool._network_backend = backend
         self._closing: set[asyncio.Future[None]] = set()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
