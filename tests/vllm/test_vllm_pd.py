@@ -196,22 +196,6 @@ def test_abort_while_d_waits_for_kv(pair: Pair) -> None:
     assert completion(pair.proxy_url, False) == colocated(pair)  # both still serve
 
 
-def test_decode_killed_mid_pull_p_frees_at_lease_timeout(pair: Pair) -> None:
-    """Last: it kills D."""
-    params = lease_from(pair.p)
-    pulls, expired = pair.d.count(PULLING), pair.p.count(r"ended \(expired\)")
-    out: dict[str, Exception] = {}
-    t = threading.Thread(target=failing, args=(out, pair, params, 120))
-    t.start()
-    pair.d.wait_log(PULLING, pulls + 1)
-    pair.d.kill()
-    t.join(30)
-    assert isinstance(out.get("error"), httpx.HTTPError)
-    pair.p.wait_log(r"ended \(expired\)", expired + 1, timeout=4 * LEASE_TIMEOUT)
-    pair.p.wait_kv_free(timeout=30)
-    assert completion(pair.p.url, False)  # P keeps serving
-
-
 def test_behind_vllm_router(pair: Pair, tmp_path: Path) -> None:
     """vllm-router 0.1.17 (its default nixl P/D mode) in front of the pair instead of
     kvrelay's proxy: completions and chat, whole and streamed, give colocated vLLM's
@@ -245,3 +229,18 @@ def test_behind_vllm_router(pair: Pair, tmp_path: Path) -> None:
     finally:
         router.kill()
 
+
+def test_decode_killed_mid_pull_p_frees_at_lease_timeout(pair: Pair) -> None:
+    """Last: it kills D."""
+    params = lease_from(pair.p)
+    pulls, expired = pair.d.count(PULLING), pair.p.count(r"ended \(expired\)")
+    out: dict[str, Exception] = {}
+    t = threading.Thread(target=failing, args=(out, pair, params, 120))
+    t.start()
+    pair.d.wait_log(PULLING, pulls + 1)
+    pair.d.kill()
+    t.join(30)
+    assert isinstance(out.get("error"), httpx.HTTPError)
+    pair.p.wait_log(r"ended \(expired\)", expired + 1, timeout=4 * LEASE_TIMEOUT)
+    pair.p.wait_kv_free(timeout=30)
+    assert completion(pair.p.url, False)  # P keeps serving
