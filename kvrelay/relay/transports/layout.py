@@ -37,6 +37,7 @@ compat hash is unchanged and a P or D one release behind keeps pulling.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -218,7 +219,9 @@ def describe(kv_caches: Mapping[str, Any], num_blocks: int | None = None,
         if step > 0 and all(o == bases[0][1] + i * step for i, (_, o) in enumerate(bases)):
             dims["L"] = (layers, step)
     kept = [d for d in DIMS if d in dims and (d == "B" or dims[d][0] > 1)]
-    kept.sort(key=lambda d: (-dims[d][1], DIMS.index(d)))
+    # A tie is a dim of size 1 whose stride is its inside's extent: B (one block) is
+    # then inside the dim it ties with.
+    kept.sort(key=lambda d: (-dims[d][1], d == "B", DIMS.index(d)))
     if layers > 1 and "L" not in dims:  # layers apart, in no one progression: outermost
         kept.insert(0, "L")
     strides = [dims[d][1] if d in dims else 0 for d in kept]
@@ -226,8 +229,15 @@ def describe(kv_caches: Mapping[str, Any], num_blocks: int | None = None,
         strides[0] = 0
     _check_cuts(name, t, kept, [dims.get(d, (layers, 0)) for d in kept], e)
     _check_bounds(kv_caches, t, storages, bases)
-    layout = KvLayout("".join(kept), layers, k, heads, tokens, content, e, backend,
-                      contiguous=all(v.is_contiguous() for v in kv_caches.values()))
+    layout = KvLayout("".join(kept), layers, k, heads, tokens, content, e, backend)
+    p = kept.index("B")
+    chunk, grid = _inner(layout, layout.order[p + 1:], strides[p + 1:])
+    # Each layer is one dense tensor in logical order (today's test, is_contiguous(),
+    # but blind to the block count: one block makes any order contiguous).
+    inside = [DIMS.index(d) for d in kept[p + 1:]]
+    layout = dataclasses.replace(layout, contiguous=(
+        set(kept[:p]) <= {"L"} and inside == sorted(inside) and grid == [0]
+        and chunk == strides[p] == layout.piece_bytes))
     buffers = tuple((int(s.data_ptr()), int(s.nbytes())) for s in storages.values())
     return (KvPlacement(layout, nb, buffers, tuple(bases), tuple(strides)),
             list(storages.values()))
