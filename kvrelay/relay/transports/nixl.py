@@ -4,16 +4,19 @@ NIXL (NVIDIA's inference transfer library, over UCX) moves bytes between registe
 memory regions with one-sided READs; UCX picks the wire (shm/cma on one host, tcp or
 RDMA across hosts; ``UCX_TLS`` narrows it). Both sides register their whole KV cache
 once (DRAM, or VRAM when the cache is on a GPU): kvrelay's block-major cache as one
-region, vLLM's layer-major cache (``regions:<n>x<bytes>``, layout.py) as its layers'
-views, merged where they touch (one storage: one registration).
+region, vLLM's (a described layout, layout.py) as the buffers its layers view, merged
+where they touch (one storage: one registration).
 
 P side: ``register(kv_cache)`` creates the agent, registers the cache and returns the
 descriptor D receives in the HELLO reply: the agent's metadata (its UCX address and
-the memory keys of the registered region), the region's address and the block size.
+the memory keys of the registered region), the region's address and the block size,
+and the cache's placement (layout.KvPlacement: where each layer's blocks lie).
 
 D side: ``read`` loads P's agent metadata once per P (a restarted P has a new agent
-name), groups the lease's (remote, local) block pairs into runs of consecutive ids on
-both sides and posts **one** READ with one descriptor per run; ``poll`` asks NIXL.
+name), cuts P's ranges of the lease's blocks and its own (in the layout's stream
+order) at each other's boundaries and posts **one** READ with one descriptor per piece:
+one per run of consecutive ids on both sides where a run is contiguous; ``poll`` asks
+NIXL.
 Descriptor count is what costs in NIXL (vLLM's per-layer, per-block descriptors were
 its main overhead): a block-major cache makes a block one contiguous piece across all
 layers, and a run of blocks one piece; a layer-major cache makes a run one piece per
