@@ -176,9 +176,43 @@ def describe(kv_caches: Mapping[str, Any], num_blocks: int | None = None,
     the distinct storages they view. ``num_blocks``: the manager's block count (dim 0
     counts ``num_blocks * k`` kernel blocks); None: no kernel split. Raises ValueError
     naming the layer whose view this transport cannot cut into blocks."""
+    name, t, storages, bases = _layers(kv_caches)
+    e = t.element_size()
+    nb = num_blocks or int(t.shape[0])
+    if t.shape[0] % nb:
+        raise ValueError(f"KV layer {name}: {t.shape[0]} kernel blocks do not cut into "
+                         f"{nb} manager blocks")
+    k = int(t.shape[0]) // nb
+    heads, tokens, content = (int(x) for x in t.shape[1:])
+    s_b, s_h, s_n, s_c = (x * e for x in t.stride())
+    dims = {"B": (nb, k * s_b), "K": (k, s_b), "H": (heads, s_h), "N": (tokens, s_n),
+            "C": (content, s_c)}
+    layers = len(bases)
+    step = bases[1][1] - bases[0][1] if layers > 1 else 0
+    if step > 0 and all((b, o) == (bases[0][0], bases[0][1] + i * step)
+                        for i, (b, o) in enumerate(bases)):
+        dims["L"] = (layers, step)  # layers a fixed stride apart in one buffer
+    kept = [d for d in DIMS if d in dims and (d == "B" or dims[d][0] > 1)]
+    # A tie is a dim of size 1 whose stride is its inside's extent: B (one block) is
+    # then inside the dim it ties with.
+    kept.sort(key=lambda d: (-dims[d][1], d == "B", DIMS.index(d)))
+    if layers > 1 and "L" not in dims:  # layers apart, in no one progression: outermost
+        kept.insert(0, "L")
+    strides = [0 if i == 0 and d == "L" else dims[d][1] for i, d in enumerate(kept)]
+    _check_cuts(name, t, kept, [dims.get(d, (layers, 0)) for d in kept], e)
+    _check_bounds(kv_caches, t, storages, bases)
+    layout = KvLayout("".join(kept), layers, k, heads, tokens, content, e, backend)
+    layout = dataclasses.replace(layout, contiguous=_dense(layout, strides))
+    buffers = tuple((int(s.data_ptr()), int(s.nbytes())) for s in storages)
+    return KvPlacement(layout, nb, buffers, tuple(bases), tuple(strides)), storages
+
+
+def _layers(kv_caches: Mapping[str, Any]) -> tuple[str, Any, list[Any], list[tuple[int, int]]]:
+    """The first layer's name and view, the distinct storages, and per layer the index
+    of its storage and its byte offset there; every layer shaped as the first."""
     import torch
 
-    first: Any = None
+    first: tuple[str, Any] | None = None
     storages: dict[int, Any] = {}
     bases: list[tuple[int, int]] = []
     for name, t in kv_caches.items():
@@ -194,53 +228,22 @@ def describe(kv_caches: Mapping[str, Any], num_blocks: int | None = None,
                 f"differs from layer {first[0]}'s {tuple(first[1].shape)} "
                 f"{first[1].stride()} {first[1].dtype}")
         s = t.untyped_storage()
-        key = s.data_ptr()
-        if key not in storages:
-            storages[key] = s
-        bases.append((list(storages).index(key), int(t.storage_offset()) * t.element_size()))
+        index = storages.setdefault(s.data_ptr(), (len(storages), s))[0]
+        bases.append((index, int(t.storage_offset()) * t.element_size()))
     if first is None:
         raise ValueError("no KV layers were registered")
-    name, t = first
-    e = t.element_size()
-    blocks_k = int(t.shape[0])
-    nb = num_blocks or blocks_k
-    if blocks_k % nb:
-        raise ValueError(f"KV layer {name}: {blocks_k} kernel blocks do not cut into "
-                         f"{nb} manager blocks")
-    k = blocks_k // nb
-    heads, tokens, content = (int(x) for x in t.shape[1:])
-    s_b, s_h, s_n, s_c = (x * e for x in t.stride())
-    dims = {"B": (nb, k * s_b), "K": (k, s_b), "H": (heads, s_h), "N": (tokens, s_n),
-            "C": (content, s_c)}
-    layers = len(bases)
-    one_buffer = len({b for b, _ in bases}) == 1
-    if layers > 1 and one_buffer:
-        step = bases[1][1] - bases[0][1]
-        if step > 0 and all(o == bases[0][1] + i * step for i, (_, o) in enumerate(bases)):
-            dims["L"] = (layers, step)
-    kept = [d for d in DIMS if d in dims and (d == "B" or dims[d][0] > 1)]
-    # A tie is a dim of size 1 whose stride is its inside's extent: B (one block) is
-    # then inside the dim it ties with.
-    kept.sort(key=lambda d: (-dims[d][1], d == "B", DIMS.index(d)))
-    if layers > 1 and "L" not in dims:  # layers apart, in no one progression: outermost
-        kept.insert(0, "L")
-    strides = [dims[d][1] if d in dims else 0 for d in kept]
-    if kept[0] == "L":
-        strides[0] = 0
-    _check_cuts(name, t, kept, [dims.get(d, (layers, 0)) for d in kept], e)
-    _check_bounds(kv_caches, t, storages, bases)
-    layout = KvLayout("".join(kept), layers, k, heads, tokens, content, e, backend)
-    p = kept.index("B")
-    chunk, grid = _inner(layout, layout.order[p + 1:], strides[p + 1:])
-    # Each layer is one dense tensor in logical order (today's test, is_contiguous(),
-    # but blind to the block count: one block makes any order contiguous).
-    inside = [DIMS.index(d) for d in kept[p + 1:]]
-    layout = dataclasses.replace(layout, contiguous=(
-        set(kept[:p]) <= {"L"} and inside == sorted(inside) and grid == [0]
-        and chunk == strides[p] == layout.piece_bytes))
-    buffers = tuple((int(s.data_ptr()), int(s.nbytes())) for s in storages.values())
-    return (KvPlacement(layout, nb, buffers, tuple(bases), tuple(strides)),
-            list(storages.values()))
+    return first[0], first[1], [s for _, s in storages.values()], bases
+
+
+def _dense(layout: KvLayout, strides: Sequence[int]) -> bool:
+    """Each layer one dense tensor in logical order: today's ``regions`` test
+    (is_contiguous(), but blind to the block count: one block makes any order so)."""
+    order = layout.order
+    p = order.index("B")
+    chunk, grid = _inner(layout, order[p + 1:], strides[p + 1:])
+    inside = [DIMS.index(d) for d in order[p + 1:]]
+    return (set(order[:p]) <= {"L"} and inside == sorted(inside) and grid == [0]
+            and chunk == strides[p] == layout.piece_bytes)
 
 
 def _check_cuts(name: str, t: Any, order: list[str], dims: list[tuple[int, int]],
@@ -259,11 +262,11 @@ def _check_cuts(name: str, t: Any, order: list[str], dims: list[tuple[int, int]]
         inner = stride * size
 
 
-def _check_bounds(kv_caches: Mapping[str, Any], t: Any, storages: dict[int, Any],
+def _check_bounds(kv_caches: Mapping[str, Any], t: Any, storages: list[Any],
                   bases: list[tuple[int, int]]) -> None:
     e = t.element_size()
     extent = e + sum((n - 1) * s * e for n, s in zip(t.shape, t.stride(), strict=True))
-    sizes = [int(s.nbytes()) for s in storages.values()]
+    sizes = [int(s.nbytes()) for s in storages]
     for name, (buf, off) in zip(kv_caches, bases, strict=True):
         if off + extent > sizes[buf]:
             raise ValueError(f"KV layer {name}: its view ends {off + extent} B into a "
