@@ -38,6 +38,7 @@ from kvrelay.relay.transports import nixl
 from kvrelay.relay.transports.base import PeerInfo, TransferState
 from kvrelay.relay.transports.layout import HostCache, layer_cache
 from kvrelay.relay.transports.tcp import recv_blocks, send_blocks
+from kvrelay.vllm.connector import KvRelayConnector
 
 LAYERS, P_BLOCKS, D_BLOCKS, TRIALS = 3, 12, 9, 12
 NIXL_SETS = 3  # NIXL agents are slow to make: the first few sets only
@@ -172,6 +173,9 @@ def main() -> None:
         "cpu_layouts": [x.name for x in CPUAttentionBackend.supported_kv_cache_layouts()],
         "flash_attn_declares": FlashAttentionBackend.supported_kv_cache_layouts(),
         "flashmla_kernel_sizes": FlashMLABackend.get_supported_kernel_block_sizes(),
+        "connector_asks": {kind: KvRelayConnector.get_required_kvcache_layout(
+            SimpleNamespace(model_config=SimpleNamespace(use_mla=kind == "mla")))
+            for kind in ("full", "mla")},
         "cases": [], "failed": []}
     for case in cases():
         try:

@@ -50,6 +50,7 @@ def test_what_vllm_lays_out_and_what_kvrelay_names_it(probe: dict) -> None:
     assert probe["cpu_layouts"] == ["LBHNC"]
     assert probe["flash_attn_declares"] is None  # so vLLM's default, or the connector's
     assert probe["flashmla_kernel_sizes"] == [64]
+    assert probe["connector_asks"] == {"full": "LBHNC", "mla": None}
     cases = {c["case"]: c for c in probe["cases"]}
     cpu = cases["CPU_ATTN"]
     assert cpu["contiguous"] and cpu["name"] == "regions:3x16384"  # 4 x 32 x 64 x 2 B

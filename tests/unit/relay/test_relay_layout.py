@@ -227,3 +227,17 @@ def test_hello_refuses_another_layout_naming_both(prefill_lbhnc: str) -> None:
     with pytest.raises(RelayUnavailable) as err:
         client.open(prefill_lbhnc)
     assert "regions:2x256" in str(err.value) and theirs in str(err.value)
+
+
+def test_the_description_reads_only_shapes_and_strides() -> None:
+    """Device-agnostic: a cache on a device with no host bytes (meta, as CUDA's would
+    be) is described as the same cache in host memory is; only tcp's host view refuses."""
+    from kvrelay.relay.transports.layout import describe
+
+    host = views("LBNHC", 2, 4, 1, 2, 4, 8, torch.float16)
+    raw = torch.empty(2 * 4 * 2 * 4 * 8, dtype=torch.float16, device="meta")
+    meta = {f"model.layers.{i}.attn": torch.as_strided(raw, (2, 4, 2, 4, 8),
+                                                       (256, 64, 8, 16, 1))[i]
+            for i in range(2)}
+    placement, _ = describe(meta, 4)
+    assert placement.layout == layer_cache(host, 4).layout
