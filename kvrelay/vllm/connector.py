@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from kvrelay.relay.geometry import KvGeometry
 from kvrelay.relay.prefill import KvTransferParams
 from kvrelay.relay.remote import RemoteKv
-from kvrelay.relay.transports.layout import layer_regions
+from kvrelay.relay.transports.layout import layer_cache
 from kvrelay.vllm.api import (
     P2P_SOURCE,
     KVConnectorBase_V1,
@@ -166,6 +166,8 @@ class KvRelayConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_extra(cfg.kv_connector_extra_config)
         self.producer, self.consumer = cfg.is_kv_producer, cfg.is_kv_consumer
         self.block_size = int(vllm_config.cache_config.block_size)
+        # dim 0 of a layer's view counts kernel blocks, num_blocks * k of them
+        self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config else None
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         # scheduler side
         self._handshake: KvRelayHandshake | None = None
@@ -197,6 +199,16 @@ class KvRelayConnector(KVConnectorBase_V1):
                         "not commit (P restarted, lease expired, fence refused) becomes an "
                         "error for its client; set \"kv_load_failure_policy\": \"recompute\"")
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """LBHNC (heads outside tokens: a block of a layer one contiguous page), as
+        NixlConnector asks, so that two engines whose backends allow it agree on the
+        layout the HELLO checks; vLLM drops it with a warning where a backend cannot
+        (FlashInfer on SM100 and CPU take it; FlashAttention declares nothing). MLA:
+        none, its single head makes every layout the same bytes."""
+        mc = getattr(vllm_config, "model_config", None)
+        return None if mc is None or getattr(mc, "use_mla", False) else "LBHNC"
+
     # ==== vLLM 0.33 / 0.34 hooks ===========================================================
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
@@ -227,11 +239,12 @@ class KvRelayConnector(KVConnectorBase_V1):
 
     # ==== worker ===========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        regions, layout = layer_regions(kv_caches)
+        cache = layer_cache(kv_caches, self._num_blocks, _backend_name(self._vllm_config))
+        layout = cache.layout
         first = next(iter(kv_caches.values()))
         mc = self._vllm_config.model_config
         geometry = KvGeometry(
-            architecture=",".join(mc.architectures or ()), num_layers=len(regions),
+            architecture=",".join(mc.architectures or ()), num_layers=layout.layers,
             num_kv_heads=mc.get_num_kv_heads(self._vllm_config.parallel_config),
             head_dim=mc.get_head_size(), block_size=self.block_size,
             dtype=str(first.dtype).removeprefix("torch."), layout=layout.name)
@@ -241,11 +254,11 @@ class KvRelayConnector(KVConnectorBase_V1):
         # not on the core vLLM bound this thread to.
         if self.producer:
             self.prefill = run_on_relay_cpus(self.settings, lambda: PrefillSide(
-                self.settings, regions, layout, compat, engine_id, self._ready))
+                self.settings, cache, compat, engine_id, self._ready))
             _check_reachable(self.prefill.server.address)
         if self.consumer:
             self.decode = run_on_relay_cpus(self.settings, lambda: DecodeSide(
-                self.settings, regions, layout, compat, engine_id, self._ready))
+                self.settings, cache, compat, engine_id, self._ready))
         log.info("kvrelay: worker relay threads on CPUs %s (block layout %s, compat %s)",
                  _ranges(relay_cpus(self.settings)), layout.name, compat)
 
@@ -454,6 +467,19 @@ class KvRelayConnector(KVConnectorBase_V1):
             self._meta.give_back.append(dict(params))  # sent only to a relay D trusts
             return None
         return kv
+
+
+def _backend_name(vllm_config: Any) -> str:
+    """The attention backend's name (part of the layout HELLO checks), '' where vLLM
+    cannot tell (no attention layers registered: its own tests and kvrelay's)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+    except Exception as e:  # an older vLLM, or no layers: the layout says so
+        log.debug("kvrelay: no attention backend name (%s)", e)
+        return ""
+    return ",".join(names)
 
 
 def _check_reachable(relay: str) -> None:

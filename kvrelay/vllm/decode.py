@@ -42,15 +42,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvrelay.relay import protocol as P
 from kvrelay.relay.client import is_local
 from kvrelay.relay.port import Failure
 from kvrelay.relay.receiver import Phase, Policy
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.relay.sides import build_decode_side
-from kvrelay.relay.transports.layout import BlockLayout
+from kvrelay.relay.transports.layout import HostCache
 from kvrelay.relay.transports.tcp import HostBlocks, TcpTransport
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.vllm import faults
@@ -214,8 +212,8 @@ class VllmKvLoads:
 class DecodeSide:
     """The receiver, its relay client and tcp transport, and the thread driving them."""
 
-    def __init__(self, settings: ConnectorSettings, regions: list[np.ndarray],
-                 layout: BlockLayout, compat: str, engine_id: str,
+    def __init__(self, settings: ConnectorSettings, cache: HostCache, compat: str,
+                 engine_id: str,
                  ready: threading.Event | None = None) -> None:
         self.settings = settings
         self.loads = VllmKvLoads(ready, timing=lambda rid: self.receiver.timing(rid),
@@ -224,7 +222,7 @@ class DecodeSide:
         # kv_load_failure_policy decides between recompute and an error.
         parts = build_decode_side(
             self.loads, settings.sides(), engine_id=engine_id, compat=compat,
-            kv_cache=regions, kv_blocks=HostBlocks(regions), layout=layout.name,
+            kv_cache=cache, kv_blocks=HostBlocks(cache), layout=cache.layout.name,
             policy=Policy.RECOMPUTE, new_attempt=lambda: secrets.token_hex(8))
         self.receiver, self.transport = parts.receiver, parts.transport
         self.client = parts.clients[0]

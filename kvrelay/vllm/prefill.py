@@ -42,7 +42,7 @@ import numpy as np
 
 from kvrelay.relay import protocol as P
 from kvrelay.relay.sides import build_prefill_side
-from kvrelay.relay.transports.layout import BlockLayout
+from kvrelay.relay.transports.layout import HostCache
 from kvrelay.relay.transports.tcp import HostBlocks
 from kvrelay.vllm import faults
 from kvrelay.vllm.settings import ConnectorSettings
@@ -122,16 +122,16 @@ class HoldSpec:
 class PrefillSide:
     """Lease table + relay server, one per prefill worker."""
 
-    def __init__(self, settings: ConnectorSettings, regions: list[np.ndarray],
-                 layout: BlockLayout, compat: str, engine_id: str,
+    def __init__(self, settings: ConnectorSettings, cache: HostCache, compat: str,
+                 engine_id: str,
                  ready: threading.Event | None = None) -> None:
         self.lock = threading.Lock()
-        num_blocks = int(regions[0].shape[0])
+        num_blocks = cache.num_blocks
         self.blocks = VllmLeaseBlocks(num_blocks, ready)
         self._made_upto = 0  # the sequence number of the last hold taken (hold_all)
         parts = build_prefill_side(
             self.blocks, settings.sides(), engine_id=engine_id, compat=compat,
-            kv_cache=regions, kv_blocks=HostBlocks(regions), layout=layout.name,
+            kv_cache=cache, kv_blocks=HostBlocks(cache), layout=cache.layout.name,
             lock=self.lock)
         self.table, self.server, self.nixl = parts.table, parts.server, parts.nixl
         self.table.pending = self.pending
@@ -139,7 +139,7 @@ class PrefillSide:
         self._ended: dict[str, int] = {}  # lease ends by reason since the last stats
         self.made = 0  # leases made since the last stats
         log.info("kvrelay: relay for decode engines on %s (layout %s, compat %s)",
-                 self.server.address, layout.name, compat)
+                 self.server.address, cache.layout.name, compat)
 
     @property
     def engine_id(self) -> str:

@@ -4,16 +4,19 @@ NIXL (NVIDIA's inference transfer library, over UCX) moves bytes between registe
 memory regions with one-sided READs; UCX picks the wire (shm/cma on one host, tcp or
 RDMA across hosts; ``UCX_TLS`` narrows it). Both sides register their whole KV cache
 once (DRAM, or VRAM when the cache is on a GPU): kvrelay's block-major cache as one
-region, vLLM's layer-major cache (``regions:<n>x<bytes>``, layout.py) as its layers'
-views, merged where they touch (one storage: one registration).
+region, vLLM's (a described layout, layout.py) as the buffers its layers view, merged
+where they touch (one storage: one registration).
 
 P side: ``register(kv_cache)`` creates the agent, registers the cache and returns the
 descriptor D receives in the HELLO reply: the agent's metadata (its UCX address and
-the memory keys of the registered region), the region's address and the block size.
+the memory keys of the registered region), the region's address and the block size,
+and the cache's placement (layout.KvPlacement: where each layer's blocks lie).
 
 D side: ``read`` loads P's agent metadata once per P (a restarted P has a new agent
-name), groups the lease's (remote, local) block pairs into runs of consecutive ids on
-both sides and posts **one** READ with one descriptor per run; ``poll`` asks NIXL.
+name), cuts P's ranges of the lease's blocks and its own (in the layout's stream
+order) at each other's boundaries and posts **one** READ with one descriptor per piece:
+one per run of consecutive ids on both sides where a run is contiguous; ``poll`` asks
+NIXL.
 Descriptor count is what costs in NIXL (vLLM's per-layer, per-block descriptors were
 its main overhead): a block-major cache makes a block one contiguous piece across all
 layers, and a run of blocks one piece; a layer-major cache makes a run one piece per
@@ -62,8 +65,8 @@ from kvrelay.relay.transports.base import (
     TransferState,
     TransferStatus,
     injected_delay,
-    runs,
 )
+from kvrelay.relay.transports.layout import HostCache, KvLayout, KvPlacement, describe
 
 log = logging.getLogger(__name__)
 
@@ -110,55 +113,103 @@ def available() -> bool:
 
 @dataclass(frozen=True)
 class Regions:
-    """Where KV block ``b`` lives (transports/layout.py): one piece of ``piece_bytes`` at
-    ``addr + b * piece_bytes`` in each region. A block-major cache is one region whose
-    piece is the whole block; vLLM's layer-major cache is one region per layer."""
+    """Where this side's KV blocks lie (``placement``, transports/layout.py), and the
+    device. A block-major cache is described as one layer whose block is one piece."""
 
-    addrs: tuple[int, ...]
-    num_blocks: int
-    piece_bytes: int
+    placement: KvPlacement
     dev: int
     mem: str  # NIXL memory type: DRAM or VRAM
 
     @property
+    def num_blocks(self) -> int:
+        return self.placement.num_blocks
+
+    @property
+    def piece_bytes(self) -> int:
+        return self.placement.layout.piece_bytes
+
+    @property
     def block_bytes(self) -> int:
-        return self.piece_bytes * len(self.addrs)
+        return self.placement.layout.block_bytes
+
+    @property
+    def addrs(self) -> list[int]:
+        """Each layer's block 0 (what a descriptor named before placements)."""
+        bufs = self.placement.buffers
+        return [bufs[b][0] + off for b, off in self.placement.bases]
 
     def spans(self) -> list[tuple[int, int]]:
-        """(address, bytes) to register: regions that touch are merged (vLLM's layers
-        are views of one storage: one registration, not one per layer)."""
-        size = self.num_blocks * self.piece_bytes
+        """(address, bytes) to register: the buffers, merged where they touch or
+        overlap (vLLM's layers are views of one storage: one registration)."""
         out: list[tuple[int, int]] = []
-        for a in sorted(self.addrs):
-            if out and out[-1][0] + out[-1][1] == a:
-                out[-1] = (out[-1][0], out[-1][1] + size)
-            elif not (out and out[-1][0] <= a < out[-1][0] + out[-1][1]):
-                out.append((a, size))
+        for a, n in sorted(self.placement.buffers):
+            if out and a <= out[-1][0] + out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], a + n - out[-1][0]))
+            else:
+                out.append((a, n))
         return out
+
+    def rows(self, placement: KvPlacement, block_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(address, bytes) of ``block_ids`` under ``placement`` (this side's or the
+        peer's), in stream order."""
+        bufs = placement.buffers
+        return [(bufs[b][0] + off, n) for b, off, n in placement.ranges(block_ids)]
 
 
 def regions_of(kv_cache: Any) -> Regions:
-    """The regions of a block-major contiguous torch KV cache, or of a layout's region
-    views (a sequence of (num_blocks, piece_bytes) uint8 numpy arrays in host memory,
-    as layout.layer_regions cuts vLLM's cache)."""
+    """The regions of a block-major contiguous torch KV cache (any device), or of a
+    described host cache (layout.HostCache, as layout.layer_cache cuts vLLM's)."""
     import torch
 
-    if isinstance(kv_cache, torch.Tensor):
-        if not kv_cache.is_contiguous():
-            raise TypeError("the nixl transport needs a contiguous block-major KV cache")
-        nbytes = kv_cache.numel() * kv_cache.element_size()
-        dev = kv_cache.get_device()
-        return Regions((kv_cache.data_ptr(),), int(kv_cache.shape[0]),
-                       nbytes // kv_cache.shape[0], max(dev, 0),
-                       "VRAM" if dev >= 0 else "DRAM")
-    views = list(kv_cache)
-    if not views or any(not isinstance(v, np.ndarray) or v.ndim != 2 or v.dtype != np.uint8
-                        or not v.flags.c_contiguous or v.shape != views[0].shape
-                        for v in views):
-        raise TypeError("the nixl transport needs a KV cache tensor or equal contiguous "
-                        "(num_blocks, piece_bytes) uint8 region views")
-    return Regions(tuple(int(v.ctypes.data) for v in views), int(views[0].shape[0]),
-                   int(views[0].shape[1]), 0, "DRAM")
+    if isinstance(kv_cache, HostCache):
+        return Regions(kv_cache.placement, 0, "DRAM")
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError("the nixl transport needs a KV cache tensor or a described cache "
+                        "(layout.layer_cache)")
+    if not kv_cache.is_contiguous():
+        raise TypeError("the nixl transport needs a contiguous block-major KV cache")
+    blocks = kv_cache.view(torch.uint8).reshape(kv_cache.shape[0], 1, 1, -1)
+    placement, _ = describe({"kv_cache": blocks})
+    dev = kv_cache.get_device()
+    return Regions(placement, max(dev, 0), "VRAM" if dev >= 0 else "DRAM")
+
+
+def pair_rows(local: list[tuple[int, int]], remote: list[tuple[int, int]]
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Cut two lists of (address, bytes) covering the same stream at each other's
+    boundaries: row ``i`` of the first receives row ``i`` of the second."""
+    lo: list[tuple[int, int]] = []
+    ro: list[tuple[int, int]] = []
+    i = j = li = rj = 0
+    while i < len(local) and j < len(remote):
+        n = min(local[i][1] - li, remote[j][1] - rj)
+        lo.append((local[i][0] + li, n))
+        ro.append((remote[j][0] + rj, n))
+        li, rj = li + n, rj + n
+        if li == local[i][1]:
+            i, li = i + 1, 0
+        if rj == remote[j][1]:
+            j, rj = j + 1, 0
+    if i < len(local) or j < len(remote):
+        raise ValueError("the prefill engine's blocks and these differ in size")
+    return np.asarray(lo, dtype=np.uint64).reshape(-1, 2), np.asarray(
+        ro, dtype=np.uint64).reshape(-1, 2)
+
+
+def legacy_placement(local: KvPlacement, regions: Sequence[int], num_blocks: int,
+                     piece: int) -> KvPlacement:
+    """A peer's placement from a descriptor without one (kvrelay before layouts as
+    descriptions): block ``b`` at ``region + b * piece`` in each region, which is this
+    side's stream only where each layer's block is one piece here too."""
+    lay = local.layout
+    if not (lay.contiguous and lay.kernel_blocks == 1) or (len(regions), piece) != (
+            lay.layers, lay.piece_bytes):
+        raise ValueError(f"the prefill engine cuts a block into {len(regions)} pieces "
+                         f"of {piece} bytes, this engine {lay.layers} of {lay.piece_bytes}")
+    flat = KvLayout("LBC" if len(regions) > 1 else "BC", len(regions), 1, 1, 1, piece, 1)
+    return KvPlacement(flat, num_blocks, tuple((int(a), num_blocks * piece) for a in regions),
+                       tuple((i, 0) for i in range(len(regions))),
+                       (0, piece, 1) if len(regions) > 1 else (piece, 1))
 
 
 class NixlAgent:
@@ -327,11 +378,13 @@ class NixlTransport:
         r = (self.local if self.local is not None and kv_cache is self.kv_cache
              else self._register(kv_cache))
         assert self.agent is not None
+        # regions/piece_bytes: for a D from before placements (legacy_placement).
         return {"agent": self.agent.name, "metadata": self.agent.metadata(),
                 "addr": r.addrs[0], "nbytes": r.num_blocks * r.piece_bytes,
-                "regions": list(r.addrs), "num_blocks": r.num_blocks,
+                "regions": r.addrs, "num_blocks": r.num_blocks,
                 "piece_bytes": r.piece_bytes, "dev": r.dev, "mem": r.mem,
-                "block_bytes": r.block_bytes}
+                "block_bytes": r.block_bytes, "layout": r.placement.layout.name,
+                "placement": r.placement.to_wire()}
 
     # -- D side ------------------------------------------------------------------
     def read(self, peer: PeerInfo, lease_id: str, holder: str, remote_blocks: Sequence[int],
@@ -421,28 +474,27 @@ class NixlTransport:
         if int(d["block_bytes"]) != loc.block_bytes:
             raise ValueError(f"block of {d['block_bytes']} bytes on the prefill engine, "
                              f"{loc.block_bytes} here")
-        raddrs = [int(a) for a in d["regions"]]
-        if (len(raddrs), int(d["piece_bytes"])) != (len(loc.addrs), loc.piece_bytes):
-            raise ValueError(f"the prefill engine cuts a block into {len(raddrs)} pieces "
-                             f"of {d['piece_bytes']} bytes, this engine {len(loc.addrs)} "
-                             f"of {loc.piece_bytes}")
         if len(remote_blocks) != len(local_blocks):
             raise ValueError("remote and local block counts differ")
         if any(not 0 <= b < int(d["num_blocks"]) for b in remote_blocks) or any(
                 not 0 <= b < loc.num_blocks for b in local_blocks):
             raise ValueError("block id outside the KV cache")
+        if "placement" in d:
+            if d.get("layout") != loc.placement.layout.name:
+                raise ValueError(f"the prefill engine's layout is {d.get('layout')}, this "
+                                 f"engine's {loc.placement.layout.name}")
+            theirs = loc.placement.remote(d["placement"])
+        else:
+            theirs = legacy_placement(loc.placement, [int(a) for a in d["regions"]],
+                                      int(d["num_blocks"]), int(d["piece_bytes"]))
         agent = self._remote_agent(peer.relay, str(d["agent"]), bytes(d["metadata"]))
-        # One descriptor per run of consecutive ids on both sides, per region.
-        plan = np.asarray(runs(list(remote_blocks), list(local_blocks)), dtype=np.uint64)
-        n, piece = len(plan) * len(raddrs), np.uint64(loc.piece_bytes)
-        local = np.empty((n, 3), dtype=np.uint64)
-        remote = np.empty((n, 3), dtype=np.uint64)
-        for i, (ra, la) in enumerate(zip(raddrs, loc.addrs, strict=True)):
-            rows = slice(i * len(plan), (i + 1) * len(plan))
-            if len(plan):
-                local[rows, 0] = np.uint64(la) + plan[:, 1] * piece
-                remote[rows, 0] = np.uint64(ra) + plan[:, 0] * piece
-                local[rows, 1] = remote[rows, 1] = plan[:, 2] * piece
+        # One descriptor per contiguous range on both sides (a run of consecutive ids
+        # per layer for vLLM's LBHNC), never one per layer and block where runs touch.
+        lrows, rrows = pair_rows(loc.rows(loc.placement, list(local_blocks)),
+                                 loc.rows(theirs, list(remote_blocks)))
+        local = np.empty((len(lrows), 3), dtype=np.uint64)
+        remote = np.empty((len(rrows), 3), dtype=np.uint64)
+        local[:, :2], remote[:, :2] = lrows, rrows
         local[:, 2], remote[:, 2] = loc.dev, int(d["dev"])
         return agent, str(d["mem"]), local, remote, len(local_blocks) * loc.block_bytes
 

@@ -41,6 +41,7 @@ from kvrelay.relay.transports.base import (
     on_device,
     runs,
 )
+from kvrelay.relay.transports.layout import HostCache
 from kvrelay.relay.transports.staging import StagedBlocks
 
 log = logging.getLogger(__name__)
@@ -48,19 +49,18 @@ log = logging.getLogger(__name__)
 IOV_BATCH = 64  # buffers per sendmsg/recvmsg_into (IOV_MAX is 1024)
 
 
-Regions: TypeAlias = np.ndarray | Sequence[np.ndarray]
+# A block-major cache's (num_blocks, block_bytes) byte view, or a described cache.
+Regions: TypeAlias = np.ndarray | HostCache
 
 
 def _views(kv_bytes: Regions, block_ids: Sequence[int]) -> list[memoryview]:
-    """One flat memoryview per run of consecutive blocks per region (no copies).
-
-    ``kv_bytes``: one (num_blocks, piece_bytes) uint8 view per region of the layout
-    (transports/layout.py), or one view for a block-major cache. The stream is region
-    by region, block by block within a region: each side groups its own runs."""
-    regions = [kv_bytes] if isinstance(kv_bytes, np.ndarray) else kv_bytes
-    spans = runs(block_ids, block_ids)
-    return [memoryview(r[start : start + n].reshape(-1).data).cast("B")
-            for r in regions for start, _, n in spans]
+    """One flat memoryview per contiguous range of the blocks, in stream order (no
+    copies): per run of consecutive ids for a block-major cache; as the layout cuts
+    them for a described one (layout.py). Each side groups its own runs."""
+    if isinstance(kv_bytes, HostCache):
+        return kv_bytes.views(block_ids)
+    return [memoryview(kv_bytes[start : start + n].reshape(-1).data).cast("B")
+            for start, _, n in runs(block_ids, block_ids)]
 
 
 def _advance(bufs: list[memoryview], i: int, n: int) -> int:
@@ -110,12 +110,12 @@ def recv_blocks(
 
 class HostBlocks:
     """A cache in host memory: the socket reads and writes the blocks' own bytes
-    (one view, block-major; or one view per region, layout.py)."""
+    (one view, block-major; or a described cache, layout.py)."""
 
     def __init__(self, kv_bytes: Regions) -> None:
         self.kv_bytes = kv_bytes
-        regions = [kv_bytes] if isinstance(kv_bytes, np.ndarray) else kv_bytes
-        self.block_bytes = sum(int(r.shape[1]) for r in regions)
+        self.block_bytes = (kv_bytes.layout.block_bytes if isinstance(kv_bytes, HostCache)
+                            else int(kv_bytes.shape[1]))
 
     def send(self, sock: socket.socket, block_ids: Sequence[int],
              deadline: float | None = None) -> None:

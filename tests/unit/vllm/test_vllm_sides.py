@@ -19,7 +19,7 @@ from kvrelay.relay.prefill import KvTransferParams
 from kvrelay.relay.receiver import Phase
 from kvrelay.relay.transports import nixl
 from kvrelay.relay.transports.base import TransferState
-from kvrelay.relay.transports.layout import BlockLayout, layer_regions
+from kvrelay.relay.transports.layout import layer_cache
 from kvrelay.vllm import faults
 from kvrelay.vllm.decode import DecodeSide, LoadSpec, VllmKvLoads, trusts
 from kvrelay.vllm.prefill import HoldSpec, PrefillSide, VllmLeaseBlocks, prompt_digest
@@ -57,10 +57,8 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Any, .
             lease_timeout=d_lease_timeout or lease_timeout,
             lease_max=max(lease_max, d_lease_timeout or 0), kv_transport=transport, **extra)
         p_cache, d_cache = vllm_like_cache(True), vllm_like_cache(False)
-        p_regions, layout = layer_regions(p_cache)
-        d_regions, _ = layer_regions(d_cache)
-        p = PrefillSide(settings, p_regions, layout, "c0", "P1")
-        d = DecodeSide(d_settings, d_regions, layout, "c0", "D1")
+        p = PrefillSide(settings, layer_cache(p_cache), "c0", "P1")
+        d = DecodeSide(d_settings, layer_cache(d_cache), "c0", "D1")
         made.extend([p, d])
         return p, d, p_cache, d_cache
 
@@ -105,13 +103,10 @@ def finished(d: DecodeSide, got: dict[str, bool]) -> Callable[[], bool]:
     return check
 
 
-def test_layout_names_round_trip() -> None:
-    _, layout = layer_regions(vllm_like_cache(False))
-    assert layout == BlockLayout(LAYERS, HEADS * BS * 2 * HEAD * 4)
-    assert BlockLayout.parse(layout.name) == layout
-    assert BlockLayout.parse("block_major").name == "block_major"
-    with pytest.raises(ValueError, match="regions:<count>x<piece bytes>"):
-        BlockLayout.parse("regions:3")
+def test_vllm_cpu_cache_keeps_its_regions_name() -> None:
+    layout = layer_cache(vllm_like_cache(False)).layout
+    assert layout.name == f"regions:{LAYERS}x{HEADS * BS * 2 * HEAD * 4}"
+    assert layout.order == "LBHNC"
 
 
 needs_nixl = pytest.mark.skipif(not nixl.available(), reason=nixl.INSTALL_HINT)

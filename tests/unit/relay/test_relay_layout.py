@@ -1,0 +1,243 @@
+"""Layouts as descriptions (transports/layout.py): per-layer ``[B, H, N, C]`` views in
+each of vLLM's stride orders, with kernel-block splits, MLA's single latent head,
+padded pages and per-layer allocations, moved P -> D over tcp and nixl and compared
+byte for byte (the oracle is torch's own indexing of the views, not the ranges under
+test); the names and compat hashes HELLO compares; what is refused, and how.
+
+vLLM's own allocation of these views is checked against the same code in
+tests/vllm/test_vllm_layouts.py."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvrelay.relay.client import RelayUnavailable
+from kvrelay.relay.geometry import KvGeometry
+from kvrelay.relay.transports import nixl
+from kvrelay.relay.transports.base import PeerInfo, TransferState
+from kvrelay.relay.transports.layout import HostCache, layer_cache
+from kvrelay.relay.transports.tcp import recv_blocks, send_blocks
+
+# vLLM's KVCacheLayout (vllm/v1/kv_cache_layout.py, identical in 0.32 and 0.34): the
+# physical order of the logical [L, B, H, N, C] dims, outermost first.
+ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+          "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def views(order: str, layers: int, blocks: int, k: int, heads: int, tokens: int,
+          content: int, dtype: torch.dtype, pad: int = 0, apart: bool = False,
+          fill: bool = False) -> dict[str, torch.Tensor]:
+    """Per-layer views of one buffer in ``order`` (``pad`` spare elements after each
+    kernel block, as vLLM pads pages), or of one buffer each (``apart``)."""
+    shape = (1 if apart else layers, blocks * k, heads, tokens, content)
+    strides = [0] * 5
+    cur = 1
+    for dim in reversed(ORDERS[order]):
+        strides[dim] = cur + (pad if dim == 1 else 0)
+        cur = strides[dim] * shape[dim]
+    raws = [torch.zeros(cur, dtype=dtype) for _ in range(layers if apart else 1)]
+    if fill:
+        for raw in raws:
+            raw.view(torch.int16 if dtype != torch.float32 else torch.int32).random_()
+    return {f"model.layers.{i}.attn": torch.as_strided(raws[i], shape, strides)[0]
+            if apart else torch.as_strided(raws[0], shape, strides)[i] for i in range(layers)}
+
+
+def block(v: torch.Tensor, b: int, k: int) -> torch.Tensor:
+    return v[b * k:(b + 1) * k].view(torch.uint8)
+
+
+def assert_moved(p: dict[str, torch.Tensor], d: dict[str, torch.Tensor], remote: list[int],
+                 local: list[int], k: int) -> None:
+    """Every byte of D's ``local[i]`` is P's ``remote[i]``; D holds nothing else."""
+    for name in p:
+        for r, lb in zip(remote, local, strict=True):
+            assert torch.equal(block(d[name], lb, k), block(p[name], r, k)), (name, r, lb)
+    for name in d:
+        for lb in local:
+            d[name][lb * k:(lb + 1) * k].zero_()
+    for v in d.values():
+        assert not v.view(torch.uint8).any(), "bytes outside the blocks read were written"
+
+
+def tcp_move(p: HostCache, d: HostCache, remote: list[int], local: list[int]) -> None:
+    a, b = socket.socketpair()
+    try:
+        sender = threading.Thread(target=send_blocks, args=(a, p, remote))
+        sender.start()
+        recv_blocks(b, d, local, threading.Event())
+        sender.join()
+    finally:
+        a.close()
+        b.close()
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict:
+    order = draw(st.sampled_from(sorted(ORDERS)))
+    mla = draw(st.booleans())
+    c = dict(order=order, layers=draw(st.integers(1, 3)), k=draw(st.sampled_from([1, 2, 4])),
+             heads=1 if mla else draw(st.integers(1, 3)), tokens=draw(st.sampled_from([1, 2, 4])),
+             content=draw(st.sampled_from([1, 3, 8])), dtype=draw(st.sampled_from(DTYPES)),
+             pad=draw(st.sampled_from([0, 0, 2])), apart=draw(st.booleans()) and order[0] == "L")
+    p_blocks, d_blocks = draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    n = draw(st.integers(0, min(p_blocks, d_blocks)))
+    c["remote"] = draw(st.permutations(range(p_blocks)))[:n]
+    local = list(range(d_blocks)) if draw(st.booleans()) else draw(
+        st.permutations(range(d_blocks)))
+    c["local"] = local[:n]
+    c["blocks"] = (p_blocks, d_blocks)
+    return c
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_any_stride_order_moves_byte_for_byte_over_tcp(c: dict) -> None:
+    shape = {x: c[x] for x in ("order", "layers", "k", "heads", "tokens", "content",
+                               "dtype", "pad", "apart")}
+    p = views(blocks=c["blocks"][0], fill=True, **shape)
+    d = views(blocks=c["blocks"][1], **shape)
+    pc, dc = layer_cache(p, c["blocks"][0]), layer_cache(d, c["blocks"][1])
+    assert pc.layout.name == dc.layout.name  # what HELLO compares
+    tcp_move(pc, dc, c["remote"], c["local"])
+    assert_moved(p, d, c["remote"], c["local"], c["k"])
+
+
+NIXL_CASES = [("LBHNC", 1, 2), ("LBNHC", 1, 2), ("LBNHC", 2, 2), ("LHBNC", 1, 2),
+              ("BLHNC", 1, 2), ("BLNHC", 1, 2), ("BHLNC", 1, 2), ("LBNHC", 2, 1)]
+
+
+@pytest.mark.skipif(not nixl.available(), reason=nixl.INSTALL_HINT)
+@pytest.mark.parametrize(("order", "k", "heads"), NIXL_CASES)
+def test_any_stride_order_moves_byte_for_byte_over_nixl(order: str, k: int,
+                                                        heads: int) -> None:
+    shape = dict(order=order, layers=3, k=k, heads=heads, tokens=2, content=8,
+                 dtype=torch.bfloat16)
+    p, d = views(blocks=10, fill=True, **shape), views(blocks=7, **shape)
+    pc, dc = layer_cache(p, 10), layer_cache(d, 7)
+    src, dst = nixl.NixlTransport(), nixl.NixlTransport(dc)
+    try:
+        desc = msgspec.msgpack.decode(msgspec.msgpack.encode(src.register(pc)))
+        remote, local = [4, 5, 6, 0, 9, 2], [1, 2, 3, 6, 0, 5]  # runs differ on each side
+        h = dst.read(PeerInfo("p:1", "p", desc), "L", "d", remote, local)
+        end = time.monotonic() + 10
+        while (status := dst.poll(h)).state is TransferState.PENDING:
+            assert time.monotonic() < end, "the nixl read did not finish"
+        assert status.state is TransferState.DONE, status.error
+        assert_moved(p, d, remote, local, k)
+    finally:
+        dst.close()
+        src.close()
+
+
+@pytest.mark.parametrize(("order", "per_run"), [
+    ("LBHNC", 3), ("LBNHC", 3),  # a block of a layer is one page: one range per layer
+    ("LHBNC", 3 * 2),  # heads outside blocks: one per layer and head
+    ("BLHNC", 1), ("BLNHC", 1),  # a run of blocks is one piece across all layers
+    ("BHLNC", 1)])
+def test_runs_of_blocks_coalesce_into_one_range_per_contiguous_span(order: str,
+                                                                   per_run: int) -> None:
+    cache = layer_cache(views(order, 3, 8, 1, 2, 4, 8, torch.float16), 8)
+    assert len(cache.placement.ranges([2, 3, 4, 5])) == per_run
+    assert len(cache.placement.ranges([2, 4])) == 2 * per_run
+    padded = layer_cache(views(order, 3, 8, 1, 2, 4, 8, torch.float16, pad=8), 8)
+    assert len(padded.placement.ranges([2, 3, 4, 5])) >= 4 * min(per_run, 3)
+
+
+def test_todays_cpu_layout_keeps_its_name_and_compat_hash() -> None:
+    """A rolling upgrade keeps pulling: vLLM-CPU's cache (contiguous LBHNC, kernel block
+    == manager block) hashes as before layouts were descriptions. The value is what the
+    code before this change computed for this geometry (commit a4710fa)."""
+    storage = torch.zeros(3, 16, 2, 4, 16)
+    cache = layer_cache({f"model.layers.{i}.self_attn.attn": storage[i] for i in range(3)},
+                        16, "CPU_ATTN")
+    assert cache.layout.name == "regions:3x512"
+    g = KvGeometry(architecture="Qwen2ForCausalLM", num_layers=3, num_kv_heads=2,
+                   head_dim=8, block_size=4, dtype="float32", layout=cache.layout.name)
+    assert g.compat_hash("vllm:Qwen/Qwen2.5-0.5B-Instruct") == "932cbe7c08b63954"
+
+
+def test_what_the_description_covers_changes_the_name() -> None:
+    base = dict(order="LBHNC", layers=2, blocks=4, k=1, heads=2, tokens=4, content=8,
+                dtype=torch.float16)
+    names = {
+        layer_cache(views(**{**base, **change}), 4, backend).layout.name
+        for change, backend in [({}, ""), ({"order": "LBNHC"}, ""), ({"k": 2}, ""),
+                                ({"order": "LBNHC", "dtype": torch.float32,
+                                  "content": 4}, ""),
+                                ({}, "FLASHINFER"), ({"order": "BLHNC"}, "")]}
+    assert len(names) == 6  # (regions: names bytes; KvGeometry hashes the dtype)
+    # what is each side's own is not part of it: padding, allocation, block count
+    same = {layer_cache(views(**{**base, **change}), change.get("blocks", 4)).layout.name
+            for change in [{"order": "LBNHC"}, {"order": "LBNHC", "pad": 4},
+                           {"order": "LBNHC", "apart": True},
+                           {"order": "LBNHC", "blocks": 9}]}
+    assert len(same) == 1, same
+    # MLA: one head, so LBHNC and LBNHC are the same bytes and the same name
+    mla = {layer_cache(views(**{**base, "heads": 1, "order": o, "k": 2}), 4,
+                       "FLASHMLA").layout.name for o in ("LBHNC", "LBNHC")}
+    assert len(mla) == 1 and ":LBKNC:" in mla.pop()
+
+
+def test_a_layout_the_transport_cannot_move_is_refused_by_name() -> None:
+    v = views("LBHNC", 2, 4, 1, 2, 4, 8, torch.float32)
+    overlapping = {n: torch.as_strided(t, t.shape, (t.stride(0), 0, *t.stride()[2:]))
+                   for n, t in v.items()}
+    with pytest.raises(ValueError, match=r"KV layer model.layers.0.attn: .* overlap in dim H"):
+        layer_cache(overlapping)
+    with pytest.raises(ValueError, match=r"KV layer model.layers.1.attn: .* differs from"):
+        layer_cache({**v, "model.layers.1.attn": v["model.layers.1.attn"][:, :1]})
+    with pytest.raises(ValueError, match="4 kernel blocks do not cut into 3 manager"):
+        layer_cache(v, 3)
+    meta = {"model.layers.0.attn": torch.empty(4, 2, 4, 8, device="meta")}
+    with pytest.raises(ValueError, match=r"model.layers.0.attn: .*host memory, got meta"):
+        layer_cache(meta)
+    with pytest.raises(ValueError, match="no KV layers"):
+        layer_cache({})
+
+
+@pytest.fixture
+def prefill_lbhnc() -> Iterator[str]:
+    from kvrelay.vllm.prefill import PrefillSide
+    from kvrelay.vllm.settings import ConnectorSettings
+
+    cache = layer_cache(views("LBHNC", 2, 4, 1, 2, 4, 8, torch.float32), 4)
+    p = PrefillSide(ConnectorSettings(), cache, "c0", "P1")
+    try:
+        yield p.server.address
+    finally:
+        p.close()
+
+
+def test_hello_refuses_another_layout_naming_both(prefill_lbhnc: str) -> None:
+    from kvrelay.relay.client import RelayClient
+
+    theirs = layer_cache(views("LBNHC", 2, 4, 1, 2, 4, 8, torch.float32), 4).layout.name
+    client = RelayClient(compat="c0", layout=theirs, transport="tcp", client_id="d")
+    with pytest.raises(RelayUnavailable) as err:
+        client.open(prefill_lbhnc)
+    assert "regions:2x256" in str(err.value) and theirs in str(err.value)
+
+
+def test_the_description_reads_only_shapes_and_strides() -> None:
+    """Device-agnostic: a cache on a device with no host bytes (meta, as CUDA's would
+    be) is described as the same cache in host memory is; only tcp's host view refuses."""
+    from kvrelay.relay.transports.layout import describe
+
+    host = views("LBNHC", 2, 4, 1, 2, 4, 8, torch.float16)
+    raw = torch.empty(2 * 4 * 2 * 4 * 8, dtype=torch.float16, device="meta")
+    meta = {f"model.layers.{i}.attn": torch.as_strided(raw, (2, 4, 2, 4, 8),
+                                                       (256, 64, 8, 16, 1))[i]
+            for i in range(2)}
+    placement, _ = describe(meta, 4)
+    assert placement.layout == layer_cache(host, 4).layout
