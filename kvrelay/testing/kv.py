@@ -12,13 +12,21 @@ prompt's KV from a prefill engine proves the bytes arrived before its first toke
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from collections.abc import Mapping
 
+import msgspec
 import torch
 
 from kvrelay.core.block_pool import BlockPool
 from kvrelay.core.runner import Batch, SampledToken
 from kvrelay.relay.geometry import KvGeometry
+from kvrelay.relay.transports import nixl
+from kvrelay.relay.transports.base import PeerInfo, TransferState
+from kvrelay.relay.transports.layout import HostCache
+from kvrelay.relay.transports.tcp import recv_blocks, send_blocks
 from kvrelay.testing.fake_runner import FakeRunner, KvCorruption
 
 TINY_GEOMETRY = KvGeometry(
@@ -99,3 +107,34 @@ def drive_decode(engine: object, receiver: object, replies: object, now: float) 
             break
     receiver.tick(now)
     return engine.step()
+
+
+def move_over_tcp(p: HostCache, d: HostCache, remote: list[int], local: list[int]) -> None:
+    """P's blocks ``remote`` into D's ``local`` through the tcp transport's own stream
+    code, over a socket pair (layout tests: each side's placement, byte for byte)."""
+    a, b = socket.socketpair()
+    try:
+        sender = threading.Thread(target=send_blocks, args=(a, p, remote))
+        sender.start()
+        recv_blocks(b, d, local, threading.Event())
+        sender.join()
+    finally:
+        a.close()
+        b.close()
+
+
+def move_over_nixl(p: HostCache, d: HostCache, remote: list[int], local: list[int],
+                   timeout: float = 10.0) -> None:
+    """The same through NIXL: P's registration descriptor as the HELLO carries it
+    (msgpack), one READ by D, waited for ``timeout`` seconds at most."""
+    src, dst = nixl.NixlTransport(), nixl.NixlTransport(d)
+    try:
+        desc = msgspec.msgpack.decode(msgspec.msgpack.encode(src.register(p)))
+        h = dst.read(PeerInfo("p:1", "p", desc), "L", "d", remote, local)
+        end = time.monotonic() + timeout
+        while (status := dst.poll(h)).state is TransferState.PENDING:
+            assert time.monotonic() < end, "the nixl read did not finish"
+        assert status.state is TransferState.DONE, status.error
+    finally:
+        dst.close()
+        src.close()

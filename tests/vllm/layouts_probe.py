@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
-import threading
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,9 +32,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache, select_common_block_size
 
 from kvrelay.relay.transports import nixl
-from kvrelay.relay.transports.base import PeerInfo, TransferState
 from kvrelay.relay.transports.layout import HostCache, layer_cache
-from kvrelay.relay.transports.tcp import recv_blocks, send_blocks
+from kvrelay.testing.kv import move_over_nixl, move_over_tcp
 from kvrelay.vllm.connector import KvRelayConnector
 
 LAYERS, P_BLOCKS, D_BLOCKS, TRIALS = 3, 12, 9, 12
@@ -94,31 +90,6 @@ def vllm_cache(spec: Any, layout: KVCacheLayout, backend: Any, num_blocks: int
     return caches, kernel
 
 
-def tcp_move(p: HostCache, d: HostCache, remote: list[int], local: list[int]) -> None:
-    a, b = socket.socketpair()
-    try:
-        t = threading.Thread(target=send_blocks, args=(a, p, remote))
-        t.start()
-        recv_blocks(b, d, local, threading.Event())
-        t.join()
-    finally:
-        a.close()
-        b.close()
-
-
-def nixl_move(p: HostCache, d: HostCache, remote: list[int], local: list[int]) -> None:
-    src, dst = nixl.NixlTransport(), nixl.NixlTransport(d)
-    try:
-        h = dst.read(PeerInfo("p:1", "p", src.register(p)), "L", "d", remote, local)
-        end = time.monotonic() + 20
-        while (st := dst.poll(h)).state is TransferState.PENDING:
-            assert time.monotonic() < end, "the nixl read did not finish"
-        assert st.state is TransferState.DONE, st.error
-    finally:
-        dst.close()
-        src.close()
-
-
 def check(p: dict[str, torch.Tensor], d: dict[str, torch.Tensor], remote: list[int],
           local: list[int], d_cache: HostCache) -> None:
     for name in p:
@@ -156,7 +127,10 @@ def run_case(case: str, spec: Any, layout: KVCacheLayout, backend: Any, name: st
             d, _ = vllm_cache(spec, layout, backend, D_BLOCKS)
             dc = layer_cache(d, D_BLOCKS, name)
             assert dc.layout.name == pc.layout.name
-            (tcp_move if transport == "tcp" else nixl_move)(pc, dc, remote, local)
+            if transport == "tcp":
+                move_over_tcp(pc, dc, remote, local)
+            else:
+                move_over_nixl(pc, dc, remote, local, timeout=20)
             check(p, d, remote, local, dc)
             moved[transport] += 1
     first = next(iter(p.values()))

@@ -9,12 +9,8 @@ tests/vllm/test_vllm_layouts.py."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
-import msgspec
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -23,9 +19,8 @@ from hypothesis import strategies as st
 from kvrelay.relay.client import RelayUnavailable
 from kvrelay.relay.geometry import KvGeometry
 from kvrelay.relay.transports import nixl
-from kvrelay.relay.transports.base import PeerInfo, TransferState
-from kvrelay.relay.transports.layout import HostCache, layer_cache
-from kvrelay.relay.transports.tcp import recv_blocks, send_blocks
+from kvrelay.relay.transports.layout import layer_cache
+from kvrelay.testing.kv import move_over_nixl, move_over_tcp
 
 # vLLM's KVCacheLayout (vllm/v1/kv_cache_layout.py, identical in 0.32 and 0.34): the
 # physical order of the logical [L, B, H, N, C] dims, outermost first.
@@ -70,18 +65,6 @@ def assert_moved(p: dict[str, torch.Tensor], d: dict[str, torch.Tensor], remote:
         assert not v.view(torch.uint8).any(), "bytes outside the blocks read were written"
 
 
-def tcp_move(p: HostCache, d: HostCache, remote: list[int], local: list[int]) -> None:
-    a, b = socket.socketpair()
-    try:
-        sender = threading.Thread(target=send_blocks, args=(a, p, remote))
-        sender.start()
-        recv_blocks(b, d, local, threading.Event())
-        sender.join()
-    finally:
-        a.close()
-        b.close()
-
-
 @st.composite
 def cases(draw: st.DrawFn) -> dict:
     order = draw(st.sampled_from(sorted(ORDERS)))
@@ -109,7 +92,7 @@ def test_any_stride_order_moves_byte_for_byte_over_tcp(c: dict) -> None:
     d = views(blocks=c["blocks"][1], **shape)
     pc, dc = layer_cache(p, c["blocks"][0]), layer_cache(d, c["blocks"][1])
     assert pc.layout.name == dc.layout.name  # what HELLO compares
-    tcp_move(pc, dc, c["remote"], c["local"])
+    move_over_tcp(pc, dc, c["remote"], c["local"])
     assert_moved(p, d, c["remote"], c["local"], c["k"])
 
 
@@ -125,19 +108,9 @@ def test_any_stride_order_moves_byte_for_byte_over_nixl(order: str, k: int,
                  dtype=torch.bfloat16)
     p, d = views(blocks=10, fill=True, **shape), views(blocks=7, **shape)
     pc, dc = layer_cache(p, 10), layer_cache(d, 7)
-    src, dst = nixl.NixlTransport(), nixl.NixlTransport(dc)
-    try:
-        desc = msgspec.msgpack.decode(msgspec.msgpack.encode(src.register(pc)))
-        remote, local = [4, 5, 6, 0, 9, 2], [1, 2, 3, 6, 0, 5]  # runs differ on each side
-        h = dst.read(PeerInfo("p:1", "p", desc), "L", "d", remote, local)
-        end = time.monotonic() + 10
-        while (status := dst.poll(h)).state is TransferState.PENDING:
-            assert time.monotonic() < end, "the nixl read did not finish"
-        assert status.state is TransferState.DONE, status.error
-        assert_moved(p, d, remote, local, k)
-    finally:
-        dst.close()
-        src.close()
+    remote, local = [4, 5, 6, 0, 9, 2], [1, 2, 3, 6, 0, 5]  # runs differ on each side
+    move_over_nixl(pc, dc, remote, local)
+    assert_moved(p, d, remote, local, k)
 
 
 @pytest.mark.parametrize(("order", "per_run"), [
