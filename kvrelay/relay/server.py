@@ -75,8 +75,11 @@ class ServerStats:
 class RelayServerConfig:
     compat: str
     layout: str = "block_major"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # what the relay port binds (may be a wildcard: 0.0.0.0, ::)
     port: int = 0
+    # The host decode engines are told to dial (kv_transfer_params' relay, and the
+    # address P's HELLO proof is bound to); empty: ``host``.
+    advertise_host: str = ""
     secret: bytes | None = None
     max_connections: int = 256
     max_connections_per_address: int = 64
@@ -161,7 +164,7 @@ class RelayServer:
     def address(self) -> str:
         assert self._sock is not None, "start() the server first"
         host, port = self._sock.getsockname()[:2]
-        return f"{host}:{port}"
+        return f"{self.config.advertise_host or host}:{port}"
 
     def start(self) -> RelayServer:
         sock = socket.create_server((self.config.host, self.config.port), backlog=128)

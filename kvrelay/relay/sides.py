@@ -53,6 +53,7 @@ class SideSettings:
     secret: bytes | None = None  # HMAC key of HELLO
     relay_host: str = "127.0.0.1"  # prefill: the address decode engines dial
     relay_port: int = 0  # prefill: 0 = any free port
+    relay_advertise_host: str = ""  # prefill: the host D is told, when not relay_host
 
     @property
     def io_timeout(self) -> float:
@@ -97,6 +98,7 @@ def build_prefill_side(
     transports, nixl = _served(settings, kv_cache, shm)
     cfg = RelayServerConfig(
         compat=compat, host=settings.relay_host, port=settings.relay_port,
+        advertise_host=settings.relay_advertise_host,
         secret=settings.secret, transports=transports, layout=layout,
         send_timeout=settings.lease_timeout,
         idle_timeout=max(120.0, 2 * settings.lease_timeout))

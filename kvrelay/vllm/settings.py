@@ -22,8 +22,14 @@ TRANSPORTS = ("tcp", "nixl")
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    relay_host: str = "127.0.0.1"  # prefill: the address decode engines dial
-    relay_port: int = 0  # prefill: 0 = any free port (logged, and named in the params)
+    relay_host: str = "127.0.0.1"  # prefill: the address the relay port binds
+    # prefill: the first worker's port; worker k of the engine (tensor and pipeline
+    # rank, data-parallel index) takes relay_port + k. 0 = any free port (logged, and
+    # named in the params).
+    relay_port: int = 0
+    # prefill: the host decode engines are told to dial; empty: relay_host, or, where
+    # that is a wildcard (0.0.0.0, ::), vLLM's VLLM_HOST_IP.
+    relay_advertise_host: str = ""
     relay_secret: str | None = None  # HMAC of HELLO; env KVRELAY_RELAY_SECRET
     kv_transport: str = "tcp"
     lease_timeout: float = 30.0  # an un-acquired (or un-heartbeated) lease is freed after
@@ -76,13 +82,41 @@ class ConnectorSettings:
     def secret(self) -> bytes | None:
         return self.relay_secret.encode() if self.relay_secret else None
 
-    def sides(self) -> SideSettings:
-        """What kvrelay.relay.sides builds both sides from."""
+    def advertised_host(self) -> str:
+        """The host in the params P hands out: ``relay_advertise_host``, else
+        ``relay_host`` unless it is a wildcard, else vLLM's ``VLLM_HOST_IP``. A wildcard
+        with neither is an error naming both keys (D cannot dial 0.0.0.0)."""
+        if self.relay_advertise_host:
+            return self.relay_advertise_host
+        if self.relay_host not in WILDCARDS:
+            return self.relay_host
+        if host_ip := os.environ.get("VLLM_HOST_IP", "").strip():
+            return host_ip
+        raise ValueError(
+            f"kv_connector_extra_config.relay_host {self.relay_host!r} binds every "
+            "address, which decode engines cannot dial: set relay_advertise_host (or "
+            "VLLM_HOST_IP) to the address they reach this engine at")
+
+    def sides(self, worker: int = 0, *, serve: bool = False) -> SideSettings:
+        """What kvrelay.relay.sides builds both sides from. ``serve`` (P): the relay
+        port of ``worker``, this worker's index among the engine's workers (tensor and
+        pipeline rank, data-parallel index), which a fixed ``relay_port`` is offset by,
+        and the host advertised."""
         from kvrelay.relay.sides import SideSettings
 
+        port = self.relay_port + worker if self.relay_port and serve else self.relay_port
+        if port > 65535:
+            raise ValueError(
+                f"kv_connector_extra_config.relay_port {self.relay_port}: worker {worker} "
+                f"of this engine would listen on {port}, past 65535 (each worker takes "
+                "relay_port + its index)")
         return SideSettings(kv_transport=self.kv_transport, lease_timeout=self.lease_timeout,
                             lease_max=self.lease_max, secret=self.secret,
-                            relay_host=self.relay_host, relay_port=self.relay_port)
+                            relay_host=self.relay_host, relay_port=port,
+                            relay_advertise_host=self.advertised_host() if serve else "")
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
 
 
 def _typed(key: str, value: Any, want: type) -> Any:
