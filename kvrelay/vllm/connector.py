@@ -43,7 +43,7 @@ from kvrelay.vllm.api import (
     KVConnectorStats,
     KVConnectorTransferResults,
 )
-from kvrelay.vllm.decode import UNTRUSTED, DecodeSide, LoadSpec, trusts
+from kvrelay.vllm.decode import UNTRUSTED, DecodeSide, LoadSpec, rank_entries, trusts
 from kvrelay.vllm.prefill import HoldSpec, PrefillSide, prompt_digest
 from kvrelay.vllm.settings import ConnectorSettings, relay_cpus, run_on_relay_cpus
 
@@ -137,8 +137,9 @@ class KvRelayStats(KVConnectorStats):
 
 @dataclass
 class KvRelayHandshake(KVConnectorHandshakeMetadata):
-    """What P's scheduler needs of its worker to name leases: the relay's address, the
-    engine id (a lease id's prefix; it changes with every worker life) and the compat."""
+    """What P's scheduler needs of each worker to name leases: the relay's address, the
+    engine id (a lease id's prefix; it changes with every worker life) and the compat
+    (with tensor parallelism it names the worker's rank: its own heads)."""
 
     relay: str
     engine_id: str
@@ -154,11 +155,14 @@ class KvRelayConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         cfg = self._kv_transfer_config
         pc = vllm_config.parallel_config
-        if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+        if pc.pipeline_parallel_size > 1:
             raise ValueError(
-                f"KvRelayConnector serves one worker per engine; this engine has tensor "
-                f"parallel size {pc.tensor_parallel_size} and pipeline parallel size "
-                f"{pc.pipeline_parallel_size} (both must be 1)")
+                f"KvRelayConnector does not serve pipeline parallelism yet: this engine "
+                f"has pipeline parallel size {pc.pipeline_parallel_size} (allowed: 1; "
+                f"tensor parallelism is served)")
+        # Each tensor-parallel worker serves (P) and pulls (D) its own heads: a relay
+        # and a lease per worker, each reported by its worker once.
+        self.tp_size = int(pc.tensor_parallel_size)
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ValueError(
                 f"KvRelayConnector serves one KV cache group; this model has "
@@ -170,7 +174,7 @@ class KvRelayConnector(KVConnectorBase_V1):
         self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config else None
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         # scheduler side
-        self._handshake: KvRelayHandshake | None = None
+        self._handshakes: list[KvRelayHandshake] = []  # one per tensor-parallel rank
         self._lease_seq = itertools.count(1)
         self._meta = KvRelayMetadata()
         self._loading: dict[str, Request] = {}  # loads handed to the worker, unreported
@@ -248,17 +252,22 @@ class KvRelayConnector(KVConnectorBase_V1):
             num_kv_heads=mc.get_num_kv_heads(self._vllm_config.parallel_config),
             head_dim=mc.get_head_size(), block_size=self.block_size,
             dtype=str(first.dtype).removeprefix("torch."), layout=layout.name)
-        compat = geometry.compat_hash(f"vllm:{mc.served_model_name}")
+        rank, worker = _worker_index(self._vllm_config)
+        model_id = f"vllm:{mc.served_model_name}"
+        if self.tp_size > 1:  # each rank holds its own heads: pulled by D's same rank
+            model_id += f"|tp{rank}/{self.tp_size}"
+        compat = geometry.compat_hash(model_id)
         engine_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         # Built on a thread bound to the relay's CPUs: the threads they start run there,
         # not on the core vLLM bound this thread to.
         if self.producer:
             self.prefill = run_on_relay_cpus(self.settings, lambda: PrefillSide(
-                self.settings, cache, compat, engine_id, self._ready))
+                self.settings, cache, compat, engine_id, self._ready, worker=worker))
             _check_reachable(self.prefill.server.address)
         if self.consumer:
             self.decode = run_on_relay_cpus(self.settings, lambda: DecodeSide(
-                self.settings, cache, compat, engine_id, self._ready))
+                self.settings, cache, compat, engine_id, self._ready, rank=rank,
+                workers=self.tp_size))
         log.info("kvrelay: worker relay threads on CPUs %s (block layout %s, compat %s)",
                  _ranges(relay_cpus(self.settings)), layout.name, compat)
 
@@ -351,9 +360,17 @@ class KvRelayConnector(KVConnectorBase_V1):
 
     # ==== scheduler ========================================================================
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        for meta in metadata.values():
-            if isinstance(meta, KvRelayHandshake):
-                self._handshake = meta
+        """Every tensor-parallel worker's relay, by rank. P names one lease per rank;
+        with a rank missing it names none (the request is answered without params)."""
+        got = {int(r): m for r, m in metadata.items() if isinstance(m, KvRelayHandshake)}
+        if sorted(got) != list(range(self.tp_size)):
+            if got or self.producer:
+                log.error("kvrelay: relay handshakes from workers %s, expected one from "
+                          "each of the %d tensor-parallel ranks: no leases will be made",
+                          sorted(got), self.tp_size)
+            self._handshakes = []
+            return
+        self._handshakes = [got[r] for r in range(self.tp_size)]
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
@@ -409,31 +426,39 @@ class KvRelayConnector(KVConnectorBase_V1):
 
         if request.status is not RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None  # aborted, failed or stopped: the client has it all
-        hs = self._handshake
-        if hs is None:  # no lease: vLLM frees, the proxy sees no params
-            log.error("kvrelay: no lease for %s: the worker sent no relay handshake (is "
+        hss = self._handshakes
+        if not hss:  # no lease: vLLM frees, the proxy sees no params
+            log.error("kvrelay: no lease for %s: the workers sent no relay handshake (is "
                       "kv_role a producer?)", rid)
             return False, None
-        # The worker makes the lease with the next step; until then an ACQUIRE for it
-        # is answered NOT_YET. vLLM holds the request until finished_sending names it.
-        # The id: this worker life, a sequence number (the worker makes them in order,
-        # so an ACQUIRE naming one past the last made is NOT_YET) and 128 random bits (a
-        # lease id is a capability: nobody may guess the next one).
+        # Each worker makes its lease with the next step; until then an ACQUIRE for it
+        # is answered NOT_YET. vLLM holds the request until finished_sending names it
+        # from every worker (each worker's lease ends once). The id: the worker's life,
+        # a sequence number (a worker makes them in order, so an ACQUIRE naming one
+        # past the last made is NOT_YET) and 128 random bits (a lease id is a
+        # capability: nobody may guess the next one).
         try:
             prompt = list(request.prompt_token_ids or ())
-            lease_id = f"{hs.engine_id}.{next(self._lease_seq)}.{secrets.token_hex(16)}"
+            seq = next(self._lease_seq)
+            lease_ids = [f"{hs.engine_id}.{seq}.{secrets.token_hex(16)}" for hs in hss]
             first = int(request.output_token_ids[0])
-            hold = HoldSpec(rid, lease_id, list(block_ids), len(prompt), first,
-                            prompt_digest(prompt))
+            digest = prompt_digest(prompt)
+            holds = [HoldSpec(rid, lid, list(block_ids), len(prompt), first, digest)
+                     for lid in lease_ids]
+            hs = hss[0]
             params_out = dict(
-                KvTransferParams(lease_id, hs.relay, hs.engine_id, list(block_ids),
+                KvTransferParams(lease_ids[0], hs.relay, hs.engine_id, list(block_ids),
                                  len(prompt), first, hs.compat).to_dict(),
                 do_remote_prefill=True, do_remote_decode=False, resends_first_token=True,
                 block_size=self.block_size)
+            if len(hss) > 1:  # rank 0's lease above, every rank's here
+                params_out["ranks"] = [
+                    {"lease_id": lid, "relay": h.relay, "engine_id": h.engine_id,
+                     "compat": h.compat} for lid, h in zip(lease_ids, hss, strict=True)]
         except Exception:  # no lease: vLLM frees, the proxy sees no params
             log.exception("kvrelay: no lease for %s", rid)
             return False, None
-        self._meta.holds.append(hold)  # last: a hold exists only with delay_free=True
+        self._meta.holds.extend(holds)  # last: a hold exists only with delay_free=True
         return True, params_out
 
     # -- helpers ------------------------------------------------------------------------
@@ -447,8 +472,17 @@ class KvRelayConnector(KVConnectorBase_V1):
             return None
         try:
             kv = RemoteKv.from_client(params, vocab_size=self.vocab_size)
-            if not trusts(self.settings, kv.relay):
-                raise ValueError(UNTRUSTED.format(relay=kv.relay))
+            entries = rank_entries(params)
+            if len(entries) != self.tp_size:
+                raise ValueError(
+                    f"ranks: the prefill engine serves the KV from {len(entries)} "
+                    f"tensor-parallel workers, this engine has {self.tp_size}: start "
+                    f"both with the same --tensor-parallel-size (a mapping of heads "
+                    f"between sizes is not supported yet)")
+            for entry in entries:  # every rank's lease, relay and compat
+                relay = RemoteKv.from_client(entry, vocab_size=self.vocab_size).relay
+                if not trusts(self.settings, relay):
+                    raise ValueError(UNTRUSTED.format(relay=relay))
             p_block = params.get("block_size", self.block_size)
             if p_block != self.block_size:
                 raise ValueError(
@@ -480,6 +514,21 @@ def _backend_name(vllm_config: Any) -> str:
         log.debug("kvrelay: no attention backend name (%s)", e)
         return ""
     return ",".join(names)
+
+
+def _worker_index(vllm_config: Any) -> tuple[int, int]:
+    """(tensor-parallel rank, this worker's index among the relays of the host's
+    engines: data-parallel index x tensor-parallel size + rank), which a fixed
+    relay_port is offset by."""
+    pc = vllm_config.parallel_config
+    tp = int(pc.tensor_parallel_size)
+    rank = 0
+    if tp > 1:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        rank = int(get_tp_group().rank_in_group)
+    dp = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
+    return rank, dp * tp + rank
 
 
 def _check_reachable(relay: str) -> None:

@@ -214,8 +214,12 @@ class DecodeSide:
 
     def __init__(self, settings: ConnectorSettings, cache: HostCache, compat: str,
                  engine_id: str,
-                 ready: threading.Event | None = None) -> None:
+                 ready: threading.Event | None = None, *, rank: int = 0,
+                 workers: int = 1) -> None:
         self.settings = settings
+        # This worker's tensor-parallel rank among ``workers``: it pulls its own heads,
+        # from the lease of P's worker of the same rank (``rank_entries``).
+        self.rank, self.workers = rank, workers
         self.loads = VllmKvLoads(ready, timing=lambda rid: self.receiver.timing(rid),
                                  nbytes=self._nbytes)
         # Policy recompute: a failure is reported as failed_recving, and vLLM's own
@@ -290,18 +294,26 @@ class DecodeSide:
             self.loads.fail_unheld(rid, why)
 
     def _give_back(self, params: dict[str, Any]) -> None:
-        """ABORT a lease no load of ours holds, under a fresh attempt: P frees a HELD
+        """ABORT leases no load of ours holds, under a fresh attempt: P frees a HELD
         lease (or one it has not made yet, when it makes it); one another attempt pulls
         refuses it (not_holder); a released one answers released. The answer has no load
-        and is counted stale. Never sent to a relay this engine would not pull from."""
+        and is counted stale. Never sent to a relay this engine would not pull from.
+        With tensor parallelism every worker gets the params: worker ``r`` gives back
+        P's leases ``i`` with ``i % workers == r``, so each is given back once."""
         try:
-            kv = RemoteKv.from_client(params)  # a relay that is host:port, or nothing
+            entries = rank_entries(params)
         except ValueError:
-            return
-        if not self.trusts(kv.relay):
-            return
-        self.client.send(kv.relay, P.Abort(0, kv.engine_id, kv.lease_id, self.engine_id,
-                                           secrets.token_hex(8)))
+            entries = [params]
+        for i, entry in enumerate(entries):
+            if i % self.workers != self.rank:
+                continue
+            try:
+                kv = RemoteKv.from_client(entry)  # a relay that is host:port, or nothing
+            except ValueError:
+                continue
+            if self.trusts(kv.relay):
+                self.client.send(kv.relay, P.Abort(0, kv.engine_id, kv.lease_id,
+                                                   self.engine_id, secrets.token_hex(8)))
 
     def _nbytes(self, rid: str) -> int:
         load = self.receiver.loads.get(rid)
@@ -315,7 +327,8 @@ class DecodeSide:
         self.loads.expect(spec.request_id, spec.block_ids, spec.cached_blocks)
         try:
             faults.hit("submit", spec.request_id)
-            kv = RemoteKv.from_client(spec.params)  # the relay made canonical
+            # this worker's rank's lease (the scheduler checked there is one per rank)
+            kv = RemoteKv.from_client(rank_entries(spec.params)[self.rank])
             if not self.trusts(kv.relay):
                 raise ValueError(UNTRUSTED.format(relay=kv.relay))
             self.receiver.submit(spec.request_id, spec.prompt_token_ids, SamplingParams(), kv,
@@ -415,6 +428,32 @@ class DecodeSide:
         self.client.close()
         self.transport.close()
         self._thread.join(timeout=5)
+
+
+MAX_RANKS = 64  # tensor-parallel workers a prefill engine's params may name
+RANK_FIELDS = frozenset({"lease_id", "relay", "engine_id", "compat"})
+
+
+def rank_entries(params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The params of each of P's tensor-parallel workers' leases, by rank: ``ranks``
+    (one lease, relay, engine id and compat per worker; the other fields shared) or,
+    without it, the params themselves (one worker). Raises ValueError naming what is
+    wrong (a client writes these)."""
+    ranks = params.get("ranks")
+    if ranks is None:
+        return [params]
+    if (not isinstance(ranks, list) or not 1 <= len(ranks) <= MAX_RANKS
+            or not all(isinstance(r, dict) for r in ranks)):
+        raise ValueError(f"ranks must be a list of 1 to {MAX_RANKS} objects, one per "
+                         f"tensor-parallel worker of the prefill engine")
+    shared = {k: v for k, v in params.items() if k != "ranks"}
+    out = []
+    for r in ranks:
+        if set(r) != RANK_FIELDS:
+            raise ValueError(f"ranks: each entry has exactly the fields "
+                             f"{sorted(RANK_FIELDS)}, got {sorted(map(str, r))[:8]}")
+        out.append({**shared, **r})
+    return out
 
 
 UNTRUSTED = (

@@ -124,13 +124,13 @@ class PrefillSide:
 
     def __init__(self, settings: ConnectorSettings, cache: HostCache, compat: str,
                  engine_id: str,
-                 ready: threading.Event | None = None) -> None:
+                 ready: threading.Event | None = None, worker: int = 0) -> None:
         self.lock = threading.Lock()
         num_blocks = cache.num_blocks
         self.blocks = VllmLeaseBlocks(num_blocks, ready)
         self._made_upto = 0  # the sequence number of the last hold taken (hold_all)
         parts = build_prefill_side(
-            self.blocks, settings.sides(), engine_id=engine_id, compat=compat,
+            self.blocks, settings.sides(worker, serve=True), engine_id=engine_id, compat=compat,
             kv_cache=cache, kv_blocks=HostBlocks(cache), layout=cache.layout.name,
             lock=self.lock)
         self.table, self.server, self.nixl = parts.table, parts.server, parts.nixl
@@ -153,12 +153,17 @@ class PrefillSide:
         return seq is not None and self._made_upto < seq <= self._made_upto + PENDING_WINDOW
 
     def hold_all(self, holds: Sequence[HoldSpec]) -> None:
-        """Make the leases the scheduler named, in order. One that cannot be made (a bug,
-        or blocks outside the cache) fails alone: its request is reported at once."""
+        """Make the leases the scheduler named for this worker (the lease id names its
+        engine id), in order. One that cannot be made (a bug, or blocks outside the
+        cache) fails alone: its request is reported at once."""
         faults.hold_delay()
         now = time.monotonic()
+        # With tensor parallelism every worker gets every hold: one per worker's relay.
+        mine = f"{self.engine_id}."
         with self.lock:
             for h in holds:
+                if not h.lease_id.startswith(mine):
+                    continue
                 seq = _seq_of(h.lease_id, self.engine_id)
                 if seq is not None:
                     self._made_upto = max(self._made_upto, seq)

@@ -458,3 +458,129 @@ def test_an_acquire_of_no_blocks_ends_the_lease_once(pair: Any) -> None:
                                time.monotonic()).ok
         assert not p.table.leases
     assert p.take_released() == set()
+
+
+# -- tensor parallelism: a relay and a lease per rank (docs/vllm.md) ---------------------
+
+def test_rank_entries_give_each_ranks_lease_and_refuse_bad_shapes() -> None:
+    from kvrelay.vllm.decode import MAX_RANKS, rank_entries
+
+    base = {"lease_id": "L0", "relay": "h:1", "engine_id": "E0", "compat": "c0",
+            "block_ids": [1], "num_tokens": 3, "first_token": 7}
+    assert rank_entries(base) == [base]
+    ranks = [{"lease_id": f"L{i}", "relay": f"h:{i + 1}", "engine_id": f"E{i}",
+              "compat": f"c{i}"} for i in range(2)]
+    got = rank_entries({**base, "ranks": ranks})
+    assert [g["lease_id"] for g in got] == ["L0", "L1"] and got[1]["relay"] == "h:2"
+    assert all("ranks" not in g and g["block_ids"] == [1] for g in got)
+    for bad, why in ((5, "ranks must be a list"), ([], "ranks must be a list"),
+                     ([ranks[0]] * (MAX_RANKS + 1), "ranks must be a list"),
+                     (["x"], "ranks must be a list"),
+                     ([{**ranks[0], "block_ids": [9]}], "exactly the fields"),
+                     ([{"lease_id": "L0"}], "exactly the fields")):
+        with pytest.raises(ValueError, match=why):
+            rank_entries({**base, "ranks": bad})
+
+
+def test_each_rank_makes_only_its_own_leases_and_d_ranks_pull_their_own() -> None:
+    """Two P workers (ranks) and two D workers in one process, each rank's cache holding
+    other values: the scheduler's holds go to every P worker, each makes its own lease;
+    each D worker pulls its rank's lease into its own cache; each lease ends once."""
+    settings = ConnectorSettings(lease_timeout=10.0)
+    p_caches = [vllm_like_cache(True) for _ in range(2)]
+    d_caches = [vllm_like_cache(False) for _ in range(2)]
+    ps = [PrefillSide(settings, layer_cache(c), f"c{r}", f"P{r}") for r, c in
+          enumerate(p_caches)]
+    ds = [DecodeSide(settings, layer_cache(c), f"c{r}", f"D{r}", rank=r, workers=2)
+          for r, c in enumerate(d_caches)]
+    try:
+        holds, entries = [], []
+        for p in ps:
+            hold, params = name_lease(p, "req")
+            holds.append(hold)
+            entries.append({k: params[k] for k in ("lease_id", "relay", "engine_id",
+                                                   "compat")})
+        params = dict(name_lease(ps[0], "unused")[1], **entries[0], ranks=entries)
+        for p in ps:
+            p.hold_all(holds)  # vLLM hands every worker the step's metadata
+        assert [len(p.table.leases) for p in ps] == [1, 1]
+        blocks = [7, 8, 9]
+        for d in ds:
+            d.start([LoadSpec("req", params, PROMPT, blocks, 0)], [])
+        for d in ds:
+            got: dict[str, bool] = {}
+            wait_for(finished(d, got), "D's load")
+            assert got == {"req": False}
+        for r in range(2):
+            for layer, src in p_caches[r].items():
+                assert torch.equal(d_caches[r][layer][blocks], src[[5, 2, 3]])
+        released = [p.take_released() for p in ps]
+        assert released == [{"req"}, {"req"}]  # one report per worker, from each
+    finally:
+        for side in (*ps, *ds):
+            side.close()
+
+
+def test_a_given_back_lease_of_each_rank_is_aborted_once() -> None:
+    """D at TP 2 refused params naming 2 ranks: worker r aborts P's lease r only."""
+    settings = ConnectorSettings(lease_timeout=30.0)
+    ps = [PrefillSide(settings, layer_cache(vllm_like_cache(True)), "c", f"P{r}")
+          for r in range(2)]
+    ds = [DecodeSide(settings, layer_cache(vllm_like_cache(False)), "c", f"D{r}", rank=r,
+                     workers=2) for r in range(2)]
+    try:
+        holds, entries = [], []
+        for p in ps:
+            hold, params = name_lease(p, "req")
+            holds.append(hold)
+            entries.append({k: params[k] for k in ("lease_id", "relay", "engine_id",
+                                                   "compat")})
+        for p in ps:
+            p.hold_all(holds)
+        params = dict(params, ranks=entries)
+        for d in ds:
+            d.start([], [], [params])
+        for p, e in zip(ps, entries, strict=True):
+            wait_for(lambda p=p: p.take_released() == {"req"}, "the give-back", timeout=10)
+            assert p.table.release_reason(e["lease_id"]).value == "aborted"
+        # Each D worker sent its rank's ABORT only: it dialled that rank's relay alone.
+        assert [list(d.client._peers) for d in ds] == [[e["relay"]] for e in entries]
+    finally:
+        for side in (*ps, *ds):
+            side.close()
+
+
+def test_relay_port_is_offset_by_worker_and_the_advertised_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    s = ConnectorSettings(relay_port=7100, relay_host="0.0.0.0", relay_advertise_host="10.1.2.3")
+    assert s.sides(3, serve=True).relay_port == 7103
+    assert s.sides(3, serve=True).relay_advertise_host == "10.1.2.3"
+    assert s.sides(3).relay_port == 7100  # D binds nothing
+    assert ConnectorSettings().sides(5, serve=True).relay_port == 0  # any port, per worker
+    with pytest.raises(ValueError, match="past 65535"):
+        ConnectorSettings(relay_port=65535).sides(1, serve=True)
+    wild = ConnectorSettings(relay_host="0.0.0.0")
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
+    with pytest.raises(ValueError, match="relay_advertise_host"):
+        wild.sides(0, serve=True)
+    monkeypatch.setenv("VLLM_HOST_IP", "10.9.9.9")
+    assert wild.advertised_host() == "10.9.9.9"
+    assert ConnectorSettings(relay_host="10.0.0.5").advertised_host() == "10.0.0.5"
+
+
+def test_a_relay_bound_to_every_address_advertises_the_one_given() -> None:
+    """relay_host 0.0.0.0: P's params name relay_advertise_host, and a D pulls there."""
+    settings = ConnectorSettings(relay_host="0.0.0.0", relay_advertise_host="127.0.0.1")
+    p_cache, d_cache = vllm_like_cache(True), vllm_like_cache(False)
+    p = PrefillSide(settings, layer_cache(p_cache), "c0", "P1")
+    d = DecodeSide(ConnectorSettings(), layer_cache(d_cache), "c0", "D1")
+    try:
+        assert p.server.address.startswith("127.0.0.1:")
+        params = lease(p)
+        d.start([LoadSpec("r", params, PROMPT, [1, 2, 3], 0)], [])
+        got: dict[str, bool] = {}
+        wait_for(finished(d, got), "D's load")
+        assert got == {"r": False}
+    finally:
+        p.close()
+        d.close()
