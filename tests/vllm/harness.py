@@ -50,6 +50,7 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -65,6 +66,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvrelay.vllm import connector as connector_module
 from kvrelay.vllm import faults
 from kvrelay.vllm.api import KVConnectorRole
 from kvrelay.vllm.connector import KvRelayConnector, KvRelayMetadata
@@ -74,8 +76,9 @@ BLOCK, NUM_BLOCKS, LAYERS, HEADS, HEAD, VOCAB = 16, 96, 2, 2, 8, 1000
 MAX_LEN = 512
 
 
-def kv_value(token: int, pos: int, layer: int) -> float:
-    return float((token * 131 + pos * 17 + layer * 7) % 4093 + 1)
+def kv_value(token: int, pos: int, layer: int, rank: int = 0) -> float:
+    """The KV a worker of tensor-parallel ``rank`` writes (each rank its own heads)."""
+    return float((token * 131 + pos * 17 + layer * 7) % 4093 + 1 + 5000 * rank)
 
 
 def next_token(tokens: list[int]) -> int:
@@ -99,7 +102,7 @@ INFLIGHT = "max_num_inflight_kv_loads" in SchedulerConfig.__dataclass_fields__  
 
 
 def make_config(role: str, extra: dict[str, Any], sched_cls: type[Scheduler],
-                inflight: int | None = None) -> VllmConfig:
+                inflight: int | None = None, tp: int = 1) -> VllmConfig:
     # device "cpu": without a GPU vLLM 0.34's platform is unspecified and "auto" fails.
     cfg = VllmConfig(
         device_config=DeviceConfig(device="cpu"),
@@ -116,6 +119,8 @@ def make_config(role: str, extra: dict[str, Any], sched_cls: type[Scheduler],
             kv_connector_extra_config=extra),
     )
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    # Tensor parallelism: the schedulers see the size; the workers are ours (Engine).
+    cfg.parallel_config.tensor_parallel_size = tp
     # vLLM's CPU platform turns async scheduling off; the engine core would turn it on
     # with AsyncScheduler (a consumer then defers freeing blocks, as on a GPU).
     cfg.scheduler_config.async_scheduling = sched_cls is AsyncScheduler
@@ -139,7 +144,9 @@ def make_kv_cache_config() -> KVCacheConfig:
 
 
 class Engine:
-    """One vLLM scheduler and a model-less worker holding the connector's worker side."""
+    """One vLLM scheduler and model-less workers (one per tensor-parallel rank, each
+    its own KV cache: its heads) holding the connector's worker side; vLLM's own
+    ``KVOutputAggregator`` combines the workers' reports, as its executor does."""
 
     def __init__(self, name: str, config: VllmConfig, sched_cls: type[Scheduler]) -> None:
         self.name = name
@@ -149,13 +156,29 @@ class Engine:
                                block_size=BLOCK, log_stats=True)
         assert isinstance(self.sched.connector, KvRelayConnector), self.sched.connector
         self.depth = 2 if sched_cls is AsyncScheduler else 1  # steps in flight
-        self.worker = KvRelayConnector(config, KVConnectorRole.WORKER, kv_cfg)
-        storage = torch.zeros(LAYERS, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
-        self.cache = {f"layer.{i}": storage[i] for i in range(LAYERS)}
-        self.worker.register_kv_caches(self.cache)
-        hs = self.worker.get_handshake_metadata()
-        if hs is not None:
-            self.sched.connector.set_xfer_handshake_metadata({0: hs})
+        tp = config.parallel_config.tensor_parallel_size
+        self.workers: list[KvRelayConnector] = []
+        self.caches: list[dict[str, torch.Tensor]] = []
+        where = connector_module._worker_index
+        try:
+            for rank in range(tp):
+                # What vLLM's tensor-parallel group tells a worker process of its rank.
+                connector_module._worker_index = lambda _cfg, r=rank: (r, r)  # type: ignore[assignment]
+                worker = KvRelayConnector(config, KVConnectorRole.WORKER, kv_cfg)
+                storage = torch.zeros(LAYERS, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
+                cache = {f"layer.{i}": storage[i] for i in range(LAYERS)}
+                worker.register_kv_caches(cache)
+                self.workers.append(worker)
+                self.caches.append(cache)
+        finally:
+            connector_module._worker_index = where  # type: ignore[assignment]
+        self.worker, self.cache = self.workers[0], self.caches[0]
+        self.aggregator = KVOutputAggregator(tp)
+        hs = {r: w.get_handshake_metadata() for r, w in enumerate(self.workers)}
+        if all(h is not None for h in hs.values()):
+            self.sched.connector.set_xfer_handshake_metadata(hs)
+        self.worker_sending = [collections.Counter[str]() for _ in range(tp)]
+        self.worker_recving = [collections.Counter[str]() for _ in range(tp)]
         self.tables: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.in_flight: collections.deque[tuple[Any, ModelRunnerOutput]] = collections.deque()
@@ -191,15 +214,17 @@ class Engine:
         assert isinstance(meta, KvRelayMetadata)
         for spec in meta.loads:
             self.loads[spec.request_id] += 1
-        self.worker.bind_connector_metadata(meta)  # P's worker makes the named leases
+        for worker in self.workers:  # vLLM hands every worker the step's metadata
+            worker.bind_connector_metadata(meta)  # P's workers make the named leases
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         for rid, n in so.num_scheduled_tokens.items():
             toks, table, start = self.tokens[rid], self.tables[rid], starts[rid]
             for pos in range(start, start + n):
                 for layer in range(LAYERS):
-                    self.cache[f"layer.{layer}"][table[pos // BLOCK], :, pos % BLOCK, :] = (
-                        kv_value(toks[pos], pos, layer))
+                    for rank, cache in enumerate(self.caches):
+                        cache[f"layer.{layer}"][table[pos // BLOCK], :, pos % BLOCK, :] = (
+                            kv_value(toks[pos], pos, layer, rank))
             req_ids.append(rid)
             if start + n >= len(toks):
                 t = next_token(toks)
@@ -211,32 +236,44 @@ class Engine:
         # same step computes is read after that request wrote them (as attention does).
         for rid in checks:
             self.check(rid, starts[rid])
-        # vLLM starts loads after the forward pass when none is synchronous (ours).
-        self.worker.start_load_kv(None)  # type: ignore[arg-type]
-        res = self.worker.get_transfer_results(so.finished_req_ids)
-        self.sending.update(res.finished_sending or ())
-        self.recving.update(res.finished_recving or ())
-        out = KVConnectorOutput(finished_sending=res.finished_sending,
-                                finished_recving=res.finished_recving,
-                                failed_recving=res.failed_recving,
-                                kv_connector_stats=self.worker.get_kv_connector_stats())
-        self.worker.clear_connector_metadata()
         kw: dict[str, Any] = {}
         if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # 0.32
             kw["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
-                                 kv_connector_output=out, **kw)
+        outputs: list[ModelRunnerOutput | None] = []
+        for rank, worker in enumerate(self.workers):
+            # vLLM starts loads after the forward pass when none is synchronous (ours).
+            worker.start_load_kv(None)  # type: ignore[arg-type]
+            res = worker.get_transfer_results(so.finished_req_ids)
+            self.worker_sending[rank].update(res.finished_sending or ())
+            self.worker_recving[rank].update(res.finished_recving or ())
+            out = KVConnectorOutput(finished_sending=res.finished_sending,
+                                    finished_recving=res.finished_recving,
+                                    failed_recving=res.failed_recving,
+                                    kv_connector_stats=worker.get_kv_connector_stats())
+            worker.clear_connector_metadata()
+            outputs.append(ModelRunnerOutput(req_ids=list(req_ids),
+                                             sampled_token_ids=list(sampled),
+                                             kv_connector_output=out, **kw))
+        mro = self.aggregator.aggregate(outputs) if len(outputs) > 1 else outputs[0]
+        assert mro is not None and mro.kv_connector_output is not None
+        kout = mro.kv_connector_output
+        self.sending.update(kout.finished_sending or ())
+        self.recving.update(kout.finished_recving or ())
+        return mro
 
     def check(self, rid: str, computed: int) -> None:
-        """The tokens vLLM counts as computed hold their KV (received, cached or ours)."""
+        """The tokens vLLM counts as computed hold their KV (received, cached or ours),
+        on every rank its own heads'."""
         toks, table = self.tokens[rid], self.tables[rid]
         for pos in range(computed):
             for layer in range(LAYERS):
-                got = self.cache[f"layer.{layer}"][table[pos // BLOCK], 0, pos % BLOCK, 0]
-                if float(got) != kv_value(toks[pos], pos, layer):
-                    self.violations.append(f"{self.name}: {rid} position {pos} layer {layer}: "
-                                           f"KV {float(got)} is not its token's")
-                    return
+                for rank, cache in enumerate(self.caches):
+                    got = cache[f"layer.{layer}"][table[pos // BLOCK], 0, pos % BLOCK, 0]
+                    if float(got) != kv_value(toks[pos], pos, layer, rank):
+                        self.violations.append(
+                            f"{self.name}: {rid} position {pos} layer {layer} rank {rank}: "
+                            f"KV {float(got)} is not its token's")
+                        return
 
     # -- the engine core's part ------------------------------------------------------------
     def step(self) -> list[Any]:
@@ -266,23 +303,38 @@ class Engine:
         if getattr(self.sched, "_aborted_kv_loads", None):  # 0.34: each holds a load slot
             bad.append(f"{self.name}: aborted loads never reported "
                        f"{sorted(self.sched._aborted_kv_loads)}")
-        twice = [r for c in (self.sending, self.recving) for r, n in c.items() if n > 1]
+        counters = (self.sending, self.recving, *self.worker_sending, *self.worker_recving)
+        twice = [r for c in counters for r, n in c.items() if n > 1]
         if twice:
             bad.append(f"{self.name}: reported twice: {twice}")
-        if self.worker.prefill is not None and self.worker.prefill.table.leases:
-            bad.append(f"{self.name}: leases left {list(self.worker.prefill.table.leases)}")
-        d = self.worker.decode
-        if d is not None:
-            if d.receiver.loads or d.loads.quarantined:
-                bad.append(f"{self.name}: loads left {list(d.receiver.loads)} "
-                           f"quarantined {list(d.loads.quarantined)}")
-            if set(self.recving) != set(self.loads):
-                bad.append(f"{self.name}: loads {sorted(self.loads)} reported "
-                           f"{sorted(self.recving)}")
+        for rank, worker in enumerate(self.workers):
+            if worker.prefill is not None and worker.prefill.table.leases:
+                bad.append(f"{self.name}: rank {rank}: leases left "
+                           f"{list(worker.prefill.table.leases)}")
+            if worker.prefill is not None and set(self.worker_sending[rank]) != set(
+                    self.sending):
+                mine = sorted(self.worker_sending[rank])
+                bad.append(f"{self.name}: rank {rank} reported {mine}, vLLM freed "
+                           f"{sorted(self.sending)}")
+            d = worker.decode
+            if d is not None:
+                if d.receiver.loads or d.loads.quarantined:
+                    bad.append(f"{self.name}: rank {rank}: loads left {list(d.receiver.loads)}"
+                               f" quarantined {list(d.loads.quarantined)}")
+                if set(self.worker_recving[rank]) != set(self.loads):
+                    bad.append(f"{self.name}: rank {rank}: loads {sorted(self.loads)} "
+                               f"reported {sorted(self.worker_recving[rank])}")
+        if self.worker.decode is not None and set(self.recving) != set(self.loads):
+            bad.append(f"{self.name}: loads {sorted(self.loads)}, vLLM was told "
+                       f"{sorted(self.recving)}")
         return bad
 
+    def decoders(self) -> list[Any]:
+        return [w.decode for w in self.workers if w.decode is not None]
+
     def close(self) -> None:
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
         self.sched.shutdown()
 
 
@@ -346,7 +398,7 @@ def scenario(rng: random.Random, n: int) -> tuple[list[Flow], dict[str, Any]]:
 
 
 def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
-             limit_s: float = 60.0) -> dict[str, Any]:
+             limit_s: float = 60.0, tp: int = 1) -> dict[str, Any]:
     rng = random.Random(seed)
     flows, knobs = scenario(rng, n)
     faults._counts.clear()
@@ -355,12 +407,11 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
     else:
         os.environ.pop("KVRELAY_FAULT_VLLM_RAISE", None)
     extra = {"lease_timeout": knobs["lease_timeout"], "idle_step_ms": 1}
-    p = Engine("P", make_config("kv_producer", extra, sched_cls), sched_cls)
-    d = Engine("D", make_config("kv_consumer", extra, sched_cls, knobs["inflight"]),
+    p = Engine("P", make_config("kv_producer", extra, sched_cls, tp=tp), sched_cls)
+    d = Engine("D", make_config("kv_consumer", extra, sched_cls, knobs["inflight"], tp),
                sched_cls)
-    dec = d.worker.decode
-    assert dec is not None
-    dec.transport.delay = knobs["transfer_delay"]
+    for dec in d.decoders():
+        dec.transport.delay = knobs["transfer_delay"]
     stats = collections.Counter[str]()
     by_d: dict[str, Flow] = {}
     d_out: dict[str, list[int]] = {}
@@ -386,7 +437,8 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
                 # get errors; params it handed out name a relay that is gone.
                 retired.append(p)
                 p.close()
-                p = Engine("P", make_config("kv_producer", extra, sched_cls), sched_cls)
+                p = Engine("P", make_config("kv_producer", extra, sched_cls, tp=tp),
+                           sched_cls)
                 for f in flows:
                     f.p_lost = not f.p_done and f.abort_p_after is None
                 stats["p_restarted"] += 1
@@ -395,10 +447,9 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
                 retired.append(d)
                 d.close()
                 d = Engine("D", make_config("kv_consumer", extra, sched_cls,
-                                            knobs["inflight"]), sched_cls)
-                dec = d.worker.decode
-                assert dec is not None
-                dec.transport.delay = knobs["transfer_delay"]
+                                            knobs["inflight"], tp), sched_cls)
+                for dec in d.decoders():
+                    dec.transport.delay = knobs["transfer_delay"]
                 for f in by_d.values():
                     f.d_pending.clear()
                 stats["d_restarted"] += 1
@@ -446,7 +497,7 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
                 if rid in f.d_pending:
                     f.d_steps[rid] += 1
                     if f.abort_d_after is not None and f.d_steps[rid] == f.abort_d_after + 1:
-                        load = dec.receiver.loads.get(rid)
+                        load = d.decoders()[0].receiver.loads.get(rid)
                         req = d.sched.requests.get(rid)
                         where = (load.phase.value if load is not None else
                                  req.status.name.lower() if req is not None else "gone")
@@ -462,19 +513,22 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
         # vLLM has every report; the receiver may still await P's answer to the last
         # RELEASE or ABORT it sent (bounded by its peer timeout).
         settle = time.monotonic() + knobs["lease_timeout"] + 5
-        while dec.receiver.loads and time.monotonic() < settle:
+        while any(x.receiver.loads for x in d.decoders()) and time.monotonic() < settle:
             time.sleep(0.01)
         problems = p.violations + d.violations + p.leftovers() + d.leftovers()
         for old in retired:  # up to its death, each report once
             problems += old.violations + [
                 f"{old.name} (before its restart): reported twice: {r}"
                 for c in (old.sending, old.recving) for r, k in c.items() if k > 1]
-        stats.update(pulls=dec.receiver.stats.loaded, requests=len(flows),
-                     not_yet=dec.receiver.stats.not_yet,
-                     fallbacks=sum(dec.receiver.stats.fallbacks.values()),
-                     leases=len(p.sending), loads=len(d.loads), errors=dec.errors)
-        for why, k in dec.receiver.stats.fallbacks.items():
-            stats[f"fallback_{why}"] += k
+        decs = d.decoders()
+        stats.update(pulls=sum(x.receiver.stats.loaded for x in decs), requests=len(flows),
+                     not_yet=sum(x.receiver.stats.not_yet for x in decs),
+                     fallbacks=sum(sum(x.receiver.stats.fallbacks.values()) for x in decs),
+                     leases=len(p.sending), loads=len(d.loads),
+                     errors=sum(x.errors for x in decs))
+        for x in decs:
+            for why, k in x.receiver.stats.fallbacks.items():
+                stats[f"fallback_{why}"] += k
         return {"seed": seed, "problems": problems, "stats": dict(stats), "knobs": knobs}
     except Exception as e:
         return {"seed": seed, "problems": [f"{type(e).__name__}: {e}",
@@ -492,6 +546,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--limit", type=float, default=60.0, help="seconds a seed may take")
     ap.add_argument("--scheduler", choices=["sync", "async", "both"], default="both")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel workers per engine")
     args = ap.parse_args()
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
@@ -503,14 +558,15 @@ def main() -> int:
     for cls in kinds:
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             t = time.monotonic()
-            res = run_seed(seed, cls, hasher, args.requests, args.limit)
+            res = run_seed(seed, cls, hasher, args.requests, args.limit, args.tp)
             print(f"seed {seed} {cls.__name__}: {time.monotonic() - t:.1f} s, "
                   f"{len(res['problems'])} problems", file=sys.stderr, flush=True)
             total.update(res["stats"])
             total[f"seeds_{cls.__name__}"] += 1
             if res["problems"]:
                 failed.append(dict(res, scheduler=cls.__name__))
-    print(json.dumps({"vllm": vllm.__version__, "seconds": round(time.monotonic() - t0, 1),
+    print(json.dumps({"vllm": vllm.__version__, "tp": args.tp,
+                      "seconds": round(time.monotonic() - t0, 1),
                       "totals": dict(sorted(total.items())), "failed": failed}))
     return 1 if failed else 0
 

@@ -61,6 +61,7 @@ class VllmEngine:
     # The whole --kv-transfer-config instead of KvRelayConnector's ({}: no connector,
     # a colocated engine); for the benchmark against NixlConnector.
     kv_config: dict[str, Any] | None = None
+    model: Path = MODEL  # an HF directory, served as "smol"
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -74,7 +75,7 @@ class VllmEngine:
                "kv_connector_extra_config": self.extra}
         if self.kv_config is not None:
             cfg = self.kv_config
-        cmd = [str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL),
+        cmd = [str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(self.port),
                "--max-model-len", "1024", "--enforce-eager", "--dtype", "float32",
                "--kv-cache-memory-bytes", str(self.kv_bytes), *self.args]
@@ -168,21 +169,26 @@ class Pair:
 
     def __init__(self, tmp: Path, transport: str = "tcp", p_role: str = "kv_both",
                  args: tuple[str, ...] = (), p_env: dict[str, str] | None = None,
-                 d_env: dict[str, str] | None = None) -> None:
+                 d_env: dict[str, str] | None = None, model: Path = MODEL,
+                 tp: tuple[int, int] = (1, 1)) -> None:
+        """``tp``: P's and D's --tensor-parallel-size (a worker per core: both cores)."""
         self.transport = transport
         p_extra = {"lease_timeout": LEASE_TIMEOUT, "lease_max": 60, "kv_transport": transport}
         d_extra = {"lease_timeout": D_LEASE_TIMEOUT, "lease_max": D_LEASE_TIMEOUT,
                    "kv_transport": transport}
         # vLLM binds each engine's worker to the cores it picks, both to core 0 here
         # unless told: one core each, as two engines on one host should be.
-        self.p = VllmEngine("prefill", p_role, tmp / "p.log", p_extra,
-                            env={"VLLM_CPU_OMP_THREADS_BIND": "0", **(p_env or {})},
-                            args=list(args))
-        self.d = VllmEngine("decode", "kv_consumer", tmp / "d.log", d_extra,
-                            env={"KVRELAY_FAULT_TRANSFER_DELAY_S": "1.0",
-                                 "VLLM_CPU_OMP_THREADS_BIND": str(1 % (os.cpu_count() or 1)),
-                                 **(d_env or {})},
-                            args=list(args))
+        def engine(name: str, role: str, extra: dict[str, Any], size: int, core: int,
+                   env: dict[str, str]) -> VllmEngine:
+            cores = "|".join(str((core + i) % (os.cpu_count() or 1)) for i in range(size))
+            tp_args = ["--tensor-parallel-size", str(size)] if size > 1 else []
+            return VllmEngine(name, role, tmp / f"{name[0]}.log", extra,
+                              env={"VLLM_CPU_OMP_THREADS_BIND": cores, **env},
+                              args=[*args, *tp_args], model=model)
+
+        self.p = engine("prefill", p_role, p_extra, tp[0], 0, p_env or {})
+        self.d = engine("decode", "kv_consumer", d_extra, tp[1], 1,
+                        {"KVRELAY_FAULT_TRANSFER_DELAY_S": "1.0", **(d_env or {})})
         self.proxy_port = free_port()
         self.proxy: subprocess.Popen[bytes] | None = None
         self.proxy_log = tmp / "proxy.log"

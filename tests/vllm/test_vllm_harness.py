@@ -19,12 +19,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 VLLM34 = Path(os.environ.get("KVRELAY_VLLM34_VENV") or "/nonexistent") / "bin/python"
 SEEDS = int(os.environ.get("KVRELAY_HARNESS_SEEDS", "30"))
+SEEDS_TP = int(os.environ.get("KVRELAY_HARNESS_TP_SEEDS", "12"))
 
 
-def run_harness(python: Path) -> dict:
+def run_harness(python: Path, seeds: int = SEEDS, tp: int = 1) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), KVRELAY_VLLM_MODEL=str(MODEL))
     env.pop("KVRELAY_FAULT_VLLM_RAISE", None)
-    proc = subprocess.run([str(python), "-m", "tests.vllm.harness", "--seeds", str(SEEDS)],
+    proc = subprocess.run([str(python), "-m", "tests.vllm.harness", "--seeds", str(seeds),
+                           "--tp", str(tp)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"no summary (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
@@ -51,6 +53,20 @@ def test_vllm_032_schedulers_never_get_a_report_they_cannot_take() -> None:
     summary = run_harness(PYTHON)
     assert summary["vllm"].startswith("0.32")
     check_exercised(summary["totals"])
+
+
+@pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present")
+def test_vllm_032_tensor_parallel_workers_each_report_once() -> None:
+    """Two workers per engine (tensor parallel 2), each with its own heads and relay,
+    their reports combined by vLLM's KVOutputAggregator: every worker reports each
+    lease and load once, vLLM frees each request once, each rank's blocks hold its own
+    heads' values."""
+    summary = run_harness(PYTHON, SEEDS_TP, tp=2)
+    assert summary["vllm"].startswith("0.32") and summary["tp"] == 2
+    t = summary["totals"]
+    assert t["seeds_Scheduler"] == t["seeds_AsyncScheduler"] == SEEDS_TP
+    assert t["pulls"] > 0 and t["not_yet"] > 0 and t.get("p_aborted", 0) > 0
+    assert t.get("fallback_acquire_failed", 0) > 0 and t.get("d_aborted_running", 0) > 0
 
 
 @pytest.mark.skipif(not VLLM34.exists(), reason="vLLM 0.34 runs under make test-vllm34 "

