@@ -168,7 +168,7 @@ class Pair:
 
     def __init__(self, tmp: Path, transport: str = "tcp", p_role: str = "kv_both",
                  args: tuple[str, ...] = (), p_env: dict[str, str] | None = None,
-                 d_env: dict[str, str] | None = None) -> None:
+                 d_env: dict[str, str] | None = None, d_args: tuple[str, ...] = ()) -> None:
         self.transport = transport
         p_extra = {"lease_timeout": LEASE_TIMEOUT, "lease_max": 60, "kv_transport": transport}
         d_extra = {"lease_timeout": D_LEASE_TIMEOUT, "lease_max": D_LEASE_TIMEOUT,
@@ -182,7 +182,7 @@ class Pair:
                             env={"KVRELAY_FAULT_TRANSFER_DELAY_S": "1.0",
                                  "VLLM_CPU_OMP_THREADS_BIND": str(1 % (os.cpu_count() or 1)),
                                  **(d_env or {})},
-                            args=list(args))
+                            args=[*args, *d_args])
         self.proxy_port = free_port()
         self.proxy: subprocess.Popen[bytes] | None = None
         self.proxy_log = tmp / "proxy.log"
@@ -227,10 +227,12 @@ class Pair:
 
 
 def start_pair(tmp: Path, transport: str = "tcp", p_role: str = "kv_both",
-               args: tuple[str, ...] = (), **env: dict[str, str]) -> Iterator[Pair]:
+               args: tuple[str, ...] = (), d_args: tuple[str, ...] = (),
+               **env: dict[str, str]) -> Iterator[Pair]:
     """For a module-scoped fixture: one pair for the module, every process stopped.
-    ``p_env``/``d_env``: more environment for P or D (fault hooks)."""
-    pr = Pair(tmp, transport, p_role, args, **env)
+    ``p_env``/``d_env``: more environment for P or D (fault hooks); ``d_args``: vLLM flags
+    for D alone."""
+    pr = Pair(tmp, transport, p_role, args, d_args=d_args, **env)
     try:
         started = pr.start()
         print(f"\nvLLM P and D ({transport}) healthy after {started:.0f} s (side by side)")
