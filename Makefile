@@ -65,10 +65,10 @@ test-vllm34: vllm-venv
 		$(PY) -m pytest -q tests/vllm/test_vllm_harness.py -k 034
 
 # The slow vLLM variants, not in `make test`: nixl inside the connector and an abort storm
-# on a pair of their own (~6 min).
+# on a pair of their own (~6 min); speculative decoding on D, a pair per method (2-4 min each).
 test-vllm-slow: vllm-venv
 	KVRELAY_VLLM_VENV=$(VLLM_VENV) KVRELAY_REQUIRE_VLLM=1 KVRELAY_VLLM_SLOW=1 \
-		$(PY) -m pytest -q tests/vllm/test_vllm_slow.py
+		$(PY) -m pytest -q tests/vllm/test_vllm_slow.py tests/vllm/test_vllm_spec.py
 
 # vLLM 1P1D with KvRelayConnector vs NixlConnector vs colocated vLLM (docs/vllm.md).
 bench-vllm: vllm-venv

@@ -44,6 +44,7 @@ from kvrelay.vllm.api import (
     KVConnectorTransferResults,
 )
 from kvrelay.vllm.decode import UNTRUSTED, DecodeSide, LoadSpec, rank_entries, trusts
+from kvrelay.vllm.drafter import drafter_of, target_layers
 from kvrelay.vllm.prefill import HoldSpec, PrefillSide, prompt_digest
 from kvrelay.vllm.settings import ConnectorSettings, relay_cpus, run_on_relay_cpus
 
@@ -243,7 +244,11 @@ class KvRelayConnector(KVConnectorBase_V1):
 
     # ==== worker ===========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        cache = layer_cache(kv_caches, self._num_blocks, _backend_name(self._vllm_config))
+        # A drafter's layers stay local: the lease and compat cover the target's alone.
+        drafter = drafter_of(self._vllm_config)
+        kv_caches = target_layers(kv_caches, drafter)
+        backend = _backend_name(self._vllm_config, None if drafter is None else list(kv_caches))
+        cache = layer_cache(kv_caches, self._num_blocks, backend)
         layout = cache.layout
         first = next(iter(kv_caches.values()))
         mc = self._vllm_config.model_config
@@ -503,13 +508,15 @@ class KvRelayConnector(KVConnectorBase_V1):
         return kv
 
 
-def _backend_name(vllm_config: Any) -> str:
-    """The attention backend's name (part of the layout HELLO checks), '' where vLLM
-    cannot tell (no attention layers registered: its own tests and kvrelay's)."""
+def _backend_name(vllm_config: Any, layer_names: list[str] | None = None) -> str:
+    """The attention backend's name of ``layer_names`` (all layers: None), part of the
+    layout HELLO checks; '' where vLLM cannot tell (no attention layers registered: its
+    own tests and kvrelay's)."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-        names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+        backends = get_current_attn_backends(vllm_config, layer_names)
+        names = sorted({b.get_name() for b in backends})
     except Exception as e:  # an older vLLM, or no layers: the layout says so
         log.debug("kvrelay: no attention backend name (%s)", e)
         return ""

@@ -170,8 +170,9 @@ class Pair:
     def __init__(self, tmp: Path, transport: str = "tcp", p_role: str = "kv_both",
                  args: tuple[str, ...] = (), p_env: dict[str, str] | None = None,
                  d_env: dict[str, str] | None = None, model: Path = MODEL,
-                 tp: tuple[int, int] = (1, 1)) -> None:
-        """``tp``: P's and D's --tensor-parallel-size (a worker per core: both cores)."""
+                 tp: tuple[int, int] = (1, 1), d_args: tuple[str, ...] = ()) -> None:
+        """``tp``: P's and D's --tensor-parallel-size (a worker per core: both cores);
+        ``d_args``: vLLM flags for D alone."""
         self.transport = transport
         p_extra = {"lease_timeout": LEASE_TIMEOUT, "lease_max": 60, "kv_transport": transport}
         d_extra = {"lease_timeout": D_LEASE_TIMEOUT, "lease_max": D_LEASE_TIMEOUT,
@@ -179,16 +180,16 @@ class Pair:
         # vLLM binds each engine's worker to the cores it picks, both to core 0 here
         # unless told: one core each, as two engines on one host should be.
         def engine(name: str, role: str, extra: dict[str, Any], size: int, core: int,
-                   env: dict[str, str]) -> VllmEngine:
+                   env: dict[str, str], more: tuple[str, ...] = ()) -> VllmEngine:
             cores = "|".join(str((core + i) % (os.cpu_count() or 1)) for i in range(size))
             tp_args = ["--tensor-parallel-size", str(size)] if size > 1 else []
             return VllmEngine(name, role, tmp / f"{name[0]}.log", extra,
                               env={"VLLM_CPU_OMP_THREADS_BIND": cores, **env},
-                              args=[*args, *tp_args], model=model)
+                              args=[*args, *more, *tp_args], model=model)
 
         self.p = engine("prefill", p_role, p_extra, tp[0], 0, p_env or {})
         self.d = engine("decode", "kv_consumer", d_extra, tp[1], 1,
-                        {"KVRELAY_FAULT_TRANSFER_DELAY_S": "1.0", **(d_env or {})})
+                        {"KVRELAY_FAULT_TRANSFER_DELAY_S": "1.0", **(d_env or {})}, d_args)
         self.proxy_port = free_port()
         self.proxy: subprocess.Popen[bytes] | None = None
         self.proxy_log = tmp / "proxy.log"
@@ -233,10 +234,12 @@ class Pair:
 
 
 def start_pair(tmp: Path, transport: str = "tcp", p_role: str = "kv_both",
-               args: tuple[str, ...] = (), **env: dict[str, str]) -> Iterator[Pair]:
+               args: tuple[str, ...] = (), d_args: tuple[str, ...] = (),
+               **env: dict[str, str]) -> Iterator[Pair]:
     """For a module-scoped fixture: one pair for the module, every process stopped.
-    ``p_env``/``d_env``: more environment for P or D (fault hooks)."""
-    pr = Pair(tmp, transport, p_role, args, **env)
+    ``p_env``/``d_env``: more environment for P or D (fault hooks); ``d_args``: vLLM flags
+    for D alone."""
+    pr = Pair(tmp, transport, p_role, args, d_args=d_args, **env)
     try:
         started = pr.start()
         print(f"\nvLLM P and D ({transport}) healthy after {started:.0f} s (side by side)")
