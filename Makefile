@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-vllm test-vllm34 test-vllm-slow bench-vllm vllm-venv demo lint sim bench bench-peers native clean
+.PHONY: test test-vllm test-vllm34 test-vllm-slow test-vllm-tp bench-vllm vllm-venv demo lint sim bench bench-peers native clean
 
 # The native CPU kernels (kvrelay/model/kernels/csrc), compiled against the torch in the venv
 # (no build isolation: it would fetch an unpinned torch). `make NATIVE_KERNELS=0 test`
@@ -69,6 +69,12 @@ test-vllm34: vllm-venv
 test-vllm-slow: vllm-venv
 	KVRELAY_VLLM_VENV=$(VLLM_VENV) KVRELAY_REQUIRE_VLLM=1 KVRELAY_VLLM_SLOW=1 \
 		$(PY) -m pytest -q tests/vllm/test_vllm_slow.py tests/vllm/test_vllm_spec.py
+
+# Tensor and data parallelism inside vLLM: the TP 2 pair with the abort storm and a P of
+# another size refused, then a DP 2 engine on offset relay ports (~6 min, one at a time).
+test-vllm-tp: vllm-venv
+	KVRELAY_VLLM_VENV=$(VLLM_VENV) KVRELAY_REQUIRE_VLLM=1 KVRELAY_VLLM_TP_FULL=1 \
+		$(PY) -m pytest -q tests/vllm/test_vllm_tp.py tests/vllm/test_vllm_dp.py
 
 # vLLM 1P1D with KvRelayConnector vs NixlConnector vs colocated vLLM (docs/vllm.md).
 bench-vllm: vllm-venv

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 VLLM34 = Path(os.environ.get("KVRELAY_VLLM34_VENV") or "/nonexistent") / "bin/python"
 SEEDS = int(os.environ.get("KVRELAY_HARNESS_SEEDS", "30"))
-SEEDS_TP = int(os.environ.get("KVRELAY_HARNESS_TP_SEEDS", "12"))
+SEEDS_TP = int(os.environ.get("KVRELAY_HARNESS_TP_SEEDS", "8"))
 
 
 def run_harness(python: Path, seeds: int = SEEDS, tp: int = 1) -> dict:
