@@ -165,9 +165,7 @@ class KvRelayConnector(KVConnectorBase_V1):
         # and a lease per worker, each reported by its worker once.
         self.tp_size = int(pc.tensor_parallel_size)
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError(
-                f"KvRelayConnector serves one KV cache group; this model has "
-                f"{len(kv_cache_config.kv_cache_groups)} (sliding-window or hybrid layers)")
+            raise ValueError(_groups_refused(vllm_config, kv_cache_config))
         self.settings = ConnectorSettings.from_extra(cfg.kv_connector_extra_config)
         self.producer, self.consumer = cfg.is_kv_producer, cfg.is_kv_consumer
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -521,6 +519,20 @@ def _backend_name(vllm_config: Any, layer_names: list[str] | None = None) -> str
         log.debug("kvrelay: no attention backend name (%s)", e)
         return ""
     return ",".join(names)
+
+
+def _groups_refused(vllm_config: Any, kv_cache_config: Any) -> str:
+    """Why an engine with several KV cache groups cannot start, naming the model type
+    and each group's kind. vLLM turns its hybrid allocator off for a connector that is
+    not ``SupportsHMA`` (this one), so sliding-window models run with one group (full
+    KV for every layer) and hybrid SSM models are refused by vLLM itself; several groups
+    reach here only from what keeps them anyway (a drafter with layers of its own kind)."""
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    model_type = getattr(hf, "model_type", None) or "unknown"
+    kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+    return (f"KvRelayConnector moves one KV cache group; this engine's model (model_type "
+            f"{model_type!r}) has {len(kinds)}: {', '.join(kinds)}. Sliding-window and "
+            f"hybrid (SSM) layers in groups of their own are not served yet")
 
 
 def _worker_index(vllm_config: Any) -> tuple[int, int]:
