@@ -235,11 +235,12 @@ class Pair:
 
 def start_pair(tmp: Path, transport: str = "tcp", p_role: str = "kv_both",
                args: tuple[str, ...] = (), d_args: tuple[str, ...] = (),
-               **env: dict[str, str]) -> Iterator[Pair]:
+               p_env: dict[str, str] | None = None,
+               d_env: dict[str, str] | None = None) -> Iterator[Pair]:
     """For a module-scoped fixture: one pair for the module, every process stopped.
     ``p_env``/``d_env``: more environment for P or D (fault hooks); ``d_args``: vLLM flags
     for D alone."""
-    pr = Pair(tmp, transport, p_role, args, d_args=d_args, **env)
+    pr = Pair(tmp, transport, p_role, args, p_env, d_env, d_args=d_args)
     try:
         started = pr.start()
         print(f"\nvLLM P and D ({transport}) healthy after {started:.0f} s (side by side)")
