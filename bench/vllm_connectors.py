@@ -25,7 +25,10 @@ lease_timeout 8 s; NixlConnector kv_lease_duration 8 s); P's blocks get other re
 KV meanwhile; D resumes and decodes. Prompts differ per request (no prefix-cache hit on
 P). Engines: SmolLM2-135M fp32, a KV cache of 150 MB; one core each, every thread
 (``taskset -a`` once healthy, see ``pin``): P and the colocated engine on core 0, D on
-core 1. The colocated engine runs alone first, then one pair at a time.
+core 1. The colocated engine runs alone first, then one pair at a time. The ``-tp2``
+legs: P and D at --tensor-parallel-size 2 (a worker per core, 4 workers on the 2 cores,
+not pinned further) on a tiny Llama with 4 KV heads, against colocated vLLM at TP 2 on
+that model, which runs before them.
 """
 
 from __future__ import annotations
@@ -50,7 +53,13 @@ from tests.vllm.pair import MODEL, PYTHON, VllmEngine, missing
 
 MAX_TOKENS = 32
 CORES = 2  # P (and the colocated engine) on core 0, D on core 1
-LEGS = ("kvrelay-tcp", "kvrelay-nixl", "nixl")
+LEGS = ("kvrelay-tcp", "kvrelay-nixl", "nixl", "kvrelay-tcp-tp2", "nixl-tp2")
+# The tensor-parallel legs: P and D at --tensor-parallel-size 2 (a worker per core, not
+# pinned further) on a tiny Llama with 4 KV heads (SmolLM2's 3 do not split in two),
+# against colocated vLLM at TP 2 on the same model.
+# (its byte-level tokenizer of 384 tokens spends about 4 tokens a word: a longer context)
+TP_ARGS = ["--tensor-parallel-size", "2", "--max-model-len", "4096"]
+TP_BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 LEASE_S = 8
 NIXL_FIRST = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -199,13 +208,14 @@ def pin(engine: VllmEngine, core: int) -> None:
                        check=False)  # a process that just exited is no error
 
 
-def start(engines: list[VllmEngine]) -> None:
+def start(engines: list[VllmEngine], pin_cores: bool = True) -> None:
     for e in engines:
         e.start()
     for e in engines:
         e.wait_healthy()
     for core, e in enumerate(engines):
-        pin(e, core % CORES)
+        if pin_cores:
+            pin(e, core % CORES)
     for e in engines:  # a cold engine's first request takes seconds
         httpx.post(f"{e.url}/v1/completions", timeout=300, json={
             "model": "smol", "prompt": "warm up", "max_tokens": 2}).raise_for_status()
@@ -223,7 +233,7 @@ def pair_leg(key: str, p: VllmEngine, d: VllmEngine, first: dict[str, Any],
     (``scen``: its prompt and colocated text). A leg that fails says why in the results;
     both engines are stopped either way."""
     try:
-        start([p, d])
+        start([p, d], pin_cores=not key.endswith("-tp2"))
         # One P/D request first, its transfer not counted (every connector's first pull
         # to a new P also connects: NIXL loads P's metadata and wires UCX up).
         pd_ask(p, d, first)(prompt(-1, len(texts[0].split())))
@@ -268,34 +278,58 @@ def main(argv: list[str] | None = None) -> int:
     # VLLM_CPU_OMP_THREADS_BIND too: vLLM's own placement matches pin()'s from the start.
     bind = [{"VLLM_CPU_OMP_THREADS_BIND": str(c % CORES)} for c in range(2)]
 
-    colo = VllmEngine("colocated", "none", tmp / "colo.log", kv_config={}, env=bind[0])
-    try:  # alone: the pairs start after it stopped (memory: ~3.5 GB an engine)
-        start([colo])
-        want = [stream(colo.url, t, None)[2] for t in texts]  # the reference texts
-        results["colocated"] = measure(texts, want, colocated_ask(colo))
-        scen_want = stream(colo.url, scen_text, None)[2]
-    finally:
-        stop([colo])
-    scen = (scen_text, scen_want) if args.reused_blocks else None
+    want: list[str] = []
+    scen: tuple[str, str] | None = None
+    if any(not leg.endswith("-tp2") for leg in legs) or not legs:
+        colo = VllmEngine("colocated", "none", tmp / "colo.log", kv_config={}, env=bind[0])
+        try:  # alone: the pairs start after it stopped (memory: ~3.5 GB an engine)
+            start([colo])
+            want = [stream(colo.url, t, None)[2] for t in texts]  # the reference texts
+            results["colocated"] = measure(texts, want, colocated_ask(colo))
+            scen_want = stream(colo.url, scen_text, None)[2]
+        finally:
+            stop([colo])
+        scen = (scen_text, scen_want) if args.reused_blocks else None
+    tp_model, want_tp, scen_tp = None, want, scen
+    if any(leg.endswith("-tp2") for leg in legs):
+        from tests.vllm.test_vllm_tp import write_model
+
+        tp_model = write_model(tmp / "tiny4", max_len=4096)
+        colo = VllmEngine("colocated-tp2", "none", tmp / "colo-tp2.log", kv_config={},
+                          env=TP_BIND, args=TP_ARGS, model=tp_model)
+        try:
+            start([colo], pin_cores=False)
+            want_tp = [stream(colo.url, t, None)[2] for t in texts]
+            results["colocated-tp2"] = measure(texts, want_tp, colocated_ask(colo))
+            scen_tp = ((scen_text, stream(colo.url, scen_text, None)[2])
+                       if args.reused_blocks else None)
+        finally:
+            stop([colo])
 
     for leg in legs:
+        tp = leg.endswith("-tp2")
+        kw: dict[str, Any] = {"args": TP_ARGS, "model": tp_model} if tp else {}
+        envs = [TP_BIND, TP_BIND] if tp else bind
+        leg_want, leg_scen = (want_tp, scen_tp) if tp else (want, scen)
         if leg.startswith("kvrelay"):
             extra = {"lease_timeout": LEASE_S, "lease_max": 60,
                      "kv_transport": leg.split("-")[1]}
-            p = VllmEngine(f"{leg}-P", "kv_producer", tmp / f"{leg}-p.log", extra, env=bind[0])
-            d = VllmEngine(f"{leg}-D", "kv_consumer", tmp / f"{leg}-d.log", extra, env=bind[1])
-            pair_leg(leg, p, d, KVRELAY_FIRST, "kvrelay", EXPIRED["kvrelay"], texts, want,
-                     scen, results)
+            p = VllmEngine(f"{leg}-P", "kv_producer", tmp / f"{leg}-p.log", extra,
+                           env=envs[0], **kw)
+            d = VllmEngine(f"{leg}-D", "kv_consumer", tmp / f"{leg}-d.log", extra,
+                           env=envs[1], **kw)
+            pair_leg(leg, p, d, KVRELAY_FIRST, "kvrelay", EXPIRED["kvrelay"], texts,
+                     leg_want, leg_scen, results)
             continue
         nixl_cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                     "kv_buffer_device": "cpu",
                     "kv_connector_extra_config": {"kv_lease_duration": LEASE_S}}
-        p, d = (VllmEngine(f"nixl-{r}", "kv_both", tmp / f"nixl-{r.lower()}.log",
+        p, d = (VllmEngine(f"{leg}-{r}", "kv_both", tmp / f"{leg}-{r.lower()}.log",
                            kv_config=nixl_cfg,
-                           env={**bind[i], "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port()),
-                                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
+                           env={**envs[i], "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port()),
+                                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, **kw)
                 for i, r in enumerate("PD"))
-        pair_leg("nixl", p, d, NIXL_FIRST, "nixl", EXPIRED["nixl"], texts, want, scen,
+        pair_leg(leg, p, d, NIXL_FIRST, "nixl", EXPIRED["nixl"], texts, leg_want, leg_scen,
                  results)
     report(results)
     if args.json:
@@ -310,7 +344,9 @@ def _port() -> int:
 
 
 NAMES = {"colocated": "colocated vLLM", "kvrelay-tcp": "1P1D KvRelayConnector tcp",
-         "kvrelay-nixl": "1P1D KvRelayConnector nixl", "nixl": "1P1D NixlConnector"}
+         "kvrelay-nixl": "1P1D KvRelayConnector nixl", "nixl": "1P1D NixlConnector",
+         "colocated-tp2": "colocated vLLM TP 2", "kvrelay-tcp-tp2": "1P1D KvRelay tcp TP 2",
+         "nixl-tp2": "1P1D NixlConnector TP 2"}
 
 
 def report(r: dict[str, Any]) -> None:
@@ -325,9 +361,10 @@ def report(r: dict[str, Any]) -> None:
         print(f"{name:28}{m['ttft_ms']:>10.1f}{leg:>15}{m['tpot_ms']:>10.1f}{xfer:>13}"
               f"{m.get('transfers', '-'):>11}{m['n'] - m['wrong_texts']:>9}/{m['n']}")
     for key in LEGS:
-        if key in r and "colocated" in r:
-            ratio = r[key]["ttft_ms"] / r["colocated"]["ttft_ms"]
-            print(f"TTFT {key} / colocated: {ratio:.2f}")
+        ref = "colocated-tp2" if key.endswith("-tp2") else "colocated"
+        if key in r and ref in r:
+            ratio = r[key]["ttft_ms"] / r[ref]["ttft_ms"]
+            print(f"TTFT {key} / {ref}: {ratio:.2f}")
     print("first pull of each pair (connecting; not counted above): " + ", ".join(
         f"{k} {r[k]['first_pull_ms']:.1f} ms" for k in LEGS
         if k in r and r[k].get("first_pull_ms") is not None))
@@ -337,12 +374,13 @@ def report(r: dict[str, Any]) -> None:
         ph = r.get(key, {}).get("phases_ms")
         if ph:
             print(f"  {key:13} " + "  ".join(f"{k} {ph[k]:.1f}" for k in PHASES if k in ph))
-    n_ms = r.get("nixl", {}).get("transfer_ms")
-    for key in ("kvrelay-tcp", "kvrelay-nixl"):
+    for key, nixl_key in (("kvrelay-tcp", "nixl"), ("kvrelay-nixl", "nixl"),
+                          ("kvrelay-tcp-tp2", "nixl-tp2")):
+        n_ms = r.get(nixl_key, {}).get("transfer_ms")
         m = r.get(key, {})
         if m.get("transfer_ms") and n_ms:
             read, own = m["phases_ms"].get("read"), m["phases_ms"].get("own")
-            print(f"transfer {key} / NixlConnector: READ alone "
+            print(f"transfer {key} / {NAMES[nixl_key]}: READ alone "
                   f"{f'{read / n_ms:.2f}' if read else '-'}"
                   f"{f' (by NIXL clock {own / n_ms:.2f})' if own else ''}, full span "
                   f"(ACQUIRE answered to commit confirmed) {m['transfer_ms'] / n_ms:.2f}")

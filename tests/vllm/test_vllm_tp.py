@@ -51,13 +51,13 @@ PROMPTS = ["The quick brown fox", "What is the capital of France?",
            "Once upon a time there was", "Hello world, the small model"]
 
 
-def write_model(dir: Path) -> Path:
+def write_model(dir: Path, max_len: int = 1024) -> Path:
     """A tiny Llama whose 4 KV heads split over 2 ranks (head size 64, which vLLM's CPU
     attention takes)."""
     tok = tiny_tokenizer_json()
     cfg = tiny_hf_config("llama", len(json.loads(tok)["model"]["vocab"]))
     cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-               num_key_value_heads=4, head_dim=64, max_position_embeddings=1024)
+               num_key_value_heads=4, head_dim=64, max_position_embeddings=max_len)
     return write_hf_dir(dir, cfg, tiny_weights(cfg, seed=3), tok)
 
 
