@@ -86,12 +86,12 @@ class ConnectorSettings:
         """The host in the params P hands out: ``relay_advertise_host``, else
         ``relay_host`` unless it is a wildcard, else vLLM's ``VLLM_HOST_IP``. A wildcard
         with neither is an error naming both keys (D cannot dial 0.0.0.0)."""
-        if self.relay_advertise_host:
-            return self.relay_advertise_host
-        if self.relay_host not in WILDCARDS:
-            return self.relay_host
-        if host_ip := os.environ.get("VLLM_HOST_IP", "").strip():
-            return host_ip
+        for key, host in (("relay_advertise_host", self.relay_advertise_host),
+                          ("relay_host", "" if self.relay_host in WILDCARDS else
+                           self.relay_host),
+                          ("VLLM_HOST_IP", os.environ.get("VLLM_HOST_IP", "").strip())):
+            if host:
+                return _canonical_host(key, host)
         raise ValueError(
             f"kv_connector_extra_config.relay_host {self.relay_host!r} binds every "
             "address, which decode engines cannot dial: set relay_advertise_host (or "
@@ -117,6 +117,19 @@ class ConnectorSettings:
 
 
 WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _canonical_host(key: str, host: str) -> str:
+    """``host`` as D spells it after canonical_relay (an IP address in standard form, a
+    lower-case name): P's HELLO proof is bound to the address it advertises, and D
+    checks it against the one it dialled."""
+    from kvrelay.relay.remote import canonical_relay
+
+    try:
+        return canonical_relay(f"{host}:1").rpartition(":")[0]
+    except ValueError as e:
+        raise ValueError(f"kv_connector_extra_config.{key} {host!r}: an IP address or a "
+                         f"host name ({e})") from None
 
 
 def _typed(key: str, value: Any, want: type) -> Any:

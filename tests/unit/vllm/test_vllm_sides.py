@@ -566,6 +566,12 @@ def test_relay_port_is_offset_by_worker_and_the_advertised_host(
     monkeypatch.setenv("VLLM_HOST_IP", "10.9.9.9")
     assert wild.advertised_host() == "10.9.9.9"
     assert ConnectorSettings(relay_host="10.0.0.5").advertised_host() == "10.0.0.5"
+    # spelled as D spells the address it dials (the HELLO proof is bound to it)
+    assert ConnectorSettings(relay_advertise_host="P-1.Example.").advertised_host() == \
+        "p-1.example"
+    assert ConnectorSettings(relay_advertise_host="[fd00::02]").advertised_host() == "fd00::2"
+    with pytest.raises(ValueError, match="relay_advertise_host 'a b'"):
+        ConnectorSettings(relay_advertise_host="a b").advertised_host()
 
 
 def test_a_relay_bound_to_every_address_advertises_the_one_given() -> None:
