@@ -26,7 +26,7 @@ from kvrelay.relay.geometry import KvGeometry
 from kvrelay.relay.transports import nixl
 from kvrelay.relay.transports.base import PeerInfo, TransferState
 from kvrelay.relay.transports.layout import HostCache, TensorCache
-from kvrelay.relay.transports.staging import StagedBlocks
+from kvrelay.relay.transports.staging import CHUNK_BYTES, StagedBlocks
 from kvrelay.relay.transports.tcp import HostBlocks
 from kvrelay.testing.fake_runner import FakeRunner, KvCorruption
 
@@ -119,7 +119,7 @@ def move_over_tcp(p: HostCache | TensorCache, d: HostCache | TensorCache, remote
     def io(cache: HostCache | TensorCache) -> HostBlocks | StagedBlocks:
         if isinstance(cache, HostCache):
             return HostBlocks(cache)
-        return StagedBlocks(cache, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
+        return StagedBlocks(cache, chunk_bytes=chunk_bytes or CHUNK_BYTES)
 
     src, dst = io(p), io(d)
     a, b = socket.socketpair()

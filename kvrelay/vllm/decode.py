@@ -255,7 +255,7 @@ class DecodeSide:
         # On vLLM's thread, before the loads are queued: a staged copy into their blocks
         # waits for the forward passes queued so far (one may still use blocks a
         # request freed a step ago, under async scheduling).
-        fence(self.kv_blocks, [b for spec in loads for b in spec.block_ids])
+        fence([self.kv_blocks, self.transport], [b for spec in loads for b in spec.block_ids])
         self._inbox.put((loads, aborts, give_back))
         self.client.replies.put(_WAKE)
 

@@ -19,16 +19,17 @@ its tcp stages a transfer's blocks through ``staging_mib`` of pinned host memory
 which is what ``cpu`` asks for; nixl and cuda_ipc move the GPU's own memory, so with
 ``cpu`` they are refused rather than silently ignoring the setting.
 
-``kv_blocks`` is how tcp meets the cache: in place, or ``StagedBlocks`` whose copies
-are fenced after the engine's own work (``fence``, called on vLLM's thread: P when it
-makes a step's leases, D when it starts a step's loads).
+``kv_blocks`` is how tcp meets the cache: in place, or ``StagedBlocks``. Copies on a
+side stream are fenced after the engine's own work (``fence``, called on vLLM's
+thread: P before it makes a step's leases, D before it queues a step's loads).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvrelay.relay.transports.cuda_ipc import CudaIpcTransport
 from kvrelay.relay.transports.layout import HostCache, TensorCache, layer_cache
 from kvrelay.relay.transports.staging import StagedBlocks
 from kvrelay.relay.transports.tcp import HostBlocks, block_io
@@ -83,8 +84,14 @@ def kv_blocks(cache: HostCache | TensorCache, settings: ConnectorSettings
     return block_io(cache, pinned_bytes=settings.staging_mib << 20)
 
 
-def fence(blocks: HostBlocks | StagedBlocks | None, block_ids: list[int]) -> None:
-    """On vLLM's thread: later staged copies of these blocks wait for the device work
-    queued so far (staging.StagedBlocks.fence); nothing for a cache in host memory."""
-    if isinstance(blocks, StagedBlocks):
-        blocks.fence(block_ids)
+def fence(targets: Sequence[Any], block_ids: list[int]) -> None:
+    """On vLLM's thread: later copies of these blocks by ``targets`` (the tcp blocks,
+    the transport) wait for the device work queued so far: staged tcp and cuda_ipc
+    copy on side streams (``StagedBlocks.fence``, ``CudaIpcTransport.fence``); nothing
+    for a cache in host memory. nixl's one-sided READ has no stream to order: see
+    docs/vllm.md (GPU caches)."""
+    if not block_ids:
+        return
+    for t in targets:
+        if isinstance(t, StagedBlocks | CudaIpcTransport):
+            t.fence(block_ids)

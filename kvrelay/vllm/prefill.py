@@ -159,7 +159,7 @@ class PrefillSide:
         faults.hold_delay()
         # Before any lease exists: a staged READ of its blocks waits for the forward
         # passes queued so far on this (vLLM's) thread, the one that wrote them included.
-        fence(self.kv_blocks, [b for h in holds for b in h.block_ids])
+        fence([self.kv_blocks], [b for h in holds for b in h.block_ids])
         now = time.monotonic()
         with self.lock:
             for h in holds:

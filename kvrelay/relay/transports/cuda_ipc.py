@@ -12,9 +12,11 @@ this host (same boot id), its device is visible here and the block size matches;
 otherwise every read of that P goes to the fallback (the tcp transport, staged
 through host buffers), and the reason is logged once. A read enqueues one
 device-to-device copy per run of consecutive blocks on a side stream and returns;
-``poll`` says DONE once the copies' event completed. Copies already enqueued cannot
-be stopped: after ``cancel`` the handle reports FAILED only once they completed, so a
-handle that polls DONE or FAILED never writes again (what DRAINING waits for).
+``poll`` says DONE once the copies' event completed. Copies into blocks the engine
+fenced (``fence``, on its own thread) wait on the side stream for the work it had
+queued then. Copies already enqueued cannot be stopped: after ``cancel`` the handle
+reports FAILED only once they completed, so a handle that polls DONE or FAILED never
+writes again (what DRAINING waits for).
 
 Like shm and nixl the read is one-sided: P cannot refuse it, and any process of the
 host holding the handle could map the cache, which only an authenticated HELLO hands
@@ -75,6 +77,15 @@ class CudaIpc(Protocol):
                   plan: list[tuple[int, int, int]]) -> Any: ...
 
     def done(self, mark: Any) -> bool: ...
+
+    def now(self, local: Any) -> Any:
+        """A mark of the work the calling thread queued so far on ``local``'s device
+        (its current stream); None where there is nothing to wait for."""
+        ...
+
+    def after(self, local: Any, marks: list[Any]) -> None:
+        """Copies into ``local`` enqueued from now on start only after ``marks``."""
+        ...
 
 
 def boot_id() -> str:
@@ -188,12 +199,28 @@ class TorchCudaIpc:
                 return i
         return None
 
-    def copy_runs(self, dst: torch.Tensor, src: torch.Tensor,
-                  plan: list[tuple[int, int, int]]) -> Any:
-        dev = dst.device.index or 0
+    def _stream(self, device: torch.device) -> Any:
+        dev = device.index or 0
         stream = self._streams.get(dev)
         if stream is None:
-            stream = self._streams[dev] = torch.cuda.Stream(device=dst.device)
+            stream = self._streams[dev] = torch.cuda.Stream(device=device)
+        return stream
+
+    def now(self, local: Any) -> Any:
+        if local.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(local.device))
+        return ev
+
+    def after(self, local: Any, marks: list[Any]) -> None:
+        stream = self._stream(local.device)
+        for ev in marks:
+            stream.wait_event(ev)
+
+    def copy_runs(self, dst: torch.Tensor, src: torch.Tensor,
+                  plan: list[tuple[int, int, int]]) -> Any:
+        stream = self._stream(dst.device)
         with torch.cuda.stream(stream):
             for s0, d0, n in plan:
                 dst[d0 : d0 + n].copy_(src[s0 : s0 + n], non_blocking=True)
@@ -240,6 +267,24 @@ class CudaIpcTransport:
         self.ipc: CudaIpc = ipc or TorchCudaIpc()
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._lock = threading.Lock()
+        self._fences: dict[int, Any] = {}  # local block -> the mark its copies wait for
+
+    def fence(self, block_ids: Sequence[int]) -> None:
+        """On the engine's thread: later copies into these blocks wait for the device
+        work it queued so far (staging.StagedBlocks.fence, for the same reason: a block
+        vLLM freed a step ago may still be used by a forward pass in flight)."""
+        mark = self.ipc.now(self.kv_cache)
+        if mark is None:
+            return
+        with self._lock:
+            for b in block_ids:
+                self._fences[b] = mark
+
+    def _wait_fences(self, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            marks = {id(m): m for b in block_ids if (m := self._fences.pop(b, None)) is not None}
+        if marks:
+            self.ipc.after(self.kv_cache, list(marks.values()))
 
     def register(self, kv_cache: Any) -> dict[str, Any]:
         return descriptor(kv_cache, self.ipc)
@@ -337,6 +382,7 @@ class CudaIpcTransport:
         h = IpcHandle(started=time.perf_counter(), nbytes=len(dst) * local.layout.block_bytes)
         marks: list[Any] = []
         try:
+            self._wait_fences(dst)
             for (lb, rb), pieces in groups.items():
                 marks.append(self.ipc.copy_runs(local.tensors[lb], remote[rb], pieces))
             h.mark = marks
@@ -355,6 +401,7 @@ class CudaIpcTransport:
             return self._failed("cuda_ipc: a block id is outside a cache")
         h = IpcHandle(started=time.perf_counter(), nbytes=len(dst) * block_bytes)
         try:
+            self._wait_fences(dst)
             h.mark = self.ipc.copy_runs(local, remote, runs(src, dst))
         except Exception as e:  # nothing enqueued past the failing copy can be told apart
             h.status = TransferStatus(TransferState.FAILED,

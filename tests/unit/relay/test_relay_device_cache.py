@@ -226,6 +226,21 @@ def test_cuda_ipc_copies_a_described_cache_piece_by_piece(order: str, apart: boo
     assert_moved(p, d, remote, local, 1)
 
 
+def test_cuda_ipc_copies_into_fenced_blocks_wait_for_the_mark() -> None:
+    ipc = FakeIpc()
+    pc = tensor_cache(views("LBNHC", 2, 8, 1, 2, 4, 8, torch.float16, fill=True), 8)
+    dc = tensor_cache(views("LBNHC", 2, 8, 1, 2, 4, 8, torch.float16), 8)
+    tr = CudaIpcTransport(dc, ipc=ipc)
+    peer = ipc_peer(pc, ipc)
+    tr.fence([3, 4])  # on vLLM's thread, as DecodeSide.start does
+    ipc.copies.clear()
+    settle(tr, tr.read(peer, "L", "d", [1, 2], [3, 4]))
+    assert ipc.copies[0] == [("after", 1, 0)] and len(ipc.copies) == 2  # then the copy
+    ipc.copies.clear()
+    settle(tr, tr.read(peer, "L2", "d", [1, 2], [3, 4]))  # a fence is waited for once
+    assert len(ipc.copies) == 1 and ipc.copies[0][0][0] != "after"
+
+
 def test_cuda_ipc_with_another_layout_falls_back_naming_both(
         caplog: pytest.LogCaptureFixture) -> None:
     ipc = FakeIpc()
