@@ -101,9 +101,10 @@ class NixlError(ConnectionError):
 
 
 def bindings() -> Any:
-    """NIXL's native bindings (``nixl-cu12``, or a ``nixl`` built from source)."""
+    """NIXL's native bindings (``nixl-cu12``; ``nixl-cu13`` on a CUDA 13 image, as the
+    lent GPUs run; or a ``nixl`` built from source)."""
     errors = []
-    for module in ("nixl_cu12._bindings", "nixl._bindings"):
+    for module in ("nixl_cu12._bindings", "nixl_cu13._bindings", "nixl._bindings"):
         try:
             return importlib.import_module(module)
         except ImportError as e:
