@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # The GPU check of issue 11, on a machine with one GPU and nothing pre-made, in about
 # 4 minutes: imports, random-weight checkpoints of real shapes, the CUDA-marked tests,
-# 1P1D on one GPU (two processes) against colocated, decode-step time with and without
-# CUDA graphs at batch 1, 32 and 256, and `kvrelay bench offline` at batch 1, 32 and
-# 256. Results (at most 8 files) go to $OUT (default ./device-out).
+# the vLLM connector's transports on vLLM's GPU KV layout (issue 41: tcp staged with
+# events, nixl VRAM where NIXL is installed, cuda_ipc between two processes; GB/s
+# against a device-to-device copy), 1P1D on one GPU (two processes) against colocated,
+# decode-step time with and without CUDA graphs at batch 1, 32 and 256, and `kvrelay
+# bench offline` at batch 1, 32 and 256. Results (at most 8 files) go to $OUT (default
+# ./device-out).
 #
 #   scripts/device-check.sh                 on the GPU (python3 there holds torch)
 #   scripts/device-check.sh --device cpu    dry run: tiny shapes, no pytest, no reference
 #
 # Wheels the image lacks (msgspec, fastapi, ...) travel in .whl/ (scripts/
-# device-wheels.sh fetches them here); they are installed into /tmp/site.
+# device-wheels.sh fetches them here); they are installed into /tmp/site. NIXL
+# (nixl-cu13, 56 MiB) travels in .whl-nixl/ on a call of its own (device-wheels.sh).
+#   STEPS=connector-kv scripts/device-check.sh   that step alone (torch and numpy only)
 set -u
 DEVICE=cuda
 [ "${1:-}" = "--device" ] && DEVICE=${2:?--device needs a value}
@@ -37,14 +42,27 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, record rc and secon
   return "$rc"
 }
 
-if [ "$DEVICE" != cpu ] && compgen -G ".whl/*.whl" >/dev/null; then  # cp312 wheels
-  step wheels 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target /tmp/site .whl/*.whl
-fi
+for dir in .whl .whl-nixl; do
+  if [ "$DEVICE" != cpu ] && compgen -G "$dir/*.whl" >/dev/null; then  # cp312 wheels
+    step "wheels$dir" 60 "$PY" -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site "$dir"/*.whl
+  fi
+done
 export PYTHONPATH="$REPO:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-step imports 60 "$PY" scripts/device_check.py imports >"$OUT/imports.json"
-cat "$OUT/imports.json"
+if [ "${STEPS:-}" != connector-kv ]; then  # a NIXL-only call lacks the other wheels
+  step imports 60 "$PY" scripts/device_check.py imports >"$OUT/imports.json"
+  cat "$OUT/imports.json"
+fi
+
+# The vLLM connector's transports on vLLM's GPU layout (kvrelay/bench/connector_kv.py).
+step connector-kv 120 "$PY" -m kvrelay.bench.connector_kv --device "$DEVICE" \
+  >"$OUT/connector_kv.txt" 2>&1
+cat "$OUT/connector_kv.txt"
+if [ "${STEPS:-}" = connector-kv ]; then
+  echo "total seconds=$(elapsed) failed=$FAILED" | tee -a "$SUMMARY"
+  exit "$FAILED"
+fi
 
 MODELS=${MODELS:-/tmp/kvrelay-models}
 SMALL=()
@@ -55,6 +73,7 @@ step models 90 "$PY" scripts/device_check.py models "$MODELS" "${SMALL[@]}" \
 if [ "$DEVICE" != cpu ]; then
   step cuda-tests 90 "$PY" -m pytest -q -s -p no:cacheprovider -o addopts= \
     tests/unit/relay/test_relay_cuda_ipc.py tests/unit/relay/test_relay_staging.py \
+    tests/unit/relay/test_relay_device_cache.py \
     tests/unit/model/test_model_graphs.py tests/unit/core/test_step_completion.py >"$OUT/tests.log" 2>&1
   tail -5 "$OUT/tests.log"
 fi

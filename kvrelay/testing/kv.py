@@ -25,8 +25,9 @@ from kvrelay.core.runner import Batch, SampledToken
 from kvrelay.relay.geometry import KvGeometry
 from kvrelay.relay.transports import nixl
 from kvrelay.relay.transports.base import PeerInfo, TransferState
-from kvrelay.relay.transports.layout import HostCache
-from kvrelay.relay.transports.tcp import recv_blocks, send_blocks
+from kvrelay.relay.transports.layout import HostCache, TensorCache
+from kvrelay.relay.transports.staging import CHUNK_BYTES, StagedBlocks
+from kvrelay.relay.transports.tcp import HostBlocks
 from kvrelay.testing.fake_runner import FakeRunner, KvCorruption
 
 TINY_GEOMETRY = KvGeometry(
@@ -109,22 +110,41 @@ def drive_decode(engine: object, receiver: object, replies: object, now: float) 
     return engine.step()
 
 
-def move_over_tcp(p: HostCache, d: HostCache, remote: list[int], local: list[int]) -> None:
+def move_over_tcp(p: HostCache | TensorCache, d: HostCache | TensorCache, remote: list[int],
+                  local: list[int], *, chunk_bytes: int | None = None) -> None:
     """P's blocks ``remote`` into D's ``local`` through the tcp transport's own stream
-    code, over a socket pair (layout tests: each side's placement, byte for byte)."""
+    code, over a socket pair (layout tests: each side's placement, byte for byte). A
+    ``TensorCache`` side (a cache on a GPU, or CPU tensors standing in for one) is
+    staged (staging.StagedBlocks, buffers of ``chunk_bytes``), as the connector does."""
+    def io(cache: HostCache | TensorCache) -> HostBlocks | StagedBlocks:
+        if isinstance(cache, HostCache):
+            return HostBlocks(cache)
+        return StagedBlocks(cache, chunk_bytes=chunk_bytes or CHUNK_BYTES)
+
+    src, dst = io(p), io(d)
     a, b = socket.socketpair()
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            src.send(a, remote)
+        except BaseException as e:  # re-raised below
+            errors.append(e)
+
     try:
-        sender = threading.Thread(target=send_blocks, args=(a, p, remote))
+        sender = threading.Thread(target=send)
         sender.start()
-        recv_blocks(b, d, local, threading.Event())
+        dst.recv(b, local, threading.Event())
         sender.join()
     finally:
         a.close()
         b.close()
+    if errors:
+        raise errors[0]
 
 
-def move_over_nixl(p: HostCache, d: HostCache, remote: list[int], local: list[int],
-                   timeout: float = 10.0) -> None:
+def move_over_nixl(p: HostCache | TensorCache, d: HostCache | TensorCache, remote: list[int],
+                   local: list[int], timeout: float = 10.0) -> None:
     """The same through NIXL: P's registration descriptor as the HELLO carries it
     (msgpack), one READ by D, waited for ``timeout`` seconds at most."""
     src, dst = nixl.NixlTransport(), nixl.NixlTransport(d)

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 from kvrelay.relay.geometry import KvGeometry
 from kvrelay.relay.prefill import KvTransferParams
 from kvrelay.relay.remote import RemoteKv
-from kvrelay.relay.transports.layout import layer_cache
 from kvrelay.vllm.api import (
     P2P_SOURCE,
     KVConnectorBase_V1,
@@ -44,6 +43,7 @@ from kvrelay.vllm.api import (
     KVConnectorTransferResults,
 )
 from kvrelay.vllm.decode import UNTRUSTED, DecodeSide, LoadSpec, rank_entries, trusts
+from kvrelay.vllm.devices import buffer_device, worker_cache
 from kvrelay.vllm.drafter import drafter_of, target_layers
 from kvrelay.vllm.prefill import HoldSpec, PrefillSide, prompt_digest
 from kvrelay.vllm.settings import ConnectorSettings, relay_cpus, run_on_relay_cpus
@@ -222,13 +222,16 @@ class KvRelayConnector(KVConnectorBase_V1):
     @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any = None) -> Any:
         """vLLM 0.34: how the KV cache may be allocated. tcp: IN_PROCESS (the relay reads
-        the blocks in place, in this process); nixl: REGISTERS (NIXL registers the cache
-        with UCX: each segment must be one physical allocation)."""
+        the blocks in place, or stages them, in this process); nixl: REGISTERS (NIXL
+        registers the cache with UCX: each segment must be one physical allocation);
+        cuda_ipc: LEGACY_IPC (torch's CUDA IPC handles of the cache's allocations)."""
         from vllm.config.kv_transfer import KVCacheAccess
 
         extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
         if extra.get("kv_transport") == "nixl":
             return KVCacheAccess.REGISTERS
+        if extra.get("kv_transport") == "cuda_ipc":
+            return KVCacheAccess.LEGACY_IPC
         return KVCacheAccess.IN_PROCESS
 
     def may_load_async(self, request: Request) -> bool:
@@ -246,7 +249,8 @@ class KvRelayConnector(KVConnectorBase_V1):
         drafter = drafter_of(self._vllm_config)
         kv_caches = target_layers(kv_caches, drafter)
         backend = _backend_name(self._vllm_config, None if drafter is None else list(kv_caches))
-        cache = layer_cache(kv_caches, self._num_blocks, backend)
+        cache = worker_cache(kv_caches, self._num_blocks, backend, self.settings,
+                             buffer_device(self._vllm_config))
         layout = cache.layout
         first = next(iter(kv_caches.values()))
         mc = self._vllm_config.model_config

@@ -48,10 +48,11 @@ from kvrelay.relay.port import Failure
 from kvrelay.relay.receiver import Phase, Policy
 from kvrelay.relay.remote import RemoteKv
 from kvrelay.relay.sides import build_decode_side
-from kvrelay.relay.transports.layout import HostCache
-from kvrelay.relay.transports.tcp import HostBlocks, TcpTransport
+from kvrelay.relay.transports.layout import HostCache, TensorCache
+from kvrelay.relay.transports.tcp import TcpTransport
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.vllm import faults
+from kvrelay.vllm.devices import fence, kv_blocks
 from kvrelay.vllm.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 _WAKE = P.Reply(0, "wake")
 # How often a running transfer is polled: tcp wakes the thread when it ends (this is
 # a safety net); NIXL cannot, and a READ seen done a poll late costs that poll.
-POLL_S = {"tcp": 0.01, "nixl": 0.001}
+POLL_S = {"tcp": 0.01, "nixl": 0.001, "cuda_ipc": 0.001}
 
 
 @dataclass(frozen=True)
@@ -212,8 +213,8 @@ class VllmKvLoads:
 class DecodeSide:
     """The receiver, its relay client and tcp transport, and the thread driving them."""
 
-    def __init__(self, settings: ConnectorSettings, cache: HostCache, compat: str,
-                 engine_id: str,
+    def __init__(self, settings: ConnectorSettings, cache: HostCache | TensorCache,
+                 compat: str, engine_id: str,
                  ready: threading.Event | None = None, *, rank: int = 0,
                  workers: int = 1) -> None:
         self.settings = settings
@@ -222,11 +223,12 @@ class DecodeSide:
         self.rank, self.workers = rank, workers
         self.loads = VllmKvLoads(ready, timing=lambda rid: self.receiver.timing(rid),
                                  nbytes=self._nbytes)
+        self.kv_blocks = kv_blocks(cache, settings)
         # Policy recompute: a failure is reported as failed_recving, and vLLM's own
         # kv_load_failure_policy decides between recompute and an error.
         parts = build_decode_side(
             self.loads, settings.sides(), engine_id=engine_id, compat=compat,
-            kv_cache=cache, kv_blocks=HostBlocks(cache), layout=cache.layout.name,
+            kv_cache=cache, kv_blocks=self.kv_blocks, layout=cache.layout.name,
             policy=Policy.RECOMPUTE, new_attempt=lambda: secrets.token_hex(8))
         self.receiver, self.transport = parts.receiver, parts.transport
         self.client = parts.clients[0]
@@ -254,6 +256,10 @@ class DecodeSide:
         ``give_back``: params of requests that ended before any load (aborted while
         queued, refused params, or vLLM's rejection path): P is told ABORT so it frees
         at once."""
+        # On vLLM's thread, before the loads are queued: a staged copy into their blocks
+        # waits for the forward passes queued so far (one may still use blocks a
+        # request freed a step ago, under async scheduling).
+        fence([self.kv_blocks, self.transport], [b for spec in loads for b in spec.block_ids])
         self._inbox.put((loads, aborts, give_back))
         self.client.replies.put(_WAKE)
 

@@ -42,9 +42,9 @@ import numpy as np
 
 from kvrelay.relay import protocol as P
 from kvrelay.relay.sides import build_prefill_side
-from kvrelay.relay.transports.layout import HostCache
-from kvrelay.relay.transports.tcp import HostBlocks
+from kvrelay.relay.transports.layout import HostCache, TensorCache
 from kvrelay.vllm import faults
+from kvrelay.vllm.devices import fence, kv_blocks
 from kvrelay.vllm.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -122,16 +122,17 @@ class HoldSpec:
 class PrefillSide:
     """Lease table + relay server, one per prefill worker."""
 
-    def __init__(self, settings: ConnectorSettings, cache: HostCache, compat: str,
-                 engine_id: str,
+    def __init__(self, settings: ConnectorSettings, cache: HostCache | TensorCache,
+                 compat: str, engine_id: str,
                  ready: threading.Event | None = None, worker: int = 0) -> None:
         self.lock = threading.Lock()
         num_blocks = cache.num_blocks
         self.blocks = VllmLeaseBlocks(num_blocks, ready)
         self._made_upto = 0  # the sequence number of the last hold taken (hold_all)
+        self.kv_blocks = kv_blocks(cache, settings)
         parts = build_prefill_side(
             self.blocks, settings.sides(worker, serve=True), engine_id=engine_id, compat=compat,
-            kv_cache=cache, kv_blocks=HostBlocks(cache), layout=cache.layout.name,
+            kv_cache=cache, kv_blocks=self.kv_blocks, layout=cache.layout.name,
             lock=self.lock)
         self.table, self.server, self.nixl = parts.table, parts.server, parts.nixl
         self.table.pending = self.pending
@@ -157,6 +158,9 @@ class PrefillSide:
         engine id), in order. One that cannot be made (a bug, or blocks outside the
         cache) fails alone: its request is reported at once."""
         faults.hold_delay()
+        # Before any lease exists: a staged READ of its blocks waits for the forward
+        # passes queued so far on this (vLLM's) thread, the one that wrote them included.
+        fence([self.kv_blocks], [b for h in holds for b in h.block_ids])
         now = time.monotonic()
         # With tensor parallelism every worker gets every hold: one per worker's relay.
         mine = f"{self.engine_id}."

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-TRANSPORTS = ("tcp", "nixl")
+TRANSPORTS = ("tcp", "nixl", "cuda_ipc")
+STAGING_MIB_MAX = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class ConnectorSettings:
     # The CPUs the relay's threads run on ("0-3,8"); empty: the CPUs this engine was
     # given (its parent process's affinity: vLLM binds its CPU worker's own threads).
     relay_cpus: str = ""
+    # Page-locked host memory per worker (rank) for tcp with a KV cache on a GPU: the
+    # blocks are staged through pairs of buffers (transports/staging.py).
+    staging_mib: int = 64
 
     def __post_init__(self) -> None:
         if self.kv_transport not in TRANSPORTS:
@@ -57,6 +61,11 @@ class ConnectorSettings:
             raise ValueError("kv_connector_extra_config.idle_step_ms must be 0..1000, got "
                              f"{self.idle_step_ms}")
         parse_cpus(self.relay_cpus)
+        if not 1 <= self.staging_mib <= STAGING_MIB_MAX:
+            raise ValueError("kv_connector_extra_config.staging_mib must be "
+                             f"1..{STAGING_MIB_MAX} (MiB of page-locked host memory per "
+                             "worker for tcp with a KV cache on a GPU), got "
+                             f"{self.staging_mib}")
         if not 0 < self.lease_timeout <= self.lease_max:
             raise ValueError("kv_connector_extra_config: need 0 < lease_timeout "
                              f"({self.lease_timeout}) <= lease_max ({self.lease_max})")

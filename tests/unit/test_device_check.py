@@ -44,3 +44,16 @@ def test_small_checkpoints_load_with_the_shapes_asked(tmp_path: Path) -> None:
         assert cfg["rope_theta"] == device_check.SHAPES[real]["rope_theta"]
     m = load_model(str(tmp_path / "smollm2-pd"), dtype="float32", device="cpu", num_blocks=8)
     assert m.kv_geometry.num_layers == device_check.SMALL["num_hidden_layers"]
+
+
+def test_the_connector_step_dry_run_moves_every_byte() -> None:
+    """The device check's connector step (kvrelay.bench.connector_kv) on CPU tensors:
+    the staged tcp leg (and nixl, DRAM here, where installed) checked byte for byte;
+    cuda_ipc needs CUDA."""
+    out = subprocess.run([sys.executable, "-m", "kvrelay.bench.connector_kv", "--device",
+                          "cpu", "--reps", "1"], capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {ln.split()[0]: ln for ln in out.stdout.splitlines()[2:]}
+    assert rows["d2d"].endswith(" ok") and rows["tcp_staged"].endswith(" ok")
+    assert "skipped: needs CUDA" in rows["cuda_ipc"]

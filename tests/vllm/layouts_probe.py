@@ -1,8 +1,9 @@
 """Run in vLLM's venv (tests/vllm/test_vllm_layouts.py): vLLM's own code plans and
 allocates the KV cache of each attention backend's layout (``get_kv_cache_config_from_
 groups``, ``allocate_kv_cache``, kernel sizes from ``select_common_block_size``), kvrelay
-describes the views, and random block sets move P -> D over tcp (and nixl where it is
-installed); every byte of D's blocks is compared with P's through vLLM's own
+describes the views, and random block sets move P -> D over tcp (in place, and staged
+through host buffers on both sides as for a cache on a GPU) and nixl where it is
+installed; every byte of D's blocks is compared with P's through vLLM's own
 ``group_kernel_blocks``. Prints one JSON line.
 
     PYTHONPATH=. $VLLM_VENV/bin/python -m tests.vllm.layouts_probe
@@ -32,11 +33,12 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache, select_common_block_size
 
 from kvrelay.relay.transports import nixl
-from kvrelay.relay.transports.layout import HostCache, layer_cache
+from kvrelay.relay.transports.layout import HostCache, layer_cache, tensor_cache
 from kvrelay.testing.kv import move_over_nixl, move_over_tcp
 from kvrelay.vllm.connector import KvRelayConnector
 
 LAYERS, P_BLOCKS, D_BLOCKS, TRIALS = 3, 12, 9, 12
+STAGING_CHUNK = 4099  # odd: ranges straddle the staging buffers' chunks
 NIXL_SETS = 3  # NIXL agents are slow to make: the first few sets only
 # FlashInfer does not import without the flashinfer package: its layouts, copied from
 # vllm 0.32.0 v1/attention/backends/flashinfer.py:604-610 and 0.34.0 :731-739 (their
@@ -121,14 +123,19 @@ def run_case(case: str, spec: Any, layout: KVCacheLayout, backend: Any, name: st
     pc = layer_cache(p, P_BLOCKS, name)
     for a in pc.arrays:
         a[:] = np.frombuffer(rng.randbytes(a.size), dtype=np.uint8)
-    moved = {"tcp": 0, "nixl": 0}
+    moved = {"tcp": 0, "tcp_staged": 0, "nixl": 0}
+    staged_p = tensor_cache(p, P_BLOCKS, name)  # a GPU P's path, on these CPU tensors
     for i, (remote, local) in enumerate(block_sets(rng)):
-        for transport in ("tcp", "nixl") if nixl.available() and i < NIXL_SETS else ("tcp",):
+        legs = ["tcp", "tcp_staged"] + (["nixl"] if nixl.available() and i < NIXL_SETS else [])
+        for transport in legs:
             d, _ = vllm_cache(spec, layout, backend, D_BLOCKS)
             dc = layer_cache(d, D_BLOCKS, name)
             assert dc.layout.name == pc.layout.name
             if transport == "tcp":
                 move_over_tcp(pc, dc, remote, local)
+            elif transport == "tcp_staged":  # P and D staged through small buffers
+                move_over_tcp(staged_p, tensor_cache(d, D_BLOCKS, name), remote, local,
+                              chunk_bytes=STAGING_CHUNK)
             else:
                 move_over_nixl(pc, dc, remote, local, timeout=20)
             check(p, d, remote, local, dc)

@@ -43,7 +43,7 @@ def test_every_layout_vllm_builds_moves_byte_for_byte(probe: dict) -> None:
     cases = {c["case"]: c for c in probe["cases"]}
     assert len(cases) == 11
     for c in cases.values():
-        assert c["moved"]["tcp"] >= 10, c
+        assert c["moved"]["tcp"] >= 10 and c["moved"]["tcp_staged"] >= 10, c
 
 
 def test_what_vllm_lays_out_and_what_kvrelay_names_it(probe: dict) -> None:

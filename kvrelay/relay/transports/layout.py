@@ -33,6 +33,12 @@ manager block ``b`` is kernel blocks ``b*k .. b*k+k-1`` (vLLM's
 The description of today's CPU cache (each layer one contiguous tensor, no kernel
 split, the CPU backend) keeps today's name ``regions:<layers>x<piece bytes>``, so its
 compat hash is unchanged and a P or D one release behind keeps pulling.
+
+Neither says where the bytes live: ``layer_cache`` gives a ``HostCache`` (numpy byte
+arrays: tcp reads and writes the blocks in place) for a cache in host memory and a
+``TensorCache`` (flat byte tensors on the device) for one on a GPU, which tcp stages
+through pinned host buffers (staging.py), nixl registers as VRAM and cuda_ipc exports.
+The description and the stream are the same either way, so a GPU P serves a CPU D.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ DIMS = "LBKHNC"  # layer, manager block, kernel block in it, head, token, conten
 # Backends whose contiguous per-layer cache is today's ``regions:`` layout: vLLM-CPU's,
 # and "" where the backend is not known (kvrelay's tests, an older vLLM).
 LEGACY_BACKENDS = ("", "CPU_ATTN")
+DEVICES = ("cpu", "cuda")  # where a cache may live (layer_cache)
 
 
 @dataclass(frozen=True)
@@ -156,17 +163,29 @@ def _inner(layout: KvLayout, dims: str, strides: Sequence[int]) -> tuple[int, li
 
 
 def layer_cache(kv_caches: Mapping[str, Any], num_blocks: int | None = None,
-                backend: str = "") -> HostCache:
-    """vLLM's per-layer KV views in host memory, described and placed (``describe``),
-    with a byte array per buffer for the tcp transport. Raises ValueError naming the
-    layer of a cache outside host memory."""
+                backend: str = "") -> HostCache | TensorCache:
+    """vLLM's per-layer KV views, described and placed (``describe``): in host memory a
+    ``HostCache`` (a byte array per buffer: tcp reads and writes the blocks in place);
+    on a device (CUDA) a ``TensorCache`` (a flat byte tensor per buffer: tcp stages
+    through pinned host buffers, nixl registers VRAM, cuda_ipc exports the buffers)."""
     for name, t in kv_caches.items():
         device = getattr(t, "device", None)
-        if device is None or device.type != "cpu":
-            raise ValueError(f"KV layer {name}: the relay's tcp transport needs a cache in "
-                             f"host memory, got {device or type(t).__name__}")
+        if device is None or device.type not in DEVICES:
+            raise ValueError(f"KV layer {name}: the relay moves KV caches in host memory or "
+                             f"on a CUDA device, got {device or type(t).__name__}")
+    first = next(iter(kv_caches.values()), None)
+    if first is not None and first.device.type != "cpu":
+        return tensor_cache(kv_caches, num_blocks, backend)
     placement, storages = describe(kv_caches, num_blocks, backend)
     return HostCache(placement, [_bytes_of(s) for s in storages])
+
+
+def tensor_cache(kv_caches: Mapping[str, Any], num_blocks: int | None = None,
+                 backend: str = "") -> TensorCache:
+    """The same description with torch byte tensors, on the views' own device (a CPU
+    cache too: the staged tcp path runs on CPU tensors in tests)."""
+    placement, storages = describe(kv_caches, num_blocks, backend)
+    return TensorCache(placement, [_tensor_of(s) for s in storages])
 
 
 def describe(kv_caches: Mapping[str, Any], num_blocks: int | None = None,
@@ -273,11 +292,16 @@ def _check_bounds(kv_caches: Mapping[str, Any], t: Any, storages: list[Any],
                              f"storage of {sizes[buf]} B")
 
 
-def _bytes_of(storage: Any) -> np.ndarray:
+def _tensor_of(storage: Any) -> Any:
+    """A flat uint8 tensor over a whole storage, on its device."""
     import torch
 
-    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (int(storage.nbytes()),), (1,))
-    return flat.numpy()
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (int(storage.nbytes()),), (1,))
+
+
+def _bytes_of(storage: Any) -> np.ndarray:
+    return np.asarray(_tensor_of(storage).numpy())
 
 
 @dataclass
@@ -300,3 +324,49 @@ class HostCache:
         """One flat memoryview per range of ``block_ids``, in stream order (no copies)."""
         arrays = self.arrays
         return [memoryview(arrays[b][o:o + n].data) for b, o, n in self.placement.ranges(block_ids)]
+
+
+@dataclass
+class TensorCache:
+    """A described cache as torch tensors: one flat uint8 tensor per buffer, on the
+    cache's device (they keep the storages alive). No host view: the tcp transport
+    stages it (staging.py), nixl registers it (VRAM on a GPU), cuda_ipc exports it."""
+
+    placement: KvPlacement
+    tensors: list[Any]
+
+    @property
+    def layout(self) -> KvLayout:
+        return self.placement.layout
+
+    @property
+    def num_blocks(self) -> int:
+        return self.placement.num_blocks
+
+    @property
+    def device(self) -> Any:
+        return self.tensors[0].device
+
+    def pieces(self, block_ids: Sequence[int]) -> list[Any]:
+        """One flat byte tensor per range of ``block_ids``, in stream order (views)."""
+        ts = self.tensors
+        return [ts[b][o:o + n] for b, o, n in self.placement.ranges(block_ids)]
+
+
+def cut_pieces(local: Sequence[tuple[int, int, int]], remote: Sequence[tuple[int, int, int]]
+               ) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
+    """Cut two lists of (buffer, offset, bytes) covering the same stream at each other's
+    boundaries: piece ``i`` of the first side receives piece ``i`` of the second."""
+    out: list[tuple[tuple[int, int, int], tuple[int, int, int]]] = []
+    i = j = li = rj = 0
+    while i < len(local) and j < len(remote):
+        n = min(local[i][2] - li, remote[j][2] - rj)
+        out.append(((local[i][0], local[i][1] + li, n), (remote[j][0], remote[j][1] + rj, n)))
+        li, rj = li + n, rj + n
+        if li == local[i][2]:
+            i, li = i + 1, 0
+        if rj == remote[j][2]:
+            j, rj = j + 1, 0
+    if i < len(local) or j < len(remote):
+        raise ValueError("the prefill engine's blocks and these differ in size")
+    return out

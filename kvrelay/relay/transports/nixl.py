@@ -4,8 +4,9 @@ NIXL (NVIDIA's inference transfer library, over UCX) moves bytes between registe
 memory regions with one-sided READs; UCX picks the wire (shm/cma on one host, tcp or
 RDMA across hosts; ``UCX_TLS`` narrows it). Both sides register their whole KV cache
 once (DRAM, or VRAM when the cache is on a GPU): kvrelay's block-major cache as one
-region, vLLM's (a described layout, layout.py) as the buffers its layers view, merged
-where they touch (one storage: one registration).
+region, vLLM's (a described layout, layout.py) as the buffers its layers view: in host
+memory merged where they touch (one storage: one registration), in VRAM one
+registration per buffer (per device allocation; the device index from the tensor).
 
 P side: ``register(kv_cache)`` creates the agent, registers the cache and returns the
 descriptor D receives in the HELLO reply: the agent's metadata (its UCX address and
@@ -66,7 +67,14 @@ from kvrelay.relay.transports.base import (
     TransferStatus,
     injected_delay,
 )
-from kvrelay.relay.transports.layout import HostCache, KvLayout, KvPlacement, describe
+from kvrelay.relay.transports.layout import (
+    HostCache,
+    KvLayout,
+    KvPlacement,
+    TensorCache,
+    cut_pieces,
+    describe,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +101,10 @@ class NixlError(ConnectionError):
 
 
 def bindings() -> Any:
-    """NIXL's native bindings (``nixl-cu12``, or a ``nixl`` built from source)."""
+    """NIXL's native bindings (``nixl-cu12``; ``nixl-cu13`` on a CUDA 13 image, as the
+    lent GPUs run; or a ``nixl`` built from source)."""
     errors = []
-    for module in ("nixl_cu12._bindings", "nixl._bindings"):
+    for module in ("nixl_cu12._bindings", "nixl_cu13._bindings", "nixl._bindings"):
         try:
             return importlib.import_module(module)
         except ImportError as e:
@@ -139,8 +148,13 @@ class Regions:
         return [bufs[b][0] + off for b, off in self.placement.bases]
 
     def spans(self) -> list[tuple[int, int]]:
-        """(address, bytes) to register: the buffers, merged where they touch or
-        overlap (vLLM's layers are views of one storage: one registration)."""
+        """(address, bytes) to register: in host memory the buffers, merged where they
+        touch or overlap (vLLM's layers are views of one storage: one registration);
+        in VRAM one registration per buffer (per allocation), never merged: two device
+        allocations that happen to touch are still two (a registration may not span
+        them), and a buffer is one storage, so within one allocation."""
+        if self.mem == "VRAM":
+            return sorted(set(self.placement.buffers))
         out: list[tuple[int, int]] = []
         for a, n in sorted(self.placement.buffers):
             if out and a <= out[-1][0] + out[-1][1]:
@@ -158,11 +172,18 @@ class Regions:
 
 def regions_of(kv_cache: Any) -> Regions:
     """The regions of a block-major contiguous torch KV cache (any device), or of a
-    described host cache (layout.HostCache, as layout.layer_cache cuts vLLM's)."""
+    described cache (layout.layer_cache: a HostCache, or a TensorCache on a GPU)."""
     import torch
 
     if isinstance(kv_cache, HostCache):
         return Regions(kv_cache.placement, 0, "DRAM")
+    if isinstance(kv_cache, TensorCache):  # the memory type from the tensors' device
+        dev = kv_cache.device
+        if dev.type == "cpu":
+            return Regions(kv_cache.placement, 0, "DRAM")
+        if dev.type != "cuda":
+            raise TypeError(f"the nixl transport registers host or CUDA memory, not {dev}")
+        return Regions(kv_cache.placement, dev.index or 0, "VRAM")
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError("the nixl transport needs a KV cache tensor or a described cache "
                         "(layout.layer_cache)")
@@ -177,23 +198,11 @@ def regions_of(kv_cache: Any) -> Regions:
 def pair_rows(local: list[tuple[int, int]], remote: list[tuple[int, int]]
               ) -> tuple[np.ndarray, np.ndarray]:
     """Cut two lists of (address, bytes) covering the same stream at each other's
-    boundaries: row ``i`` of the first receives row ``i`` of the second."""
-    lo: list[tuple[int, int]] = []
-    ro: list[tuple[int, int]] = []
-    i = j = li = rj = 0
-    while i < len(local) and j < len(remote):
-        n = min(local[i][1] - li, remote[j][1] - rj)
-        lo.append((local[i][0] + li, n))
-        ro.append((remote[j][0] + rj, n))
-        li, rj = li + n, rj + n
-        if li == local[i][1]:
-            i, li = i + 1, 0
-        if rj == remote[j][1]:
-            j, rj = j + 1, 0
-    if i < len(local) or j < len(remote):
-        raise ValueError("the prefill engine's blocks and these differ in size")
-    return np.asarray(lo, dtype=np.uint64).reshape(-1, 2), np.asarray(
-        ro, dtype=np.uint64).reshape(-1, 2)
+    boundaries (layout.cut_pieces): row ``i`` of the first receives row ``i`` of the
+    second."""
+    pairs = cut_pieces([(0, a, n) for a, n in local], [(0, a, n) for a, n in remote])
+    return (np.asarray([(o, n) for (_, o, n), _ in pairs], dtype=np.uint64).reshape(-1, 2),
+            np.asarray([(o, n) for _, (_, o, n) in pairs], dtype=np.uint64).reshape(-1, 2))
 
 
 def legacy_placement(local: KvPlacement, regions: Sequence[int], num_blocks: int,

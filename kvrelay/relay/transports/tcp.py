@@ -41,7 +41,7 @@ from kvrelay.relay.transports.base import (
     on_device,
     runs,
 )
-from kvrelay.relay.transports.layout import HostCache
+from kvrelay.relay.transports.layout import HostCache, TensorCache
 from kvrelay.relay.transports.staging import StagedBlocks
 
 log = logging.getLogger(__name__)
@@ -126,12 +126,19 @@ class HostBlocks:
         recv_blocks(sock, self.kv_bytes, block_ids, cancelled)
 
 
-def block_io(kv_cache: Any, staging: bool | None = None) -> HostBlocks | StagedBlocks:
+def block_io(kv_cache: Any, staging: bool | None = None, *,
+             pinned_bytes: int | None = None) -> HostBlocks | StagedBlocks:
     """How a cache's blocks meet a socket: in place in host memory, or staged (a cache
-    in device memory; any cache with ``staging=True``)."""
+    in device memory; any cache with ``staging=True``). A described cache: in place
+    for a ``HostCache``, staged for a ``TensorCache`` (layout.layer_cache makes one for
+    a cache on a GPU). ``pinned_bytes``: the staging's page-locked memory (staging.py)."""
+    if isinstance(kv_cache, HostCache):
+        return HostBlocks(kv_cache)
     if staging is None:
-        staging = on_device(kv_cache)
-    return StagedBlocks(kv_cache) if staging else HostBlocks(byte_view(kv_cache))
+        staging = isinstance(kv_cache, TensorCache) or on_device(kv_cache)
+    if staging:
+        return StagedBlocks(kv_cache, pinned_bytes=pinned_bytes)
+    return HostBlocks(byte_view(kv_cache))
 
 
 @dataclass

@@ -73,6 +73,13 @@ class FakeIpc:
     def done(self, mark: Any) -> bool:
         return bool(mark.is_set())
 
+    def now(self, local: Any) -> Any:
+        self.copies.append([("now", len(self.copies), 0)])
+        return len(self.copies)
+
+    def after(self, local: Any, marks: list[Any]) -> None:
+        self.copies.append([("after", m, 0) for m in sorted(marks)])
+
 
 class RecordingTcp:
     """The fallback: records what it was asked to read."""

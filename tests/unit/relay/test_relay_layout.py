@@ -31,7 +31,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def views(order: str, layers: int, blocks: int, k: int, heads: int, tokens: int,
           content: int, dtype: torch.dtype, pad: int = 0, apart: bool = False,
-          fill: bool = False) -> dict[str, torch.Tensor]:
+          fill: bool = False, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Per-layer views of one buffer in ``order`` (``pad`` spare elements after each
     kernel block, as vLLM pads pages), or of one buffer each (``apart``)."""
     shape = (1 if apart else layers, blocks * k, heads, tokens, content)
@@ -40,7 +40,7 @@ def views(order: str, layers: int, blocks: int, k: int, heads: int, tokens: int,
     for dim in reversed(ORDERS[order]):
         strides[dim] = cur + (pad if dim == 1 else 0)
         cur = strides[dim] * shape[dim]
-    raws = [torch.zeros(cur, dtype=dtype) for _ in range(layers if apart else 1)]
+    raws = [torch.zeros(cur, dtype=dtype, device=device) for _ in range(layers if apart else 1)]
     if fill:
         for raw in raws:
             raw.view(torch.int16 if dtype != torch.float32 else torch.int32).random_()
@@ -173,7 +173,8 @@ def test_a_layout_the_transport_cannot_move_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="4 kernel blocks do not cut into 3 manager"):
         layer_cache(v, 3)
     meta = {"model.layers.0.attn": torch.empty(4, 2, 4, 8, device="meta")}
-    with pytest.raises(ValueError, match=r"model.layers.0.attn: .*host memory, got meta"):
+    with pytest.raises(ValueError, match=r"model.layers.0.attn: .*host memory or on a CUDA "
+                                         r"device, got meta"):
         layer_cache(meta)
     with pytest.raises(ValueError, match="no KV layers"):
         layer_cache({})

@@ -19,7 +19,8 @@ from kvrelay.relay.prefill import KvTransferParams
 from kvrelay.relay.receiver import Phase
 from kvrelay.relay.transports import nixl
 from kvrelay.relay.transports.base import TransferState
-from kvrelay.relay.transports.layout import layer_cache
+from kvrelay.relay.transports.layout import layer_cache, tensor_cache
+from kvrelay.relay.transports.staging import HostCopier, StagedBlocks
 from kvrelay.vllm import faults
 from kvrelay.vllm.decode import DecodeSide, LoadSpec, VllmKvLoads, trusts
 from kvrelay.vllm.prefill import HoldSpec, PrefillSide, VllmLeaseBlocks, prompt_digest
@@ -48,7 +49,7 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Any, .
 
     def make(lease_timeout: float = 5.0, lease_max: float = 60.0, delay: float = 0.0,
              transport: str = "tcp", d_lease_timeout: float | None = None,
-             **extra: Any) -> tuple[Any, ...]:
+             staged: bool = False, **extra: Any) -> tuple[Any, ...]:
         if delay:
             monkeypatch.setenv("KVRELAY_FAULT_TRANSFER_DELAY_S", str(delay))
         settings = ConnectorSettings(lease_timeout=lease_timeout, lease_max=lease_max,
@@ -57,8 +58,11 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Any, .
             lease_timeout=d_lease_timeout or lease_timeout,
             lease_max=max(lease_max, d_lease_timeout or 0), kv_transport=transport, **extra)
         p_cache, d_cache = vllm_like_cache(True), vllm_like_cache(False)
-        p = PrefillSide(settings, layer_cache(p_cache), "c0", "P1")
-        d = DecodeSide(d_settings, layer_cache(d_cache), "c0", "D1")
+        # staged: the caches as a GPU's would be handed over (layout.TensorCache), on
+        # CPU tensors: tcp stages them through host buffers on both sides.
+        cache = tensor_cache if staged else layer_cache
+        p = PrefillSide(settings, cache(p_cache), "c0", "P1")
+        d = DecodeSide(d_settings, cache(d_cache), "c0", "D1")
         made.extend([p, d])
         return p, d, p_cache, d_cache
 
@@ -135,6 +139,40 @@ def test_a_pull_lands_every_layer_and_releases_once(pair: Any, transport: str) -
     assert stats.pop("load_bytes") == [3 * sum(t[0].nbytes for t in p_cache.values())]
     assert stats == {"fallbacks": {}, "fence_refused": 0, "leases_ended": {"done": 1},
                      "leases_made": 1, "quarantined": 0}
+
+
+def test_a_gpu_cache_is_staged_and_its_blocks_fenced_before_lease_and_load(
+        pair: Any) -> None:
+    """The ordering of a GPU cache's copies after the forward passes: P takes its fence
+    mark on vLLM's thread before the lease exists (so before any READ of it can come),
+    D before the load is queued, and each side's staged copies wait for that mark."""
+    p, d, p_cache, d_cache = pair(staged=True)
+    assert isinstance(p.kv_blocks, StagedBlocks) and isinstance(d.kv_blocks, StagedBlocks)
+    seen: list[tuple[str, Any]] = []
+
+    class Watch(HostCopier):
+        def __init__(self, side: str) -> None:
+            self.side = side
+
+        def now(self) -> Any:
+            seen.append((f"{self.side} mark", sorted(p.table.leases)))
+            return self.side
+
+        def after(self, marks: Any) -> None:
+            seen.append((f"{self.side} waits", list(marks)))
+
+    p.kv_blocks.copier, d.kv_blocks.copier = Watch("P"), Watch("D")
+    hold, params = name_lease(p)
+    p.hold_all([hold])
+    assert seen == [("P mark", [])]  # taken while no lease existed
+    d.start([LoadSpec("d-req", params, PROMPT, [9, 10, 1], 0)], [])
+    got: dict[str, bool] = {}
+    wait_for(finished(d, got), "the load's report")
+    assert got == {"d-req": False}
+    assert seen[1] == ("D mark", [hold.lease_id])
+    assert ("P waits", ["P"]) in seen and ("D waits", ["D"]) in seen
+    for name in p_cache:
+        assert torch.equal(d_cache[name][[9, 10, 1]], p_cache[name][[5, 2, 3]])
 
 
 def test_a_tcp_transfer_wakes_the_receiver_once_its_status_is_final(pair: Any) -> None:
