@@ -48,7 +48,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "fp8", "fp8_e4m3"],
                    help="both engines' KV cache dtype (auto: --dtype)")
     p.add_argument("--quantization", default="none", choices=sorted(_SETTINGS),
                    help="none: the float weights, native GEMM against oneDNN; gguf: the "

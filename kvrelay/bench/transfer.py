@@ -22,7 +22,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -35,6 +35,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
                    help="also run across two network namespaces (root; auto: when possible)")
     p.add_argument("--no-nixl", action="store_true", help="skip the nixl transport")
+    p.add_argument("--kv-cache-dtype", default="bfloat16",
+                   choices=["bfloat16", "float32", "fp8", "fp8_e4m3"],
+                   help="the blocks' dtype: fp8 (fp8_e4m3) blocks hold head_dim codes and a "
+                   "2-byte scale per token and head (default: %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -85,11 +89,15 @@ def run(args: argparse.Namespace) -> int:
     from kvrelay.relay.transports import nixl
     from kvrelay.relay.transports.shm import ShmKvCache
 
+    kv_dtype = "fp8_e4m3" if args.kv_cache_dtype == "fp8" else args.kv_cache_dtype
     geom = KvGeometry(architecture="llama", num_layers=30, num_kv_heads=3, head_dim=64,
-                      block_size=16, dtype="bfloat16")
+                      block_size=16, dtype=kv_dtype, model_dtype="bfloat16")
+    bf16_block = replace(geom, dtype="bfloat16").block_bytes  # what the ratio is against
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(kv_dtype,
+                                                                             torch.uint8)
     nblocks = -(-args.tokens // geom.block_size)
     shape = (args.cache_blocks, geom.num_layers, 2, geom.block_size, geom.num_kv_heads,
-             geom.head_dim)
+             geom.head_elems)
     rng = random.Random(args.seed)
     remote = rng.sample(range(args.cache_blocks), nblocks)
     local = rng.sample(range(args.cache_blocks), nblocks)
@@ -106,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
 
     shm = ShmKvCache()
     with contextlib.ExitStack() as stack:
-        src = shm.factory(shape, torch.bfloat16)
+        src = shm.factory(shape, torch_dtype)
         stack.callback(shm.close)
         src.view(torch.int16).random_(-30000, 30000)
-        dst = torch.zeros(shape, dtype=torch.bfloat16)
+        dst = torch.zeros(shape, dtype=torch_dtype)
         shm_once = shm_reader(shm, dst, remote, local, stack)
         t, ref = paired(shm_once, lambda: np.copyto(ref_dst, ref_src), reps)
         rows.append(Row("shm transport", t, "numpy memcpy (contiguous)", ref))
@@ -153,7 +161,9 @@ def run(args: argparse.Namespace) -> int:
             (ns_p, addr_p), (ns_d, _) = stack.enter_context(netns.veth_pair())
             tcp_row(" across netns", ns_p, ns_d, addr_p)
             if use_nixl:
-                spec = {"shape": list(shape), "remote": remote, "local": local,
+                # the peer (nixl_peer.py) makes bfloat16 caches: the same bytes a block
+                spec = {"shape": [*shape[:-1], shape[-1] * src.element_size() // 2],
+                        "remote": remote, "local": local,
                         "repeats": reps, "seed": args.seed, "nbytes": nbytes}
                 for tls in (None, "tcp"):
                     wire = f" UCX_TLS={tls}" if tls else " (UCX chooses)"
@@ -164,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"KV of {args.tokens} tokens: {nblocks} blocks x {geom.block_bytes:,} B = "
           f"{nbytes / 1e6:.1f} MB, scattered in caches of {args.cache_blocks} blocks; "
           f"{reps} rounds, each path alternating with its reference")
+    print(f"KV cache dtype {kv_dtype}: {geom.block_bytes / bf16_block:.4f}x bfloat16's bytes "
+          f"({geom.block_bytes:,} / {bf16_block:,} B a block"
+          + (", scales included)" if geom.scale_layout else ")"))
     width = max(len(n) for r in rows for n in (r.name, r.ref_name)) + 2
     print(f"{'path':<{width}}{'GB/s best':>10}{'ms best':>9}{'ms median':>11}{'ratio':>7}")
     for r in rows:

@@ -19,6 +19,7 @@ from kvrelay.model.interface import KvCacheFactory, LoadedModel
 from kvrelay.model.interface import Tokenizer as TokenizerProtocol
 from kvrelay.model.kernels import hugepages
 from kvrelay.model.kernels.cpu import CPUINFO, cpu_has_native_bf16
+from kvrelay.model.kernels.native import NativeBackend
 from kvrelay.model.model import LlamaModel
 from kvrelay.model.runner import ModelRunner
 from kvrelay.model.sampling.grammar import GrammarMasks, GrammarTokenizer
@@ -37,8 +38,12 @@ DTYPE_CHOICES = ("auto", *_DTYPES)
 # as stored (vLLM's name)
 QUANTIZATION_CHOICES = ("auto", "none", "gguf")
 # --kv-cache-dtype (vLLM's flag): auto keeps the model's dtype; bfloat16 under a float32
-# model halves the bytes a decode step reads from the cache (and the cache's memory).
-KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+# model halves the bytes a decode step reads from the cache (and the cache's memory);
+# fp8 (vLLM's name for fp8_e4m3) keeps e4m3 codes and a float16 scale per token and head
+# under either model dtype: about a quarter of float32's bytes (docs/model.md).
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
+_KV_ALIASES = {"fp8": "fp8_e4m3"}
+FP8_KV = "fp8_e4m3"
 
 
 @dataclass
@@ -94,7 +99,9 @@ def load_model(
     file with such weights where the native kernels run, else ``none`` (docs/model.md).
     ``kv_cache_dtype``: the KV cache's dtype, ``auto`` the model's; K and V are rounded
     to it when written and read back into the model's dtype (engines exchange KV only
-    when theirs are equal: it is part of the geometry)."""
+    when theirs are equal: it is part of the geometry). ``fp8``/``fp8_e4m3``: a uint8
+    cache of e4m3 codes with a float16 scale per token and head after each head's codes
+    (shape [..., head_dim + 2]), native kernels only."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization {quantization!r} is not supported; supported: "
                          f"{', '.join(QUANTIZATION_CHOICES)}")
@@ -112,11 +119,14 @@ def load_model(
         dtype = auto_dtype(model_path, device)
     elif dtype == "bfloat16" and torch.device(device).type == "cpu":
         refuse_slow_bfloat16()
-    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    if kv_dtype != dtype and not (dtype == "float32" and kv_dtype == "bfloat16"):
+    kv_dtype = dtype if kv_cache_dtype == "auto" else _KV_ALIASES.get(kv_cache_dtype,
+                                                                       kv_cache_dtype)
+    fp8 = kv_dtype == FP8_KV
+    if kv_dtype != dtype and not (dtype == "float32" and kv_dtype == "bfloat16") and not (
+            fp8 and dtype in ("float32", "bfloat16")):
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} under dtype {dtype!r} is not "
-                         f"supported: the cache takes the model's dtype (auto) or, under "
-                         f"float32, bfloat16")
+                         f"supported: the cache takes the model's dtype (auto), fp8 under "
+                         f"float32 or bfloat16, or, under float32, bfloat16")
     cfg, state, tokenizer, freq_factors = _read(model_path)
     quantized = None
     if quantization == "gguf":
@@ -124,7 +134,7 @@ def load_model(
     elif quantization == "auto" and model_path.suffix.lower() == ".gguf":
         quantized = _quantized(model_path, required=False)
     torch_dtype = _DTYPES[dtype]
-    kv_torch_dtype = _DTYPES[kv_dtype]
+    kv_torch_dtype = torch.uint8 if fp8 else _DTYPES[kv_dtype]
     dev = torch.device(device)
     limit = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
     max_len = min(max_model_len or limit, limit)
@@ -134,6 +144,8 @@ def load_model(
         quantized_optional=quantization == "auto",
     )
     del state
+    if fp8:
+        take_fp8_cache(model)
     geometry = KvGeometry(
         architecture=cfg.architecture,
         num_layers=cfg.num_layers,
@@ -147,7 +159,8 @@ def load_model(
     graphs = graphs_wanted(dev, enforce_eager, model.backend)
     # With graphs the cache has one block more than the pool is told of: the scratch
     # block that padded decode rows write into, which no request can ever own.
-    shape = (n_blocks + graphs, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (n_blocks + graphs, cfg.num_layers, 2, block_size, cfg.num_kv_heads,
+             geometry.head_elems)
     if kv_cache_factory is not None:
         kv_cache = kv_cache_factory(shape, kv_torch_dtype)
         if (
@@ -181,6 +194,18 @@ def load_model(
         path=model_path,
         dtype=dtype,
     )
+
+
+def take_fp8_cache(model: LlamaModel) -> None:
+    """An fp8 cache is read where it lies by the native kernels only (no dequantized copy
+    of the cache): a ValueError naming why they cannot run, else their prompt chunks stay
+    on the native tiles (SDPA and the AMX kernel read float rows)."""
+    backend = model.backend
+    if not isinstance(backend, NativeBackend):
+        why = getattr(backend, "native_off", "") or "the torch kernels were chosen"
+        raise ValueError(f"--kv-cache-dtype fp8 needs the native CPU kernels (AVX2 + FMA + "
+                         f"F16C or AVX-512), which cannot run here: {why}")
+    backend.take_fp8_cache()
 
 
 def auto_dtype(path: Path, device: str = "cpu") -> str:

@@ -72,6 +72,7 @@ class RelayClient:
         transport: str,
         client_id: str,
         layout: str = "block_major",
+        kv_dtype: str = "",
         secret: bytes | None = None,
         connect_timeout: float = 2.0,
         io_timeout: float = 30.0,
@@ -81,6 +82,7 @@ class RelayClient:
     ) -> None:
         self.compat = compat
         self.layout = layout
+        self.kv_dtype = kv_dtype
         self.transport = transport
         self.client_id = client_id
         self.secret = secret
@@ -116,7 +118,7 @@ class RelayClient:
             if not isinstance(challenge, P.Challenge):
                 raise P.ProtocolError("the relay did not send a challenge")
             hello = P.Hello(0, P.PROTOCOL_VERSION, self.compat, self.layout, self.transport,
-                            self.client_id)
+                            self.client_id, kv_dtype=self.kv_dtype)
             if self.secret is not None:
                 hello.nonce = secrets.token_bytes(16)
                 hello.mac = P.hello_mac(self.secret, challenge.nonce, hello)

@@ -111,6 +111,9 @@ class Hello(msgspec.Struct, tag="hello"):
     client_id: str
     nonce: bytes = b""  # D's, for P's proof of the secret in its reply
     mac: bytes = b""
+    # D's KV cache dtype (KvGeometry.dtype; "" from an older D), only so that a refusal
+    # can name both engines' dtypes: compat (in the mac) already covers it.
+    kv_dtype: str = ""
 
 
 class Acquire(msgspec.Struct, tag="acquire"):

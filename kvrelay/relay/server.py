@@ -75,6 +75,7 @@ class ServerStats:
 class RelayServerConfig:
     compat: str
     layout: str = "block_major"
+    kv_dtype: str = ""  # KvGeometry.dtype: named in a HELLO refusal beside the decode side's
     host: str = "127.0.0.1"  # what the relay port binds (may be a wildcard: 0.0.0.0, ::)
     port: int = 0
     # The host decode engines are told to dial (kv_transfer_params' relay, and the
@@ -402,6 +403,14 @@ class RelayServer:
                        hello.client_id)
             raise P.ProtocolError("hello is not authenticated: wrong or missing relay secret",
                                   E.AUTH_FAILED)
+        if hello.compat != cfg.compat and hello.kv_dtype and cfg.kv_dtype and (
+                hello.kv_dtype != cfg.kv_dtype):
+            raise P.ProtocolError(
+                f"KV cache dtype mismatch: this prefill engine's KV cache is {cfg.kv_dtype}, "
+                f"the decode engine's is {hello.kv_dtype}; start both with the same "
+                f"--kv-cache-dtype (compat {cfg.compat} vs {hello.compat})",
+                E.REFUSED,
+            )
         if hello.compat != cfg.compat or hello.layout != cfg.layout:
             raise P.ProtocolError(
                 f"model/KV mismatch: this prefill engine has compat {cfg.compat} layout "

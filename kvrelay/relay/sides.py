@@ -86,7 +86,7 @@ def check_transport(kv_transport: str, kv_cache: Any) -> None:
 
 def build_prefill_side(
     blocks: LeaseBlocks, settings: SideSettings, *, engine_id: str, compat: str,
-    kv_cache: Any, kv_blocks: Any, layout: str = "block_major",
+    kv_cache: Any, kv_blocks: Any, layout: str = "block_major", kv_dtype: str = "",
     shm: dict[str, Any] | None = None,
     lock: threading.Lock | None = None, clock: Callable[[], float] = time.monotonic,
 ) -> PrefillParts:
@@ -99,7 +99,7 @@ def build_prefill_side(
     cfg = RelayServerConfig(
         compat=compat, host=settings.relay_host, port=settings.relay_port,
         advertise_host=settings.relay_advertise_host,
-        secret=settings.secret, transports=transports, layout=layout,
+        secret=settings.secret, transports=transports, layout=layout, kv_dtype=kv_dtype,
         send_timeout=settings.lease_timeout,
         idle_timeout=max(120.0, 2 * settings.lease_timeout))
     server = RelayServer(table, lock or threading.Lock(), cfg, kv_blocks=kv_blocks,
@@ -135,7 +135,8 @@ def _served(settings: SideSettings, kv_cache: Any, shm: dict[str, Any] | None,
 
 def build_decode_side(
     loads: KvLoads, settings: SideSettings, *, engine_id: str, compat: str, kv_cache: Any,
-    kv_blocks: Any = None, layout: str = "block_major", policy: Policy = Policy.RECOMPUTE,
+    kv_blocks: Any = None, layout: str = "block_major", kv_dtype: str = "",
+    policy: Policy = Policy.RECOMPUTE,
     new_attempt: Callable[[], str] | None = None,
 ) -> DecodeParts:
     """A receiver over ``loads`` with its relay client(s) and transport. ``kv_cache``:
@@ -144,7 +145,7 @@ def build_decode_side(
 
     def client(transport: str) -> RelayClient:
         return RelayClient(compat=compat, transport=transport, client_id=engine_id,
-                           layout=layout, secret=settings.secret,
+                           layout=layout, kv_dtype=kv_dtype, secret=settings.secret,
                            io_timeout=settings.io_timeout)
 
     def tcp(c: RelayClient) -> TcpTransport:

@@ -192,7 +192,7 @@ def build_prefill(
     side = build_prefill_side(
         PoolLeaseBlocks(pool), side_settings(args), engine_id=new_engine_id(),
         compat=model.kv_geometry.compat_hash(model.name), kv_cache=model.kv_cache,
-        kv_blocks=block_io(model.kv_cache),
+        kv_blocks=block_io(model.kv_cache), kv_dtype=model.kv_geometry.dtype,
         shm=shm.descriptor() if shm is not None else None)
     # Registered after the CLI's shm.close, so it runs first: no read outlives the cache.
     atexit.register(side.server.close)
@@ -210,5 +210,5 @@ def build_decode(
     side = build_decode_side(
         EngineKvLoads(engine), side_settings(args), engine_id=new_engine_id(),
         compat=model.kv_geometry.compat_hash(model.name), kv_cache=model.kv_cache,
-        policy=Policy(args.kv_load_failure_policy))
+        kv_dtype=model.kv_geometry.dtype, policy=Policy(args.kv_load_failure_policy))
     return engine, DecodeHooks(side.receiver, side.clients)

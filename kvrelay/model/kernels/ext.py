@@ -18,8 +18,9 @@ _load_error: str | None = None
 # The bindings' version (csrc/bindings.cpp, m.attr("API")): 2 since attention() takes
 # skip_from and skip_tokens (ints) where it took skip_fresh (a bool); 3 since every
 # attention tile scores in one order (a module from older sources would run without
-# error but answer otherwise once a prompt's prefix is cached: docs/model.md).
-API = 3
+# error but answer otherwise once a prompt's prefix is cached: docs/model.md); 4 since
+# attention() takes a uint8 cache (--kv-cache-dtype fp8_e4m3: codes and scales).
+API = 4
 
 
 def load() -> ModuleType | None:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.model.config import ModelConfig
+from kvrelay.model.kernels import choice as kernel_choice
 from kvrelay.model.kernels.attention import ChunkSpec
 from kvrelay.model.kernels.backend import StepMetadata
 from kvrelay.model.kernels.ext import load
@@ -68,6 +69,14 @@ class NativeBackend:
         # where SDPA would take prompt chunks, the AMX kernel takes every one if it can
         self.prefill_amx = self.sdpa_from is not None and prefill_amx_available(mod, dtype, cfg)
         self._triangles: dict[torch.dtype, torch.Tensor] = {}
+
+    def take_fp8_cache(self) -> None:
+        """An fp8 cache (uint8 codes and scales): every prompt chunk attends on the native
+        tiles, which dequantize per chunk of 16 rows; SDPA and the AMX kernel take float
+        rows."""
+        self.sdpa_from = None
+        self.prefill_amx = False
+        kernel_choice.record_prompt_attention(self.prompt_route())
 
     def prompt_route(self) -> str:
         """Where prompt chunks attend (kernel_choice.record_prompt_attention): ``amx``,

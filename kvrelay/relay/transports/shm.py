@@ -49,7 +49,9 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "kvrelay-"
 _SEGMENT_NAME = re.compile(r"kvrelay-(\d+)-(\d+)-[0-9a-f]{32}")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# uint8: an fp8_e4m3 cache's storage (codes and scales: geometry.py)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "uint8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _CREATED_HERE: set[str] = set()  # segments this process created (and will unlink)
 

@@ -55,9 +55,9 @@ def test_a_bfloat16_cache_holds_half_the_bytes_and_the_logits_stay_close(
 
 
 def test_kv_cache_dtypes_that_are_refused(tiny: str) -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' is not supported; supported: "
-                                         "auto, float32, bfloat16"):
-        LLM(tiny, dtype="float32", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' is not supported; "
+                                         "supported: auto, float32, bfloat16, fp8, fp8_e4m3"):
+        LLM(tiny, dtype="float32", kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="under dtype 'bfloat16' is not supported"):
         LLM(tiny, dtype="bfloat16", kv_cache_dtype="float32")
     # the model's own dtype, named, is the same as auto
@@ -71,7 +71,7 @@ def test_generate_takes_the_flag(tiny: str, capsys: pytest.CaptureFixture[str]) 
     assert main(["generate", "--model", tiny, "--dtype", "float32", "--kv-cache-dtype",
                  "bfloat16", "--max-tokens", "3", "hi"]) == 0
     with pytest.raises(SystemExit) as e:
-        main(["generate", "--model", tiny, "--kv-cache-dtype", "fp8", "hi"])
+        main(["generate", "--model", tiny, "--kv-cache-dtype", "fp8_e5m2", "hi"])
     assert e.value.code == 2
     assert "--kv-cache-dtype" in capsys.readouterr().err
 
@@ -90,3 +90,24 @@ def test_the_compat_hash_tells_the_models_dtype_apart() -> None:
     assert geom("bfloat16", "bfloat16").compat_hash("m") == plain
     assert geom("bfloat16", "float32").compat_hash("m") != plain
     assert geom("float32", "float32").compat_hash("m") == geom("float32").compat_hash("m")
+
+
+def test_the_compat_hash_is_unchanged_for_the_dtypes_before_fp8() -> None:
+    """Engines of this version and the one before fp8 still exchange KV: the hashes of
+    the default model's geometries, as that version computed them, pinned."""
+    from kvrelay.relay.geometry import KvGeometry
+
+    def geom(dtype: str, model_dtype: str) -> KvGeometry:
+        return KvGeometry("llama", 30, 3, 64, 16, dtype, model_dtype=model_dtype)
+
+    name = "SmolLM2-135M-Instruct"
+    assert geom("float32", "").compat_hash(name) == "519fc1abd3ef9a70"
+    assert geom("float32", "float32").compat_hash(name) == "519fc1abd3ef9a70"
+    assert geom("bfloat16", "float32").compat_hash(name) == "755783a04a31670e"
+    assert geom("bfloat16", "bfloat16").compat_hash(name) == "e60c2e5bfe91a84a"
+    assert geom("bfloat16", "bfloat16").block_bytes == 368_640  # MODEL_NOTES.md
+    fp8 = geom("fp8_e4m3", "bfloat16")
+    assert fp8.scale_layout and fp8.compat_hash(name) not in (
+        "e60c2e5bfe91a84a", geom("fp8_e4m3", "float32").compat_hash(name))
+    # 30 layers x (K, V) x 16 tokens x 3 heads x (64 codes + a 2-byte scale)
+    assert fp8.block_bytes == 30 * 2 * 16 * 3 * 66 == 190_080

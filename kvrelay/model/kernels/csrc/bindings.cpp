@@ -211,7 +211,9 @@ DType dtype_of(const torch::Tensor& t) {
 
 // The kernels for activations like t and, for attention, a KV cache like cache.
 const Kernels* kernels_for(const torch::Tensor& t, const torch::Tensor* cache = nullptr) {
-  const DType dt = dtype_of(t), ct = cache != nullptr ? dtype_of(*cache) : dt;
+  const DType dt = dtype_of(t);
+  const DType ct = cache == nullptr ? dt
+                   : cache->scalar_type() == torch::kByte ? DType::FP8 : dtype_of(*cache);
   if (isa() == "avx512") return kernels_avx512(dt, ct);
   TORCH_CHECK(isa() == "avx2", "kvrelay native kernels need AVX2 or AVX-512");
   return kernels_avx2(dt, ct);
@@ -340,10 +342,15 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv width must be (H + 2 KVH) * D");
   TORCH_CHECK(H % KVH == 0 && D % 16 == 0 && D <= 512,
               "native attention needs head_dim a multiple of 16, at most 512");
-  TORCH_CHECK(cache.is_contiguous() && (cache.dtype() == qkv.dtype() ||
+  // uint8: an fp8_e4m3 cache, each head's D codes followed by its float16 scale
+  const bool fp8 = cache.scalar_type() == torch::kByte;
+  TORCH_CHECK(cache.is_contiguous() && (cache.dtype() == qkv.dtype() || fp8 ||
                                          (qkv.scalar_type() == torch::kFloat32 &&
                                           cache.scalar_type() == torch::kBFloat16)),
-              "cache: contiguous, qkv's dtype or bfloat16 under float32");
+              "cache: contiguous, qkv's dtype, bfloat16 under float32, or uint8 (fp8_e4m3 "
+              "codes and scales)");
+  TORCH_CHECK(!fp8 || cache.size(-1) == D + kFp8ScaleBytes,
+              "an fp8 cache's rows hold head_dim codes and a 2-byte scale per head");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == torch::kFloat32 &&
                   sin.dtype() == torch::kFloat32 && cos.size(1) == D,
               "cos/sin: contiguous float32 (max_len, D)");
@@ -355,7 +362,8 @@ torch::Tensor attention(torch::Tensor& qkv, const torch::Tensor& positions,
               "positions, k_rows, seqs, tables: contiguous, one position and row per token");
   const Kernels* k = kernels_for(qkv, &cache);
   auto out = torch::empty({T, H * D}, qkv.options());
-  const int64_t es = qkv.element_size(), ces = cache.element_size(), row = KVH * D;
+  const int64_t es = qkv.element_size(), ces = cache.element_size();
+  const int64_t row = KVH * (fp8 ? D + kFp8ScaleBytes : D);  // cache elements a token
   AttnGeom g{int(H), int(KVH), int(D), int(bs), qkv.stride(0), H * D,
              layers * 2 * bs * row, layer * 2 * bs * row, float(1.0 / std::sqrt(double(D)))};
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -987,7 +995,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvrelay native CPU kernels (see kvrelay/model/native.py)";
   // native.API: bumped whenever a binding's signature changes meaning, so a module built
   // from older sources is refused at load (pybind11 would, say, take an int for a bool).
-  m.attr("API") = 3;
+  m.attr("API") = 4;
   m.def("isa", &kvr::isa, "the instruction set the kernels run with");
   m.def("set_isa", &kvr::set_isa, "use the kernels of an instruction set this CPU has");
   m.def("max_threads", []() { return omp_get_max_threads(); });

@@ -6,8 +6,11 @@
 
 namespace kvr {
 
-// Element types: float32 and bfloat16 (stored as uint16_t bits).
-enum class DType : int { F32 = 0, BF16 = 1 };
+// Element types: float32 and bfloat16 (stored as uint16_t bits); FP8 only as a KV cache's
+// (--kv-cache-dtype fp8_e4m3): each head's D codes (e4m3fn bytes) then its scale, 2 bytes
+// of float16, so a token's row of one head is D + 2 bytes (kFp8ScaleBytes).
+enum class DType : int { F32 = 0, BF16 = 1, FP8 = 2 };
+constexpr int kFp8ScaleBytes = 2;
 
 struct AttnGeom {
   int H, KVH, D, bs;

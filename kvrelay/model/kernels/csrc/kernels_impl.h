@@ -32,6 +32,67 @@ template <> inline bf16 from_f<bf16>(float x) {
 // What the torch path rounds to between ops: identity for float32.
 template <typename T> static inline float round_t(float x) { return to_f(from_f<T>(x)); }
 
+// --kv-cache-dtype fp8_e4m3: a head's row is D e4m3fn codes (1 sign, 4 exponent bits of
+// bias 7, 3 mantissa bits; no infinities, 0x7f NaN, largest 448) and a float16 scale
+// s = fp16(amax / 448), code = e4m3(x / s) rounded to nearest even and saturated, as
+// torch's `(x / s).clamp(-448, 448).to(torch.float8_e4m3fn)`: the write and
+// tests/unit/model/test_kv_fp8.py's reference agree bit for bit.
+typedef uint8_t f8;
+template <typename C> constexpr bool is_f8 = sizeof(C) == 1;
+
+static inline uint8_t f8_encode(float y) {
+  const uint8_t sign = uint8_t((__builtin_bit_cast(uint32_t, y) >> 24) & 0x80u);
+  const float a = __builtin_fabsf(y);
+  if (!(a < 448.f)) return sign | 0x7e;
+  if (a < 0.015625f) return sign | uint8_t(__builtin_nearbyintf(a * 512.f));  // 2^-9 steps
+  uint32_t v = __builtin_bit_cast(uint32_t, a);
+  v += 0x7ffffu + ((v >> 20) & 1u);  // round to 3 mantissa bits, nearest even
+  const uint32_t code = ((((v >> 23) - 120u) << 3) | ((v >> 20) & 7u));
+  return sign | uint8_t(code > 0x7e ? 0x7e : code);
+}
+
+// One head's D values (float32, as rounded to the model's dtype) to its fp8 row.
+static inline void f8_store_head(const float* __restrict x, int D, uint8_t* __restrict dst) {
+  float amax = 0.f;
+  for (int d = 0; d < D; ++d) amax = __builtin_fmaxf(amax, __builtin_fabsf(x[d]));
+  const uint16_t sb = uint16_t(_cvtss_sh(amax / 448.f, _MM_FROUND_TO_NEAREST_INT));
+  const float s = _cvtsh_ss(sb);
+  for (int d = 0; d < D; ++d) dst[d] = s > 0.f ? f8_encode(x[d] / s) : uint8_t(0);
+  __builtin_memcpy(dst + D, &sb, 2);
+}
+
+static inline float f8_scale(const uint8_t* head_row, int D) {
+  uint16_t sb;
+  __builtin_memcpy(&sb, head_row + D, 2);
+  return _cvtsh_ss(sb);
+}
+
+// dst[d] = e4m3(src[d]) * s for one head's row, exactly (as `code.float() * s` in
+// float32): each code's sign and 7 magnitude bits, moved into a float16's (sign << 8,
+// magnitude << 7), are the value times 2^-8, subnormals included; F16C widens them.
+static inline void f8_load_head(const uint8_t* __restrict src, float* __restrict dst, int D,
+                                float s) {
+#if KVR_ATTN_LANES == 16
+  const __m512 sv = _mm512_set1_ps(s * 256.f);
+  const __m256i sg = _mm256_set1_epi16(0x80), mg = _mm256_set1_epi16(0x7f);
+  for (int d = 0; d < D; d += 16) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(src + d)));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, sg), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(w, mg), 7));
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtph_ps(h), sv));
+  }
+#else
+  const __m256 sv = _mm256_set1_ps(s * 256.f);
+  const __m128i sg = _mm_set1_epi16(0x80), mg = _mm_set1_epi16(0x7f);
+  for (int d = 0; d < D; d += 8) {
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(src + d)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, sg), 8),
+                                   _mm_slli_epi16(_mm_and_si128(w, mg), 7));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(h), sv));
+  }
+#endif
+}
+
 #include "softmax.h"
 #include "transpose.h"
 
@@ -90,6 +151,12 @@ static void silu_mul_row(const void* xv, void* outv, int n) {
   }
 }
 
+template <typename T>
+static inline void load_f32(const T* __restrict src, float* __restrict dst, int D) {
+#pragma omp simd
+  for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]);
+}
+
 // x * cos + swap_halves(x) * signed_sin, as RotaryTable.apply (sin arrives signed):
 // rounded to T, then stored as O (the KV cache's dtype for k: as torch's .to()).
 template <typename T, typename O = T>
@@ -114,14 +181,25 @@ static void rope_write_token(void* qkvv, const float* cos, const float* sin, int
   T* qkv = (T*)qkvv;
   for (int h = 0; h < H; ++h) rotate(qkv + h * D, qkv + h * D, cos, sin, D);
   T* k = qkv + H * D;
-  for (int h = 0; h < KVH; ++h) rotate(k + h * D, (C*)kd + h * D, cos, sin, D);
   const T* v = k + KVH * D;
-  if constexpr (sizeof(T) == sizeof(C)) {
-    __builtin_memcpy(vd, v, sizeof(T) * KVH * D);
+  if constexpr (is_f8<C>) {  // per head: D codes and the scale (kFp8ScaleBytes)
+    float f[512];
+    const int hs = D + kFp8ScaleBytes;
+    for (int h = 0; h < KVH; ++h) {
+      rotate(k + h * D, f, cos, sin, D);
+      f8_store_head(f, D, (f8*)kd + h * hs);
+      load_f32(v + h * D, f, D);
+      f8_store_head(f, D, (f8*)vd + h * hs);
+    }
   } else {
-    C* out = (C*)vd;
+    for (int h = 0; h < KVH; ++h) rotate(k + h * D, (C*)kd + h * D, cos, sin, D);
+    if constexpr (sizeof(T) == sizeof(C)) {
+      __builtin_memcpy(vd, v, sizeof(T) * KVH * D);
+    } else {
+      C* out = (C*)vd;
 #pragma omp simd
-    for (int i = 0; i < KVH * D; ++i) out[i] = from_f<C>(to_f(v[i]));
+      for (int i = 0; i < KVH * D; ++i) out[i] = from_f<C>(to_f(v[i]));
+    }
   }
 }
 
@@ -136,11 +214,6 @@ constexpr int kW = KVR_ATTN_LANES;
 constexpr int kP = 16 / kW;  // vectors per 16 floats
 typedef float vw __attribute__((vector_size(kW * 4)));
 
-template <typename T>
-static inline void load_f32(const T* __restrict src, float* __restrict dst, int D) {
-#pragma omp simd
-  for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]);
-}
 
 // Scores of query rows [r0, rows) against a chunk of `nk` <= 16 key rows kf (float32,
 // D each, `ks` floats apart): row r sees the chunk's keys [0, lim(r)). DT: head_dim
@@ -271,7 +344,8 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
   const int G = g.H / g.KVH, D = DT ? DT : g.D, heads = all ? g.KVH : 1;
   const int hrows = t.n * G, rows = hrows * heads, h0 = all ? 0 : t.kvh;
   const int ctx = t.pos0 + t.n;  // context of the tile's last query
-  const int64_t row_elems = int64_t(g.KVH) * D;
+  const int hs = is_f8<C> ? D + kFp8ScaleBytes : D;  // a head's elements in a cache row
+  const int64_t row_elems = int64_t(g.KVH) * hs;
   const int width = heads * D;         // elements of a token's K (or V) row the tile reads
   float* q = scratch;                  // rows x D, scaled
   float* acc = q + rows * D;           // rows x D
@@ -286,7 +360,7 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
 #pragma omp simd
       for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]) * g.scale;
     }
-  const C* cache = (const C*)cachev + g.layer_off + int64_t(h0) * D;
+  const C* cache = (const C*)cachev + g.layer_off + int64_t(h0) * hs;
   const int64_t v_off = int64_t(g.bs) * row_elems;
   for (int pass = 0; pass < 2; ++pass) {
     for (int p = 0; p < ctx;) {
@@ -299,10 +373,10 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
         // cannot guess: ask for its rows now, they arrive while this chunk computes.
         const int pn = p + nk, bn = pn / g.bs, offn = pn - bn * g.bs;
         const bool whole = t.whole_rows || all;
-        const C* head0 = whole ? cache - int64_t(h0) * D : cache;
+        const C* head0 = whole ? cache - int64_t(h0) * hs : cache;
         const char* nxt = (const char*)(head0 + t.table[bn] * g.block_stride +
                                         (pass ? v_off : 0) + offn * row_elems);
-        const int lines = int((whole ? row_elems : D) * int64_t(sizeof(C)) + 63) / 64;
+        const int lines = int((whole ? row_elems : hs) * int64_t(sizeof(C)) + 63) / 64;
         for (int j = 0; j < kChunk && pn + j < ctx && offn + j < g.bs; ++j)
           for (int l = 0; l < lines; ++l)
             __builtin_prefetch(nxt + (j * row_elems) * int64_t(sizeof(C)) + l * 64);
@@ -313,6 +387,12 @@ static void attend_d(const void* qv, void* outv, const void* cachev, const AttnG
       if constexpr (sizeof(C) == sizeof(float)) {
         rows_f = (const float*)src;
         stride = row_elems;
+      } else if constexpr (is_f8<C>) {  // each head's codes times its own scale
+        for (int j = 0; j < nk; ++j)
+          for (int h = 0; h < heads; ++h) {
+            const f8* hr = (const f8*)src + j * row_elems + h * hs;
+            f8_load_head(hr, kf + j * width + h * D, D, f8_scale(hr, D));
+          }
       } else {
         for (int j = 0; j < nk; ++j) load_f32(src + j * row_elems, kf + j * width, width);
       }
@@ -363,8 +443,10 @@ static const Kernels* make_table() {
 }
 
 // dt: the activations' dtype, cache: the KV cache's (--kv-cache-dtype: the model's,
-// or bfloat16 under float32; bindings.cpp checks).
+// bfloat16 under float32, or fp8_e4m3 under either; bindings.cpp checks).
 static const Kernels* table(DType dt, DType cache) {
+  if (cache == DType::FP8)
+    return dt == DType::BF16 ? make_table<bf16, f8>() : make_table<float, f8>();
   if (dt == DType::BF16) return make_table<bf16, bf16>();
   return cache == DType::BF16 ? make_table<float, bf16>() : make_table<float, float>();
 }
