@@ -407,7 +407,7 @@ class RelayServer:
                 hello.kv_dtype != cfg.kv_dtype):
             raise P.ProtocolError(
                 f"KV cache dtype mismatch: this prefill engine's KV cache is {cfg.kv_dtype}, "
-                f"the decode engine's is {hello.kv_dtype}; start both with the same "
+                f"the decode engine's is {hello.kv_dtype[:32]}; start both with the same "
                 f"--kv-cache-dtype (compat {cfg.compat} vs {hello.compat})",
                 E.REFUSED,
             )
