@@ -66,11 +66,11 @@ test-vllm34: vllm-venv
 
 # The slow vLLM variants, not in `make test`: nixl inside the connector and an abort storm
 # on a pair of their own (~6 min); speculative decoding on D, a pair per method (2-4 min
-# each); a sliding-window model (~2 min).
+# each); a sliding-window model (~2 min); vLLM's fp8 KV cache (~3 min).
 test-vllm-slow: vllm-venv
 	KVRELAY_VLLM_VENV=$(VLLM_VENV) KVRELAY_REQUIRE_VLLM=1 KVRELAY_VLLM_SLOW=1 \
 		$(PY) -m pytest -q tests/vllm/test_vllm_slow.py tests/vllm/test_vllm_spec.py \
-		tests/vllm/test_vllm_window.py
+		tests/vllm/test_vllm_window.py tests/vllm/test_vllm_fp8.py
 
 # Tensor and data parallelism inside vLLM: the TP 2 pair with the abort storm and a P of
 # another size refused, then a DP 2 engine on offset relay ports (~6 min, one at a time).

@@ -43,7 +43,7 @@ from kvrelay.vllm.api import (
     KVConnectorTransferResults,
 )
 from kvrelay.vllm.decode import UNTRUSTED, DecodeSide, LoadSpec, rank_entries, trusts
-from kvrelay.vllm.devices import buffer_device, worker_cache
+from kvrelay.vllm.devices import buffer_device, kv_cache_dtype, worker_cache
 from kvrelay.vllm.drafter import drafter_of, target_layers
 from kvrelay.vllm.prefill import HoldSpec, PrefillSide, prompt_digest
 from kvrelay.vllm.settings import ConnectorSettings, relay_cpus, run_on_relay_cpus
@@ -260,7 +260,11 @@ class KvRelayConnector(KVConnectorBase_V1):
             head_dim=mc.get_head_size(), block_size=self.block_size,
             dtype=str(first.dtype).removeprefix("torch."), layout=layout.name)
         rank, worker = _worker_index(self._vllm_config)
+        kv_dtype, scales = kv_cache_dtype(self._vllm_config, list(kv_caches),
+                                          geometry.dtype)
         model_id = f"vllm:{mc.served_model_name}"
+        if scales:  # an 8-bit cache: its format and the scales its bytes are read under
+            model_id += f"|kv={kv_dtype}|scales={scales}"
         if self.tp_size > 1:  # each rank holds its own heads: pulled by D's same rank
             model_id += f"|tp{rank}/{self.tp_size}"
         compat = geometry.compat_hash(model_id)
@@ -269,12 +273,13 @@ class KvRelayConnector(KVConnectorBase_V1):
         # not on the core vLLM bound this thread to.
         if self.producer:
             self.prefill = run_on_relay_cpus(self.settings, lambda: PrefillSide(
-                self.settings, cache, compat, engine_id, self._ready, worker=worker))
+                self.settings, cache, compat, engine_id, self._ready, worker=worker,
+                kv_dtype=kv_dtype))
             _check_reachable(self.prefill.server.address)
         if self.consumer:
             self.decode = run_on_relay_cpus(self.settings, lambda: DecodeSide(
                 self.settings, cache, compat, engine_id, self._ready, rank=rank,
-                workers=self.tp_size))
+                workers=self.tp_size, kv_dtype=kv_dtype))
         log.info("kvrelay: worker relay threads on CPUs %s (block layout %s, compat %s)",
                  _ranges(relay_cpus(self.settings)), layout.name, compat)
 

@@ -216,7 +216,7 @@ class DecodeSide:
     def __init__(self, settings: ConnectorSettings, cache: HostCache | TensorCache,
                  compat: str, engine_id: str,
                  ready: threading.Event | None = None, *, rank: int = 0,
-                 workers: int = 1) -> None:
+                 workers: int = 1, kv_dtype: str = "") -> None:
         self.settings = settings
         # This worker's tensor-parallel rank among ``workers``: it pulls its own heads,
         # from the lease of P's worker of the same rank (``rank_entries``).
@@ -229,7 +229,7 @@ class DecodeSide:
         parts = build_decode_side(
             self.loads, settings.sides(), engine_id=engine_id, compat=compat,
             kv_cache=cache, kv_blocks=self.kv_blocks, layout=cache.layout.name,
-            policy=Policy.RECOMPUTE, new_attempt=lambda: secrets.token_hex(8))
+            kv_dtype=kv_dtype, policy=Policy.RECOMPUTE, new_attempt=lambda: secrets.token_hex(8))
         self.receiver, self.transport = parts.receiver, parts.transport
         self.client = parts.clients[0]
         if isinstance(self.transport, TcpTransport):

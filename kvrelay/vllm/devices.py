@@ -1,4 +1,5 @@
-"""Where the worker's KV cache lives, and what each transport makes of it.
+"""Where the worker's KV cache lives, what each transport makes of it, and the dtype
+its bytes are read under (``kv_cache_dtype``).
 
 vLLM hands ``register_kv_caches`` per-layer views in host memory (vLLM-CPU) or on a
 CUDA device. ``worker_cache`` describes them (layout.layer_cache: a ``HostCache`` or a
@@ -26,6 +27,7 @@ thread: P before it makes a step's leases, D before it queues a step's loads).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -95,3 +97,34 @@ def fence(targets: Sequence[Any], block_ids: list[int]) -> None:
     for t in targets:
         if isinstance(t, StagedBlocks | CudaIpcTransport):
             t.fence(block_ids)
+
+
+def kv_cache_dtype(vllm_config: Any, layer_names: list[str], tensor_dtype: str
+                   ) -> tuple[str, str]:
+    """(the KV cache dtype P and D must share, a digest of the per-layer k/v scales; ''
+    where the cache is not quantized). vLLM keeps an fp8 cache (``--kv-cache-dtype
+    fp8``, ``fp8_e4m3``, ``fp8_e5m2``) in uint8 tensors and reads each layer's bytes
+    under that layer's k and v scales (``_k_scale_float``, ``_v_scale_float``: 1.0, or
+    the checkpoint's): the relay moves the bytes as they are, and the compat covers the
+    format and the scales, so a P and a D that would read them otherwise are refused at
+    HELLO (naming both dtypes). Scales computed from an engine's own first batch
+    (``calculate_kv_scales``, older vLLM) differ between P and D: refused at start."""
+    cfg = getattr(vllm_config, "cache_config", None)
+    dtype = str(getattr(cfg, "cache_dtype", "auto") or "auto")
+    if not (dtype.startswith("fp8") or dtype.startswith("int8")
+            or dtype.endswith("per_token_head")):
+        return tensor_dtype, ""
+    if getattr(cfg, "calculate_kv_scales", False):
+        raise ValueError(
+            f"KvRelayConnector with --kv-cache-dtype {dtype} and calculate_kv_scales: each "
+            "engine computes its own k/v scales from its first batch, so D would read P's "
+            "bytes under other scales; serve the checkpoint's scales (turn "
+            "calculate_kv_scales off)")
+    ctx = getattr(getattr(vllm_config, "compilation_config", None),
+                  "static_forward_context", None) or {}
+    scales = []
+    for name in layer_names:
+        layer = ctx.get(name)
+        scales.append((name, float(getattr(layer, "_k_scale_float", 1.0)),
+                       float(getattr(layer, "_v_scale_float", 1.0))))
+    return dtype, hashlib.sha256(repr(scales).encode()).hexdigest()[:12]

@@ -124,7 +124,8 @@ class PrefillSide:
 
     def __init__(self, settings: ConnectorSettings, cache: HostCache | TensorCache,
                  compat: str, engine_id: str,
-                 ready: threading.Event | None = None, worker: int = 0) -> None:
+                 ready: threading.Event | None = None, worker: int = 0,
+                 kv_dtype: str = "") -> None:
         self.lock = threading.Lock()
         num_blocks = cache.num_blocks
         self.blocks = VllmLeaseBlocks(num_blocks, ready)
@@ -133,7 +134,7 @@ class PrefillSide:
         parts = build_prefill_side(
             self.blocks, settings.sides(worker, serve=True), engine_id=engine_id, compat=compat,
             kv_cache=cache, kv_blocks=self.kv_blocks, layout=cache.layout.name,
-            lock=self.lock)
+            kv_dtype=kv_dtype, lock=self.lock)
         self.table, self.server, self.nixl = parts.table, parts.server, parts.nixl
         self.table.pending = self.pending
         self.compat = compat

@@ -7,6 +7,7 @@ is moved here: tests/unit/relay/test_relay_device_cache.py moves the bytes)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -73,3 +74,27 @@ def test_kv_buffer_device_is_read_from_vllms_config() -> None:
     assert buffer_device(cfg("cuda")) == "cuda"
     assert buffer_device(cfg("")) is None  # vLLM 0.34's CUDA wheel without a GPU
     assert buffer_device(SimpleNamespace()) is None
+
+
+def test_an_8_bit_cache_names_its_dtype_and_scales_and_others_hash_as_before() -> None:
+    """vLLM's fp8 cache: the dtype and a digest of every layer's k/v scales (what its
+    bytes are read under) go into the compat; any other cache gives its tensor dtype
+    and no digest (the compat as before); scales an engine computes itself are refused."""
+    from kvrelay.vllm.devices import kv_cache_dtype
+
+    NS = SimpleNamespace
+
+    def cfg(dtype: str, k: float = 1.0, **cache: Any) -> Any:
+        layers = {"l0": NS(_k_scale_float=k, _v_scale_float=1.0), "l1": NS()}
+        return NS(cache_config=NS(cache_dtype=dtype, **cache),
+                  compilation_config=NS(static_forward_context=layers))
+
+    assert kv_cache_dtype(cfg("auto"), ["l0", "l1"], "float32") == ("float32", "")
+    assert kv_cache_dtype(NS(), ["l0"], "bfloat16") == ("bfloat16", "")
+    dtype, digest = kv_cache_dtype(cfg("fp8"), ["l0", "l1"], "uint8")
+    assert dtype == "fp8" and len(digest) == 12
+    assert kv_cache_dtype(cfg("fp8"), ["l0", "l1"], "uint8")[1] == digest
+    assert kv_cache_dtype(cfg("fp8", k=0.5), ["l0", "l1"], "uint8")[1] != digest
+    assert kv_cache_dtype(cfg("fp8_e5m2"), ["l0", "l1"], "uint8")[0] == "fp8_e5m2"
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        kv_cache_dtype(cfg("fp8", calculate_kv_scales=True), ["l0"], "uint8")
