@@ -189,7 +189,6 @@ def sweep(fronts: dict[str, tuple[str, int]], direct: Direct, body: dict[str, An
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrelay.demo import free_port
     from kvrelay.errors import UsageError
 
     if min(args.concurrency + args.real_concurrency) < 1 or args.requests < 1 \
@@ -197,7 +196,20 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--concurrency and --requests must be >= 1, --max-tokens >= 2")
     router = None if args.no_router else find_router(args.router)
     front_cpu, rest = split_cpus()
+    mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, rest)
+    try:
+        return _run(args, router, front_cpu, rest)
+    finally:
+        # The caller's CPUs back: what this thread starts later (a test runs the bench
+        # in-process, then starts engines) must not inherit the bench's narrow set.
+        os.sched_setaffinity(0, mine)
+
+
+def _run(args: argparse.Namespace, router: str | None, front_cpu: set[int],
+         rest: set[int]) -> int:
+    from kvrelay.demo import free_port
+
     print(f"machine: {machine()}")
     print(f"command: kvrelay {' '.join(sys.argv[1:])}")
     print(f"pinning: fronts on CPU {sorted(front_cpu)}; stub, engines and load generator on "
