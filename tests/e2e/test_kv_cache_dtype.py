@@ -1,10 +1,11 @@
-"""``--kv-cache-dtype bfloat16`` under a float32 model, through real processes.
+"""``--kv-cache-dtype bfloat16`` and ``fp8`` under a float32 model, through real processes.
 
-A colocated engine and a 1P1D pair (shm) behind the proxy, all with a bfloat16 cache:
-the pair answers as the colocated engine does (its KV moved as bfloat16 blocks, half
-the bytes of float32 ones), and both pools end free. A decode engine whose cache
-dtype differs from its prefill engine's never reads that KV: the request is refused
-with an error that says why, and P's lease is given back.
+A colocated engine and a 1P1D pair (shm) behind the proxy, all with the same cache
+dtype: the pair answers as the colocated engine does, its KV moved as blocks of that
+dtype (bfloat16: half the bytes of float32 ones; fp8: e4m3 codes and a 2-byte scale per
+token and head, a whole number of blocks), and both pools end free. A decode engine
+whose cache dtype differs from its prefill engine's never reads that KV: the request is
+refused with an error that says why, and P's lease is given back.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from tests.e2e.cluster import Cluster, ask, colocated_and_pd, metric, metrics, p
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 BF16 = ("--kv-cache-dtype", "bfloat16")
+FP8 = ("--kv-cache-dtype", "fp8")
+# flag, what the engines log, bytes of one head's row of one token (codes and scale)
+DTYPES = {"bfloat16": (BF16, "bfloat16", lambda head_dim: head_dim * 2),
+          "fp8": (FP8, "fp8_e4m3", lambda head_dim: head_dim + 2)}
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +39,14 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
 
 
-def test_a_bfloat16_cache_serves_colocated_and_disaggregated_alike(
-    model_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_cache_dtype_serves_colocated_and_disaggregated_alike(
+    model_dir: Path, tmp_path: Path, dtype: str
 ) -> None:
-    with colocated_and_pd(model_dir, tmp_path, *BF16) as (_c, procs):
+    flag, logged, row_bytes = DTYPES[dtype]
+    with colocated_and_pd(model_dir, tmp_path, *flag) as (_c, procs):
         for name in ("colo", "p", "d"):
-            assert "KV blocks of 4 tokens (bfloat16)" in procs[name].tail(), name
+            assert f"KV blocks of 4 tokens ({logged})" in procs[name].tail(), name
             assert "dtype float32" in procs[name].tail(), name
         colo, proxy = _client(procs["colo"].url), _client(procs["proxy"].url)
         d = procs["d"]
@@ -55,11 +62,12 @@ def test_a_bfloat16_cache_serves_colocated_and_disaggregated_alike(
                 if got != want:
                     mismatches.append((kind, prompt, want, got))
         assert not mismatches, "\n".join(map(repr, mismatches))
-        # One fresh prompt's pull: at most its blocks of bfloat16 (a float32 block is
-        # twice the bytes), layers x (K, V) x 4 tokens x KV heads x head_dim x 2 bytes.
+        # One fresh prompt's pull: at most its blocks (a float32 block is twice a bfloat16
+        # one's bytes), layers x (K, V) x 4 tokens x KV heads x a head's row.
         cfg = json.loads((model_dir / "config.json").read_text())
         head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-        per_block = cfg["num_hidden_layers"] * 2 * 4 * cfg["num_key_value_heads"] * head_dim * 2
+        per_block = (cfg["num_hidden_layers"] * 2 * 4 * cfg["num_key_value_heads"]
+                     * row_bytes(head_dim))
         before = metric(metrics(d.url), "kvrelay_kv_transfer_bytes_total")
         r = proxy.completions.create(model=model_dir.name, prompt="Zebras graze near rivers",
                                      max_tokens=3, temperature=0.0)
@@ -69,12 +77,14 @@ def test_a_bfloat16_cache_serves_colocated_and_disaggregated_alike(
         pools_free(d, prefill=(procs["p"],), timeout=10)
 
 
+@pytest.mark.parametrize(("p_extra", "d_extra"), [(BF16, ()), (FP8, BF16)],
+                         ids=["bfloat16-under-float32", "fp8-under-bfloat16"])
 def test_a_decode_engine_with_another_cache_dtype_refuses_the_kv(
-    model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path, p_extra: tuple[str, ...], d_extra: tuple[str, ...]
 ) -> None:
     c = Cluster(model_dir, tmp_path)
     try:
-        procs = c.pd(p_extra=BF16)  # D keeps the model's float32
+        procs = c.pd(p_extra=p_extra, d_extra=d_extra)  # () : D keeps the model's float32
         r = httpx.post(procs["proxy"].url + "/v1/completions", timeout=30, json={
             "model": model_dir.name, "prompt": "The quick brown fox", "max_tokens": 4,
             "temperature": 0.0})
