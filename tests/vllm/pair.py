@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from kvrelay.demo import free_port
 from tests.e2e.cluster import wait_healthy
@@ -36,6 +37,16 @@ def missing() -> str:
     if not (MODEL / "model.safetensors").exists():
         return f"no SmolLM2 HF directory at {MODEL} (scripts/vllm-venv.sh makes it)"
     return ""
+
+
+SLOW = os.environ.get("KVRELAY_VLLM_SLOW") == "1"
+# The marks of a module of slow vLLM variants: `make test-vllm-slow` alone runs them.
+SLOW_MARKS = [
+    pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
+    pytest.mark.skipif(not SLOW, reason="the slow vLLM variants run with make "
+                       "test-vllm-slow (KVRELAY_VLLM_SLOW=1)"),
+    pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present"),
+]
 
 
 LOGGING = {

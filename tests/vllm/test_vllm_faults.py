@@ -7,20 +7,21 @@ fault kind, and many more interleavings, in tests/vllm/test_vllm_harness.py."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 
-from tests.vllm.pair import FELL_BACK, PULLING, Pair, colocated, completion, missing, start_pair
+from tests.vllm.pair import (
+    FELL_BACK,
+    PULLING,
+    SLOW_MARKS,
+    Pair,
+    colocated,
+    completion,
+    start_pair,
+)
 
-SLOW = os.environ.get("KVRELAY_VLLM_SLOW") == "1"
-pytestmark = [
-    pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
-    pytest.mark.skipif(not SLOW, reason="the slow vLLM variants run with make "
-                       "test-vllm-slow (KVRELAY_VLLM_SLOW=1)"),
-    pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present"),
-]
+pytestmark = SLOW_MARKS
 
 
 @pytest.fixture(scope="module")

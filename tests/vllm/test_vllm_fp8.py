@@ -16,14 +16,13 @@ import pytest
 from tests.vllm.pair import (
     FELL_BACK,
     PULLING,
+    SLOW_MARKS,
     Pair,
     VllmEngine,
     completion,
     decode_on,
     lease_from,
-    missing,
 )
-from tests.vllm.test_vllm_slow import SLOW
 
 
 def _avx512_or_amx() -> bool:
@@ -35,10 +34,7 @@ def _avx512_or_amx() -> bool:
 
 
 pytestmark = [
-    pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
-    pytest.mark.skipif(not SLOW, reason="the slow vLLM variants run with make "
-                       "test-vllm-slow (KVRELAY_VLLM_SLOW=1)"),
-    pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present"),
+    *SLOW_MARKS,
     pytest.mark.skipif(not _avx512_or_amx(), reason="vLLM-CPU's fp8 KV cache needs x86 "
                        "with AVX-512 or AMX (vllm/v1/attention/backends/cpu_attn.py)"),
 ]

@@ -8,7 +8,6 @@ on CPU").
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 from collections.abc import Iterator
@@ -17,7 +16,15 @@ import httpx
 import pytest
 
 from kvrelay.relay.transports import nixl
-from tests.vllm.pair import LEASE_TIMEOUT, PROMPT, Pair, colocated, completion, missing, start_pair
+from tests.vllm.pair import (
+    LEASE_TIMEOUT,
+    PROMPT,
+    SLOW_MARKS,
+    Pair,
+    colocated,
+    completion,
+    start_pair,
+)
 from tests.vllm.test_vllm_pd import (  # collected here too, on this module's pair
     test_a_partial_pull_moves_only_the_blocks_d_lacks,
     test_blocks_reused_under_a_delayed_pull_are_fenced,
@@ -25,12 +32,8 @@ from tests.vllm.test_vllm_pd import (  # collected here too, on this module's pa
     test_texts_equal_colocated_vllm,
 )
 
-SLOW = os.environ.get("KVRELAY_VLLM_SLOW") == "1"
 pytestmark = [
-    pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
-    pytest.mark.skipif(not SLOW, reason="the slow vLLM variants run with make "
-                       "test-vllm-slow (KVRELAY_VLLM_SLOW=1)"),
-    pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present"),
+    *SLOW_MARKS,
     pytest.mark.skipif(not nixl.available(), reason=nixl.INSTALL_HINT),
 ]
 __all__ = ["test_a_partial_pull_moves_only_the_blocks_d_lacks",

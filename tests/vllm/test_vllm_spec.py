@@ -16,7 +16,6 @@ KV pulled (no fallback in D's log), and D's drafter drafted tokens.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,21 +28,15 @@ from tests.vllm.pair import (
     FELL_BACK,
     MODEL,
     PULLING,
+    SLOW_MARKS,
     Pair,
     chat,
     colocated,
     completion,
-    missing,
     start_pair,
 )
 
-SLOW = os.environ.get("KVRELAY_VLLM_SLOW") == "1"
-pytestmark = [
-    pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
-    pytest.mark.skipif(not SLOW, reason="the slow vLLM variants run with make "
-                       "test-vllm-slow (KVRELAY_VLLM_SLOW=1)"),
-    pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present"),
-]
+pytestmark = SLOW_MARKS
 COMPAT = r"kvrelay: worker relay threads on CPUs \S+ \(block layout (\S+), compat (\w+)\)"
 # A prompt that repeats itself, so ngram's prompt lookup has something to propose.
 REPEATING = "one two three four, one two three four, one two three four, one two"

@@ -14,15 +14,9 @@ from collections.abc import Iterator
 import pytest
 
 from kvrelay.testing.models import tiny_hf_config, tiny_tokenizer_json, tiny_weights, write_hf_dir
-from tests.vllm.pair import FELL_BACK, PULLING, Pair, completion, missing
-from tests.vllm.test_vllm_slow import SLOW
+from tests.vllm.pair import FELL_BACK, PULLING, SLOW_MARKS, Pair, completion
 
-pytestmark = [
-    pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
-    pytest.mark.skipif(not SLOW, reason="the slow vLLM variants run with make "
-                       "test-vllm-slow (KVRELAY_VLLM_SLOW=1)"),
-    pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present"),
-]
+pytestmark = SLOW_MARKS
 
 
 @pytest.fixture(scope="module")
