@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -108,24 +108,15 @@ def test_tp2_many_requests_end_every_lease_once(pair: Pair) -> None:
     pair.p.wait_log(ENDED, pair.p.count(MADE), timeout=60)
     made0, ended0 = pair.p.count(MADE), ended(pair)
     fallbacks = pair.d.count(FELL_BACK)
-    wrong: list[str] = []
-    errors: list[BaseException] = []
 
-    def run(k: int) -> None:
-        try:
-            for i in range(k, 16, 4):
-                prompt = PROMPTS[i % len(PROMPTS)]
-                if completion(pair.proxy_url, i % 2 == 1, prompt) != want[prompt]:
-                    wrong.append(prompt)
-        except BaseException as e:  # failed here, asserted below
-            errors.append(e)
+    def run(i: int) -> str | None:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        return None if completion(pair.proxy_url, i % 2 == 1, prompt) == want[prompt] \
+            else prompt
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors and not wrong
+    with ThreadPoolExecutor(4) as pool:  # a request's error is raised here
+        wrong = [p for p in pool.map(run, range(16), timeout=300) if p]
+    assert not wrong
     assert pair.p.count(MADE) == made0 + 32
     pair.p.wait_log(ENDED, sum(ended0.values()) + 32, timeout=60)
     now = ended(pair)
@@ -156,28 +147,19 @@ def test_tp2_abort_storm_ends_every_lease_once(pair: Pair) -> None:
     it, mid-way), 4 at a time: both engines stay up, every lease made is ended once,
     and both caches are empty afterwards."""
     made0 = pair.p.count(MADE)
-    errors: list[BaseException] = []
+    client = openai_client(pair.proxy_url)
 
-    def run(k: int) -> None:
-        try:
-            c = openai_client(pair.proxy_url)
-            for i in range(k, 24, 4):
-                stream = c.completions.create(
-                    model="smol", prompt=f"{i} " + PROMPTS[i % 4] * (1 + i % 5),
-                    max_tokens=48, temperature=0, stream=True)
-                for n, _chunk in enumerate(stream):
-                    if n >= i % 6:
-                        break
-                stream.close()
-        except BaseException as e:  # failed here, asserted below
-            errors.append(e)
+    def run(i: int) -> None:
+        stream = client.completions.create(
+            model="smol", prompt=f"{i} " + PROMPTS[i % 4] * (1 + i % 5),
+            max_tokens=48, temperature=0, stream=True)
+        for n, _chunk in enumerate(stream):
+            if n >= i % 6:
+                break
+        stream.close()
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors
+    with ThreadPoolExecutor(4) as pool:  # a stream's error is raised here
+        list(pool.map(run, range(24), timeout=300))
     made = pair.p.count(MADE) - made0
     pair.p.wait_log(ENDED, pair.p.count(MADE), timeout=60)
     assert sum(ended(pair).values()) == pair.p.count(MADE)

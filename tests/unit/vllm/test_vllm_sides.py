@@ -22,7 +22,7 @@ from kvrelay.relay.transports.base import TransferState
 from kvrelay.relay.transports.layout import layer_cache, tensor_cache
 from kvrelay.relay.transports.staging import HostCopier, StagedBlocks
 from kvrelay.vllm import faults
-from kvrelay.vllm.decode import DecodeSide, LoadSpec, VllmKvLoads, trusts
+from kvrelay.vllm.decode import RANK_FIELDS, DecodeSide, LoadSpec, VllmKvLoads, trusts
 from kvrelay.vllm.prefill import HoldSpec, PrefillSide, VllmLeaseBlocks, prompt_digest
 from kvrelay.vllm.settings import ConnectorSettings, parse_cpus
 
@@ -520,6 +520,18 @@ def test_rank_entries_give_each_ranks_lease_and_refuse_bad_shapes() -> None:
             rank_entries({**base, "ranks": bad})
 
 
+def name_rank_leases(ps: list[PrefillSide]) -> tuple[list[HoldSpec], dict[str, Any]]:
+    """What P's scheduler does at TP: one lease per worker of ``ps`` for request "req",
+    every worker's hold, and params with rank 0's lease on top and each rank's in
+    ``ranks``."""
+    holds, entries = [], []
+    for p in ps:
+        hold, params = name_lease(p, "req")
+        holds.append(hold)
+        entries.append({k: params[k] for k in RANK_FIELDS})
+    return holds, dict(params, **entries[0], ranks=entries)
+
+
 def test_each_rank_makes_only_its_own_leases_and_d_ranks_pull_their_own() -> None:
     """Two P workers (ranks) and two D workers in one process, each rank's cache holding
     other values: the scheduler's holds go to every P worker, each makes its own lease;
@@ -532,13 +544,7 @@ def test_each_rank_makes_only_its_own_leases_and_d_ranks_pull_their_own() -> Non
     ds = [DecodeSide(settings, layer_cache(c), f"c{r}", f"D{r}", rank=r, workers=2)
           for r, c in enumerate(d_caches)]
     try:
-        holds, entries = [], []
-        for p in ps:
-            hold, params = name_lease(p, "req")
-            holds.append(hold)
-            entries.append({k: params[k] for k in ("lease_id", "relay", "engine_id",
-                                                   "compat")})
-        params = dict(name_lease(ps[0], "unused")[1], **entries[0], ranks=entries)
+        holds, params = name_rank_leases(ps)
         for p in ps:
             p.hold_all(holds)  # vLLM hands every worker the step's metadata
         assert [len(p.table.leases) for p in ps] == [1, 1]
@@ -567,15 +573,10 @@ def test_a_given_back_lease_of_each_rank_is_aborted_once() -> None:
     ds = [DecodeSide(settings, layer_cache(vllm_like_cache(False)), "c", f"D{r}", rank=r,
                      workers=2) for r in range(2)]
     try:
-        holds, entries = [], []
-        for p in ps:
-            hold, params = name_lease(p, "req")
-            holds.append(hold)
-            entries.append({k: params[k] for k in ("lease_id", "relay", "engine_id",
-                                                   "compat")})
+        holds, params = name_rank_leases(ps)
+        entries = params["ranks"]
         for p in ps:
             p.hold_all(holds)
-        params = dict(params, ranks=entries)
         for d in ds:
             d.start([], [], [params])
         for p, e in zip(ps, entries, strict=True):
