@@ -23,6 +23,7 @@ from kvrelay.model.kernels.rope import RotaryTable
 from kvrelay.model.llm import LLM
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.testing.models import write_tiny_gguf
+from tests.unit.model.test_model_native_kernels import _attend_over_cache
 
 _mod = ext.load()
 pytestmark = pytest.mark.skipif(_mod is None, reason=f"native kernels: {ext.load_error()}")
@@ -90,24 +91,6 @@ def _fp8_backend(cfg: ModelConfig, dtype: torch.dtype) -> NativeBackend:
     return b
 
 
-def _float64_attention(cfg: ModelConfig, chunks: list[ChunkSpec], q_rot: torch.Tensor,
-                       kv: torch.Tensor, bs: int) -> torch.Tensor:
-    """Causal attention in float64 over the K/V ``kv`` (float, the cache's shape) holds."""
-    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    out, t = [], 0
-    for c in chunks:
-        pos = torch.arange(c.start + c.length)
-        rows = kv[torch.tensor(c.block_ids)[pos // bs], 1, :, pos % bs].double()
-        k, v = (rows[:, i].repeat_interleave(H // KVH, dim=1) for i in (0, 1))
-        q = q_rot[t : t + c.length, : H * D].double().view(c.length, H, D)
-        scores = torch.einsum("thd,chd->htc", q, k) * D**-0.5
-        mask = pos[None, :] > (c.start + torch.arange(c.length))[:, None]
-        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
-        out.append(torch.einsum("htc,chd->thd", probs, v).reshape(c.length, H * D))
-        t += c.length
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(64, 9, 3, 16, 9), (128, 8, 2, 32, 6)],
                          ids=lambda s: "d{}-h{}-kv{}-bs{}-b{}".format(*s))
@@ -132,7 +115,8 @@ def test_fp8_attention_matches_float64_over_the_dequantized_cache(
     plain = history.to(dtype)
     _attend(_backend(cfg, dtype), chunks, plain, qkv.clone(), bs)
     assert torch.equal(cache, quantize(plain.float()))
-    want = _float64_attention(cfg, chunks, q_rot, dequantize(cache), bs)
+    # float64 over the dequantized cache, as the float caches' kernels are checked
+    want = _attend_over_cache(cfg, chunks, q_rot, dequantize(cache), 1, bs)
     tol = 1e-5 if dtype is torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * want.abs().max().item())
 
