@@ -305,12 +305,10 @@ def _bytes_of(storage: Any) -> np.ndarray:
 
 
 @dataclass
-class HostCache:
-    """A described cache in host memory: its placement and one uint8 array per buffer
-    (the arrays keep the storages alive)."""
+class _Described:
+    """A cache with its placement: the layout and block count every side reads."""
 
     placement: KvPlacement
-    arrays: list[np.ndarray]
 
     @property
     def layout(self) -> KvLayout:
@@ -319,6 +317,14 @@ class HostCache:
     @property
     def num_blocks(self) -> int:
         return self.placement.num_blocks
+
+
+@dataclass
+class HostCache(_Described):
+    """A described cache in host memory: its placement and one uint8 array per buffer
+    (the arrays keep the storages alive)."""
+
+    arrays: list[np.ndarray]
 
     def views(self, block_ids: Sequence[int]) -> list[memoryview]:
         """One flat memoryview per range of ``block_ids``, in stream order (no copies)."""
@@ -327,21 +333,12 @@ class HostCache:
 
 
 @dataclass
-class TensorCache:
+class TensorCache(_Described):
     """A described cache as torch tensors: one flat uint8 tensor per buffer, on the
     cache's device (they keep the storages alive). No host view: the tcp transport
     stages it (staging.py), nixl registers it (VRAM on a GPU), cuda_ipc exports it."""
 
-    placement: KvPlacement
     tensors: list[Any]
-
-    @property
-    def layout(self) -> KvLayout:
-        return self.placement.layout
-
-    @property
-    def num_blocks(self) -> int:
-        return self.placement.num_blocks
 
     @property
     def device(self) -> Any:
