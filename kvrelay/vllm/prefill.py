@@ -159,16 +159,14 @@ class PrefillSide:
         engine id), in order. One that cannot be made (a bug, or blocks outside the
         cache) fails alone: its request is reported at once."""
         faults.hold_delay()
+        # With tensor parallelism every worker gets every hold: one per worker's relay.
+        holds = [h for h in holds if h.lease_id.startswith(f"{self.engine_id}.")]
         # Before any lease exists: a staged READ of its blocks waits for the forward
         # passes queued so far on this (vLLM's) thread, the one that wrote them included.
         fence([self.kv_blocks], [b for h in holds for b in h.block_ids])
         now = time.monotonic()
-        # With tensor parallelism every worker gets every hold: one per worker's relay.
-        mine = f"{self.engine_id}."
         with self.lock:
             for h in holds:
-                if not h.lease_id.startswith(mine):
-                    continue
                 seq = _seq_of(h.lease_id, self.engine_id)
                 if seq is not None:
                     self._made_upto = max(self._made_upto, seq)
