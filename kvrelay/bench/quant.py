@@ -10,6 +10,10 @@ chunks of 16 so every GEMM takes the decode-sized path that serves the stored we
 TPOT: p50 of ``Engine.step`` at each ``--batch`` size (bench decode's measure; the
 row shows the first, a line per dtype the others), best of ``--rounds`` alternating
 rounds.
+
+``--kv-cache-dtype fp8`` compares KV caches instead of weights: the GGUF served as
+stored by both engines, one with the model dtype's KV (``auto``), the other with the
+8-bit KV; the same measures, columns named ``auto`` and ``fp8``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, nargs="+", default=[1],
                    help="decode batch sizes of the TPOT measurement")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["fp8", "fp8_e4m3"],
+                   help="compare this KV cache against the model dtype's (both engines "
+                        "serving the GGUF as stored) instead of weights")
     p.set_defaults(func=run)
 
 
@@ -96,10 +103,12 @@ def _pair(args: argparse.Namespace, dtype: str, text_ids: list[int]) -> dict[str
     seqs = max(args.num_prompts, max(args.batch)) + 2
     llms: dict[str, Any] = {}
     labels: dict[str, str] = {}
-    for quant in ("none", "gguf"):
-        llms[quant] = LLM(args.model, dtype=dtype, quantization=quant,
-                          num_blocks=seqs * (-(-need // 16)))
-        labels[quant] = kernel_choice.info()["gemm"]
+    ref, test = sides(args)
+    for side in (ref, test):
+        quant, kv = ("gguf", side) if args.kv_cache_dtype else (side, "auto")
+        llms[side] = LLM(args.model, dtype=dtype, quantization=quant, kv_cache_dtype=kv,
+                         num_blocks=seqs * (-(-need // 16)))
+        labels[side] = kernel_choice.info()["gemm"]
     step = max(1, (len(text_ids) - args.prompt_len) // args.num_prompts)
     prompts = [text_ids[i * step : i * step + args.prompt_len] for i in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -116,8 +125,13 @@ def _pair(args: argparse.Namespace, dtype: str, text_ids: list[int]) -> dict[str
                          for i in range(b)]
                 p50 = step_p50(llm, batch, args.steps, f"tpot-{r}-{b}-{q}")
                 tpot[q, b] = min(tpot[q, b], p50)
-    same, share = agreement(outs["gguf"], outs["none"])
+    same, share = agreement(outs[test], outs[ref])
     return {"labels": labels, "same": same, "share": share, "ppl": ppl, "tpot": tpot}
+
+
+def sides(args: argparse.Namespace) -> tuple[str, str]:
+    """(the reference, the side measured against it): quantization modes, or KV dtypes."""
+    return ("auto", args.kv_cache_dtype) if args.kv_cache_dtype else ("none", "gguf")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -137,18 +151,23 @@ def _run(args: argparse.Namespace) -> int:
           f"{args.threads} threads; {args.num_prompts} prompts x {args.prompt_len} tokens, "
           f"{args.output_len} greedy out; perplexity over {args.ppl_tokens} tokens; "
           f"TPOT: batch {'/'.join(map(str, args.batch))}, p50 of {args.steps} steps, "
-          f"best of {args.rounds} rounds")
-    print(f"{'dtype':<9}{'GEMM (gguf)':<22}{'identical':>10}{'agree':>7}{'ppl none':>10}"
-          f"{'ppl gguf':>10}{'TPOT none':>11}{'TPOT gguf':>11}{'none/gguf':>11}")
+          f"best of {args.rounds} rounds"
+          + (f"; KV caches: auto against {args.kv_cache_dtype}, weights as stored"
+             if args.kv_cache_dtype else ""))
+    a, b = sides(args)
+    print(f"{'dtype':<9}{f'GEMM ({b})':<22}{'identical':>10}{'agree':>7}{f'ppl {a}':>10}"
+          f"{f'ppl {b}':>10}{f'TPOT {a}':>11}{f'TPOT {b}':>11}{f'{a}/{b}':>11}"
+          f"{'ppl change':>12}")
     for dtype in args.dtype:
         r = _pair(args, dtype, text_ids)
         b0 = args.batch[0]
-        t_none, t_gguf = r["tpot"]["none", b0] * 1e3, r["tpot"]["gguf", b0] * 1e3
-        print(f"{dtype:<9}{r['labels']['gguf']:<22}{r['same']:>5}/{args.num_prompts:<4}"
-              f"{r['share']:>7.3f}{r['ppl']['none']:>10.3f}{r['ppl']['gguf']:>10.3f}"
-              f"{t_none:>9.1f}ms{t_gguf:>9.1f}ms{t_none / t_gguf:>11.2f}")
-        for b in args.batch[1:]:
-            t_none, t_gguf = r["tpot"]["none", b] * 1e3, r["tpot"]["gguf", b] * 1e3
-            print(f"  {dtype} batch {b}: TPOT none {t_none:.1f} ms, gguf {t_gguf:.1f} ms, "
-                  f"none/gguf {t_none / t_gguf:.2f}")
+        t_a, t_b = r["tpot"][a, b0] * 1e3, r["tpot"][b, b0] * 1e3
+        change = r["ppl"][b] / r["ppl"][a] - 1
+        print(f"{dtype:<9}{r['labels'][b]:<22}{r['same']:>5}/{args.num_prompts:<4}"
+              f"{r['share']:>7.3f}{r['ppl'][a]:>10.3f}{r['ppl'][b]:>10.3f}"
+              f"{t_a:>9.1f}ms{t_b:>9.1f}ms{t_a / t_b:>11.2f}{100 * change:>+11.2f}%")
+        for n in args.batch[1:]:
+            t_a, t_b = r["tpot"][a, n] * 1e3, r["tpot"][b, n] * 1e3
+            print(f"  {dtype} batch {n}: TPOT {a} {t_a:.1f} ms, {b} {t_b:.1f} ms, "
+                  f"{a}/{b} {t_a / t_b:.2f}")
     return 0

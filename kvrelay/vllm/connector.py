@@ -20,6 +20,7 @@ between them):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -27,12 +28,14 @@ import os
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.relay.geometry import KvGeometry
 from kvrelay.relay.prefill import KvTransferParams
 from kvrelay.relay.remote import RemoteKv
+from kvrelay.relay.transports.layout import head_slice, named_as
 from kvrelay.vllm.api import (
     P2P_SOURCE,
     KVConnectorBase_V1,
@@ -42,7 +45,15 @@ from kvrelay.vllm.api import (
     KVConnectorStats,
     KVConnectorTransferResults,
 )
-from kvrelay.vllm.decode import UNTRUSTED, DecodeSide, LoadSpec, rank_entries, trusts
+from kvrelay.vllm.decode import (
+    UNTRUSTED,
+    DecodeSide,
+    LoadSpec,
+    MappedDecode,
+    p_ranks_refused,
+    rank_entries,
+    trusts,
+)
 from kvrelay.vllm.devices import buffer_device, kv_cache_dtype, worker_cache
 from kvrelay.vllm.drafter import drafter_of, target_layers
 from kvrelay.vllm.prefill import HoldSpec, PrefillSide, prompt_digest
@@ -166,6 +177,8 @@ class KvRelayConnector(KVConnectorBase_V1):
         self.tp_size = int(pc.tensor_parallel_size)
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ValueError(_groups_refused(vllm_config, kv_cache_config))
+        # Each worker's KV heads (a prefill engine of more workers must split them evenly)
+        self._heads = _worker_heads(vllm_config, kv_cache_config)
         self.settings = ConnectorSettings.from_extra(cfg.kv_connector_extra_config)
         self.producer, self.consumer = cfg.is_kv_producer, cfg.is_kv_consumer
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -180,6 +193,10 @@ class KvRelayConnector(KVConnectorBase_V1):
         # worker side
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
+        # Heterogeneous TP (D): the sides pulling from a P of more workers, by its size,
+        # built at its first load (``_decode_for``).
+        self._mapping: Callable[[int], MappedDecode] | None = None
+        self._mapped: dict[int, MappedDecode] = {}
         self._ready = threading.Event()  # a report is queued (either side)
         self._unheld: set[str] = set()  # holds no worker of ours could take
         if role == KVConnectorRole.SCHEDULER:
@@ -265,9 +282,10 @@ class KvRelayConnector(KVConnectorBase_V1):
         model_id = f"vllm:{mc.served_model_name}"
         if scales:  # an 8-bit cache: its format and the scales its bytes are read under
             model_id += f"|kv={kv_dtype}|scales={scales}"
+        own_id = model_id
         if self.tp_size > 1:  # each rank holds its own heads: pulled by D's same rank
-            model_id += f"|tp{rank}/{self.tp_size}"
-        compat = geometry.compat_hash(model_id)
+            own_id += f"|tp{rank}/{self.tp_size}"
+        compat = geometry.compat_hash(own_id)
         engine_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         # Built on a thread bound to the relay's CPUs: the threads they start run there,
         # not on the core vLLM bound this thread to.
@@ -280,6 +298,30 @@ class KvRelayConnector(KVConnectorBase_V1):
             self.decode = run_on_relay_cpus(self.settings, lambda: DecodeSide(
                 self.settings, cache, compat, engine_id, self._ready, rank=rank,
                 workers=self.tp_size, kv_dtype=kv_dtype))
+
+            def mapped(p_workers: int) -> MappedDecode:
+                # P has k times our workers: our heads are P's ranks rank*k .. rank*k+k-1
+                # (MappedDecode); each side pulls its P rank's lease into its slice.
+                k, heads = p_workers // self.tp_size, layout.heads * self.tp_size // p_workers
+                p_heads = max(1, mc.get_total_num_kv_heads() // p_workers)
+                sides = []
+                for i in range(k):
+                    part = named_as(worker_cache(
+                        head_slice(kv_caches, i * heads, heads), self._num_blocks, backend,
+                        self.settings, buffer_device(self._vllm_config)), cache)
+                    p_rank = rank * k + i
+                    p_compat = dataclasses.replace(
+                        geometry, num_kv_heads=p_heads, layout=part.layout.name,
+                    ).compat_hash(f"{model_id}|tp{p_rank}/{p_workers}")
+                    sides.append(DecodeSide(self.settings, part, p_compat, engine_id,
+                                            self._ready, rank=p_rank, workers=p_workers,
+                                            kv_dtype=kv_dtype))
+                log.info("kvrelay: pulling from prefill engines of %d tensor-parallel "
+                         "workers: this worker's heads are those of their ranks %d-%d",
+                         p_workers, rank * k, rank * k + k - 1)
+                return MappedDecode(sides)
+
+            self._mapping = mapped
         log.info("kvrelay: worker relay threads on CPUs %s (block layout %s, compat %s)",
                  _ranges(relay_cpus(self.settings)), layout.name, compat)
 
@@ -308,8 +350,38 @@ class KvRelayConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvRelayMetadata)
-        if self.decode is not None and (meta.loads or meta.aborts or meta.give_back):
-            self.decode.start(meta.loads, meta.aborts, meta.give_back)
+        if self.decode is None or not (meta.loads or meta.aborts or meta.give_back):
+            return
+        Side = DecodeSide | MappedDecode
+        loads: dict[Side, list[LoadSpec]] = {self.decode: []}
+        give_back: dict[Side, list[dict[str, Any]]] = {self.decode: []}
+        for spec in meta.loads:
+            loads.setdefault(self._decode_for(spec.params), []).append(spec)
+        for params in meta.give_back:
+            give_back.setdefault(self._decode_for(params), []).append(params)
+        # Every side gets every abort: one that has no load of that request ignores it.
+        sides: list[Side] = [self.decode, *self._mapped.values()]
+        for side in sides:
+            if loads.get(side) or give_back.get(side) or meta.aborts:
+                side.start(loads.get(side, ()), meta.aborts, give_back.get(side, ()))
+
+    def _decode_for(self, params: dict[str, Any]) -> DecodeSide | MappedDecode:
+        """The side that pulls (or gives back) these params' leases: ours, or for a
+        prefill engine of more tensor-parallel workers (which the scheduler checked)
+        the sides mapping its ranks' heads onto ours, built at its first load."""
+        try:
+            p_workers = len(rank_entries(params))
+        except ValueError:
+            p_workers = self.tp_size
+        assert self.decode is not None
+        if p_workers == self.tp_size or self._mapping is None:
+            return self.decode
+        mapped = self._mapped.get(p_workers)
+        if mapped is None:
+            mapping = self._mapping
+            mapped = self._mapped[p_workers] = run_on_relay_cpus(
+                self.settings, lambda: mapping(p_workers))
+        return mapped
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
@@ -336,13 +408,17 @@ class KvRelayConnector(KVConnectorBase_V1):
             self._unheld = set()
         if self.decode is not None:
             out.finished_recving, out.failed_recving = self.decode.take_finished()
+            for mapped in self._mapped.values():
+                done, failed = mapped.take_finished()
+                out.finished_recving |= done
+                out.failed_recving |= failed
         return out
 
     def get_kv_connector_stats(self) -> KvRelayStats | None:
         """Worker: pulls, fallbacks, fence refusals and lease ends since the last call
         (the scheduler side has none)."""
         stats = KvRelayStats()
-        for side in (self.prefill, self.decode):
+        for side in (self.prefill, self.decode, *self._mapped.values()):
             if side is not None:
                 side.collect_stats(stats.data)
         return None if stats.is_empty() else stats
@@ -366,7 +442,7 @@ class KvRelayConnector(KVConnectorBase_V1):
         return res.finished_sending, res.finished_recving
 
     def shutdown(self) -> None:
-        for side in (self.prefill, self.decode):
+        for side in (self.prefill, self.decode, *self._mapped.values()):
             if side is not None:
                 side.close()
 
@@ -485,12 +561,9 @@ class KvRelayConnector(KVConnectorBase_V1):
         try:
             kv = RemoteKv.from_client(params, vocab_size=self.vocab_size)
             entries = rank_entries(params)
-            if len(entries) != self.tp_size:
-                raise ValueError(
-                    f"ranks: the prefill engine serves the KV from {len(entries)} "
-                    f"tensor-parallel workers, this engine has {self.tp_size}: start "
-                    f"both with the same --tensor-parallel-size (a mapping of heads "
-                    f"between sizes is not supported yet)")
+            refused = p_ranks_refused(len(entries), self.tp_size, self._heads)
+            if refused:
+                raise ValueError(refused)
             for entry in entries:  # every rank's lease, relay and compat
                 relay = RemoteKv.from_client(entry, vocab_size=self.vocab_size).relay
                 if not trusts(self.settings, relay):
@@ -542,6 +615,16 @@ def _groups_refused(vllm_config: Any, kv_cache_config: Any) -> str:
     return (f"KvRelayConnector moves one KV cache group; this engine's model (model_type "
             f"{model_type!r}) has {len(kinds)}: {', '.join(kinds)}. Sliding-window and "
             f"hybrid (SSM) layers in groups of their own are not served yet")
+
+
+def _worker_heads(vllm_config: Any, kv_cache_config: Any) -> int:
+    """A worker's KV heads: its cache group's (what the worker allocates), else the
+    model's at this engine's tensor-parallel size."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    heads = getattr(groups[0].kv_cache_spec, "num_kv_heads", None) if groups else None
+    if heads is None:
+        heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)
+    return int(heads)
 
 
 def _worker_index(vllm_config: Any) -> tuple[int, int]:

@@ -436,6 +436,66 @@ class DecodeSide:
         self._thread.join(timeout=5)
 
 
+class MappedDecode:
+    """A decode worker pulling from a prefill engine with ``k`` times its tensor-parallel
+    workers (heterogeneous TP): worker ``r``'s heads are P's ranks ``r*k .. r*k+k-1``
+    heads, side by side. Each of those P ranks serves its own lease (P is unchanged), so
+    worker ``r`` runs ``k`` decode sides, side ``i`` over the head slice P's rank
+    ``r*k+i`` fills (layout.head_slice) with that rank's compat, and pulls that rank's
+    lease (``DecodeSide`` with ``rank`` = P's rank among P's ``workers``: its own entry
+    of ``ranks``, and its own lease to give back). A load is reported to vLLM once all
+    ``k`` pulls of it ended, failed when any did: each side reports each load once, so
+    the count reaches ``k`` once."""
+
+    def __init__(self, sides: list[DecodeSide]) -> None:
+        self.sides = sides
+        self._parts: dict[str, tuple[int, bool]] = {}  # rid -> (pulls ended, any failed)
+
+    def start(self, loads: Sequence[LoadSpec], aborts: Sequence[str],
+              give_back: Sequence[dict[str, Any]] = ()) -> None:
+        for side in self.sides:
+            side.start(loads, aborts, give_back)
+
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        done: set[str] = set()
+        failed: set[str] = set()
+        for side in self.sides:
+            finished, bad = side.take_finished()
+            for rid in finished:
+                n, any_bad = self._parts.pop(rid, (0, False))
+                n, any_bad = n + 1, any_bad or rid in bad
+                if n < len(self.sides):
+                    self._parts[rid] = (n, any_bad)
+                    continue
+                done.add(rid)
+                if any_bad:
+                    failed.add(rid)
+        return done, failed
+
+    def collect_stats(self, data: dict[str, Any]) -> None:
+        for side in self.sides:
+            side.collect_stats(data)
+
+    def close(self) -> None:
+        for side in self.sides:
+            side.close()
+
+
+def p_ranks_refused(p_workers: int, workers: int, heads: int) -> str:
+    """Why this decode engine (``workers`` tensor-parallel workers of ``heads`` KV heads
+    each) cannot pull from a prefill engine of ``p_workers`` workers ('' where it can:
+    the same size, or ``k`` times it with the heads splitting evenly)."""
+    if p_workers == workers:
+        return ""
+    if p_workers < workers or p_workers % workers or heads * workers % p_workers:
+        return (f"ranks: the prefill engine serves the KV from {p_workers} "
+                f"tensor-parallel workers, this engine has {workers} workers of {heads} "
+                f"KV heads each: a decode engine pulls from a prefill engine of the same "
+                f"--tensor-parallel-size or a multiple of it whose workers split its heads "
+                f"evenly (a smaller prefill engine is not supported yet)")
+    return ""
+
+
 MAX_RANKS = 64  # tensor-parallel workers a prefill engine's params may name
 RANK_FIELDS = frozenset({"lease_id", "relay", "engine_id", "compat"})
 

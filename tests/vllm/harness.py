@@ -70,15 +70,18 @@ from kvrelay.vllm import connector as connector_module
 from kvrelay.vllm import faults
 from kvrelay.vllm.api import KVConnectorRole
 from kvrelay.vllm.connector import KvRelayConnector, KvRelayMetadata
+from kvrelay.vllm.decode import RANK_FIELDS
 
 MODEL = os.environ.get("KVRELAY_VLLM_MODEL", "/tmp/kvrelay-vllm/smollm2-135m-hf")
 BLOCK, NUM_BLOCKS, LAYERS, HEADS, HEAD, VOCAB = 16, 96, 2, 2, 8, 1000
 MAX_LEN = 512
 
 
-def kv_value(token: int, pos: int, layer: int, rank: int = 0) -> float:
-    """The KV a worker of tensor-parallel ``rank`` writes (each rank its own heads)."""
-    return float((token * 131 + pos * 17 + layer * 7) % 4093 + 1 + 5000 * rank)
+def kv_value(token: int, pos: int, layer: int, head: int = 0) -> float:
+    """The KV of KV head ``head`` of the model (a worker of tensor-parallel rank ``r``
+    with ``h`` heads holds heads ``r*h .. r*h+h-1``: P and D of different sizes agree
+    on a head's values)."""
+    return float((token * 131 + pos * 17 + layer * 7) % 4093 + 1 + 5000 * head)
 
 
 def next_token(tokens: list[int]) -> int:
@@ -127,8 +130,8 @@ def make_config(role: str, extra: dict[str, Any], sched_cls: type[Scheduler],
     return cfg
 
 
-def make_kv_cache_config() -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD,
+def make_kv_cache_config(heads: int = HEADS) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD,
                              dtype=torch.float32)
     names = [f"layer.{i}" for i in range(LAYERS)]
     page = spec.page_size_bytes
@@ -148,9 +151,13 @@ class Engine:
     its own KV cache: its heads) holding the connector's worker side; vLLM's own
     ``KVOutputAggregator`` combines the workers' reports, as its executor does."""
 
-    def __init__(self, name: str, config: VllmConfig, sched_cls: type[Scheduler]) -> None:
+    def __init__(self, name: str, config: VllmConfig, sched_cls: type[Scheduler],
+                 heads: int = HEADS, p_tp: int = 0) -> None:
+        """``heads``: each worker's KV heads; ``p_tp``: a decode engine's prefill
+        engine's tensor-parallel size, where it differs (heterogeneous TP)."""
         self.name = name
-        kv_cfg = make_kv_cache_config()
+        self.heads = heads
+        kv_cfg = make_kv_cache_config(heads)
         self.sched = sched_cls(vllm_config=config, kv_cache_config=kv_cfg,
                                structured_output_manager=StructuredOutputManager(config),
                                block_size=BLOCK, log_stats=True)
@@ -165,9 +172,11 @@ class Engine:
                 # What vLLM's tensor-parallel group tells a worker process of its rank.
                 connector_module._worker_index = lambda _cfg, r=rank: (r, r)  # type: ignore[assignment]
                 worker = KvRelayConnector(config, KVConnectorRole.WORKER, kv_cfg)
-                storage = torch.zeros(LAYERS, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
+                storage = torch.zeros(LAYERS, NUM_BLOCKS, heads, BLOCK, 2 * HEAD)
                 cache = {f"layer.{i}": storage[i] for i in range(LAYERS)}
                 worker.register_kv_caches(cache)
+                if p_tp and p_tp != tp:  # its sides pulling P's ranks, built now
+                    worker._decode_for({"ranks": [dict.fromkeys(RANK_FIELDS, "")] * p_tp})
                 self.workers.append(worker)
                 self.caches.append(cache)
         finally:
@@ -223,8 +232,9 @@ class Engine:
             for pos in range(start, start + n):
                 for layer in range(LAYERS):
                     for rank, cache in enumerate(self.caches):
-                        cache[f"layer.{layer}"][table[pos // BLOCK], :, pos % BLOCK, :] = (
-                            kv_value(toks[pos], pos, layer, rank))
+                        for h in range(self.heads):
+                            cache[f"layer.{layer}"][table[pos // BLOCK], h, pos % BLOCK, :] = (
+                                kv_value(toks[pos], pos, layer, rank * self.heads + h))
             req_ids.append(rid)
             if start + n >= len(toks):
                 t = next_token(toks)
@@ -268,12 +278,14 @@ class Engine:
         for pos in range(computed):
             for layer in range(LAYERS):
                 for rank, cache in enumerate(self.caches):
-                    got = cache[f"layer.{layer}"][table[pos // BLOCK], 0, pos % BLOCK, 0]
-                    if float(got) != kv_value(toks[pos], pos, layer, rank):
-                        self.violations.append(
-                            f"{self.name}: {rid} position {pos} layer {layer} rank {rank}: "
-                            f"KV {float(got)} is not its token's")
-                        return
+                    for h in range(self.heads):
+                        got = cache[f"layer.{layer}"][table[pos // BLOCK], h, pos % BLOCK, 0]
+                        if float(got) != kv_value(toks[pos], pos, layer,
+                                                  rank * self.heads + h):
+                            self.violations.append(
+                                f"{self.name}: {rid} position {pos} layer {layer} rank "
+                                f"{rank} head {h}: KV {float(got)} is not its token's")
+                            return
 
     # -- the engine core's part ------------------------------------------------------------
     def step(self) -> list[Any]:
@@ -316,26 +328,31 @@ class Engine:
                 mine = sorted(self.worker_sending[rank])
                 bad.append(f"{self.name}: rank {rank} reported {mine}, vLLM freed "
                            f"{sorted(self.sending)}")
-            d = worker.decode
-            if d is not None:
+            for d in sides(worker):
                 if d.receiver.loads or d.loads.quarantined:
                     bad.append(f"{self.name}: rank {rank}: loads left {list(d.receiver.loads)}"
                                f" quarantined {list(d.loads.quarantined)}")
-                if set(self.worker_recving[rank]) != set(self.loads):
-                    bad.append(f"{self.name}: rank {rank}: loads {sorted(self.loads)} "
-                               f"reported {sorted(self.worker_recving[rank])}")
+            if worker.decode is not None and set(self.worker_recving[rank]) != set(self.loads):
+                bad.append(f"{self.name}: rank {rank}: loads {sorted(self.loads)} "
+                           f"reported {sorted(self.worker_recving[rank])}")
         if self.worker.decode is not None and set(self.recving) != set(self.loads):
             bad.append(f"{self.name}: loads {sorted(self.loads)}, vLLM was told "
                        f"{sorted(self.recving)}")
         return bad
 
     def decoders(self) -> list[Any]:
-        return [w.decode for w in self.workers if w.decode is not None]
+        return [d for w in self.workers for d in sides(w)]
 
     def close(self) -> None:
         for worker in self.workers:
             worker.shutdown()
         self.sched.shutdown()
+
+
+def sides(worker: KvRelayConnector) -> list[Any]:
+    """A worker's decode sides: its own and those pulling from a P of more workers."""
+    own = [] if worker.decode is None else [worker.decode]
+    return own + [s for m in worker._mapped.values() for s in m.sides]
 
 
 @dataclass
@@ -398,7 +415,9 @@ def scenario(rng: random.Random, n: int) -> tuple[list[Flow], dict[str, Any]]:
 
 
 def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
-             limit_s: float = 60.0, tp: int = 1) -> dict[str, Any]:
+             limit_s: float = 60.0, tp: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    """``tp``: P's and D's tensor-parallel sizes (each worker of the larger one holds
+    ``HEADS`` KV heads)."""
     rng = random.Random(seed)
     flows, knobs = scenario(rng, n)
     faults._counts.clear()
@@ -407,9 +426,18 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
     else:
         os.environ.pop("KVRELAY_FAULT_VLLM_RAISE", None)
     extra = {"lease_timeout": knobs["lease_timeout"], "idle_step_ms": 1}
-    p = Engine("P", make_config("kv_producer", extra, sched_cls, tp=tp), sched_cls)
-    d = Engine("D", make_config("kv_consumer", extra, sched_cls, knobs["inflight"], tp),
-               sched_cls)
+    p_tp, d_tp = tp
+    model_heads = HEADS * max(tp)
+
+    def new_p() -> Engine:
+        return Engine("P", make_config("kv_producer", extra, sched_cls, tp=p_tp), sched_cls,
+                      model_heads // p_tp)
+
+    def new_d() -> Engine:
+        return Engine("D", make_config("kv_consumer", extra, sched_cls, knobs["inflight"],
+                                       d_tp), sched_cls, model_heads // d_tp, p_tp)
+
+    p, d = new_p(), new_d()
     for dec in d.decoders():
         dec.transport.delay = knobs["transfer_delay"]
     stats = collections.Counter[str]()
@@ -437,8 +465,7 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
                 # get errors; params it handed out name a relay that is gone.
                 retired.append(p)
                 p.close()
-                p = Engine("P", make_config("kv_producer", extra, sched_cls, tp=tp),
-                           sched_cls)
+                p = new_p()
                 for f in flows:
                     f.p_lost = not f.p_done and f.abort_p_after is None
                 stats["p_restarted"] += 1
@@ -446,8 +473,7 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
                 # D dies mid-pull: P must free what D held (at the lease timeout).
                 retired.append(d)
                 d.close()
-                d = Engine("D", make_config("kv_consumer", extra, sched_cls,
-                                            knobs["inflight"], tp), sched_cls)
+                d = new_d()
                 for dec in d.decoders():
                     dec.transport.delay = knobs["transfer_delay"]
                 for f in by_d.values():
@@ -497,7 +523,8 @@ def run_seed(seed: int, sched_cls: type[Scheduler], hasher: Any, n: int,
                 if rid in f.d_pending:
                     f.d_steps[rid] += 1
                     if f.abort_d_after is not None and f.d_steps[rid] == f.abort_d_after + 1:
-                        load = d.decoders()[0].receiver.loads.get(rid)
+                        load = next((x.receiver.loads[rid] for x in d.decoders()
+                                     if rid in x.receiver.loads), None)
                         req = d.sched.requests.get(rid)
                         where = (load.phase.value if load is not None else
                                  req.status.name.lower() if req is not None else "gone")
@@ -546,8 +573,11 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--limit", type=float, default=60.0, help="seconds a seed may take")
     ap.add_argument("--scheduler", choices=["sync", "async", "both"], default="both")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel workers per engine")
+    ap.add_argument("--tp", default="1", help="tensor-parallel workers per engine: N, or "
+                    "P:D for a prefill and a decode engine of different sizes")
     args = ap.parse_args()
+    p_tp, _, d_tp = args.tp.partition(":")
+    tp = (int(p_tp), int(d_tp or p_tp))
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
     kinds = {"sync": [Scheduler], "async": [AsyncScheduler],
@@ -558,14 +588,14 @@ def main() -> int:
     for cls in kinds:
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             t = time.monotonic()
-            res = run_seed(seed, cls, hasher, args.requests, args.limit, args.tp)
+            res = run_seed(seed, cls, hasher, args.requests, args.limit, tp)
             print(f"seed {seed} {cls.__name__}: {time.monotonic() - t:.1f} s, "
                   f"{len(res['problems'])} problems", file=sys.stderr, flush=True)
             total.update(res["stats"])
             total[f"seeds_{cls.__name__}"] += 1
             if res["problems"]:
                 failed.append(dict(res, scheduler=cls.__name__))
-    print(json.dumps({"vllm": vllm.__version__, "tp": args.tp,
+    print(json.dumps({"vllm": vllm.__version__, "tp": tp[0] if tp[0] == tp[1] else args.tp,
                       "seconds": round(time.monotonic() - t0, 1),
                       "totals": dict(sorted(total.items())), "failed": failed}))
     return 1 if failed else 0

@@ -215,21 +215,7 @@ class Pair:
         for engine in (self.p, self.d):  # a cold engine's first request takes seconds
             httpx.post(f"{engine.url}/v1/completions", timeout=300, json={
                 "model": "smol", "prompt": "warm up", "max_tokens": 2}).raise_for_status()
-        with open(self.proxy_log, "ab") as out:
-            self.proxy = subprocess.Popen(
-                [sys.executable, "-m", "kvrelay", "proxy", "--prefill", self.p.url,
-                 "--decode", self.d.url, "--host", "127.0.0.1", "--port",
-                 str(self.proxy_port)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.proxy_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or self.proxy.poll() is not None:
-                raise RuntimeError("the proxy did not start:\n" + self.proxy_log.read_text())
-            time.sleep(0.1)
+        self.proxy = start_proxy(self.p, self.d, self.proxy_port, self.proxy_log)
         return started
 
     @property
@@ -242,6 +228,28 @@ class Pair:
             self.proxy.wait(10)
         self.p.kill()
         self.d.kill()
+
+
+def start_proxy(p: VllmEngine, d: VllmEngine, port: int, log: Path
+                ) -> subprocess.Popen[bytes]:
+    """``kvrelay proxy`` from P to D on ``port``, healthy (its output in ``log``)."""
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay", "proxy", "--prefill", p.url, "--decode", d.url,
+             "--host", "127.0.0.1", "--port", str(port)], cwd=REPO, stdout=out,
+            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError("the proxy did not start:\n" + log.read_text())
+        time.sleep(0.1)
 
 
 def start_pair(tmp: Path, transport: str = "tcp", p_role: str = "kv_both",

@@ -10,7 +10,9 @@ SmolLM2's 3 KV heads do not split in two: the model is a tiny Llama with 4 KV he
 the same tensor-parallel size: P itself, asked without kv_transfer_params.
 
 `make test` runs this module's default tests on one pair (about 2 minutes);
-`make test-vllm-tp` adds the abort storm and the refusal of a P of another size.
+`make test-vllm-tp` adds the abort storm, a D at TP 1 pulling from the TP 2 P (each of
+its loads two leases, one per P rank, into its two head halves) and the refusal of a P
+of a smaller size.
 """
 
 from __future__ import annotations
@@ -25,17 +27,20 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvrelay.demo import free_port
 from kvrelay.testing.models import tiny_hf_config, tiny_tokenizer_json, tiny_weights, write_hf_dir
 from tests.vllm.pair import (
     FELL_BACK,
     PULLING,
     Pair,
+    VllmEngine,
     chat,
     completion,
     decode_on,
     lease_from,
     missing,
     openai_client,
+    start_proxy,
 )
 
 if missing() and os.environ.get("KVRELAY_REQUIRE_VLLM") == "1":
@@ -128,7 +133,48 @@ def test_tp2_many_requests_end_every_lease_once(pair: Pair) -> None:
 
 
 @FULL
-def test_tp2_a_prefill_engine_of_another_size_is_refused_by_name(pair: Pair) -> None:
+def test_tp2_prefill_serves_a_decode_engine_at_tp1(pair: Pair, tmp_path: Path) -> None:
+    """Heterogeneous TP: a D at TP 1 behind a proxy of its own, fed by the TP 2 P. Each
+    load is two pulls (P's rank 0 lease into D's heads 0-1, rank 1's into 2-3): texts
+    equal colocated vLLM (completions, whole and streamed, 4 at a time), no fallback,
+    every lease of both ranks ended once (done), and P's and D's caches empty after."""
+    d1 = VllmEngine("decode-tp1", "kv_consumer", tmp_path / "d1.log", dict(pair.d.extra),
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "1"}, model=pair.p.model).start()
+    proxy = None
+    try:
+        d1.wait_healthy()
+        port = free_port()
+        proxy = start_proxy(pair.p, d1, port, tmp_path / "proxy1.log")
+        url = f"http://127.0.0.1:{port}"
+        want = {p: completion(pair.p.url, False, p) for p in PROMPTS}
+        pair.p.wait_log(ENDED, pair.p.count(MADE), timeout=60)
+        made0, ended0 = pair.p.count(MADE), ended(pair)
+
+        def run(i: int) -> str | None:
+            prompt = PROMPTS[i % len(PROMPTS)]
+            return None if completion(url, i % 2 == 1, prompt) == want[prompt] else prompt
+
+        with ThreadPoolExecutor(4) as pool:  # a request's error is raised here
+            wrong = [p for p in pool.map(run, range(12), timeout=300) if p]
+        assert not wrong
+        assert d1.count(PULLING) == 24 and d1.count(FELL_BACK) == 0  # 2 pulls a load
+        assert d1.count(r"pulling from prefill engines of 2 tensor-parallel workers") == 1
+        assert pair.p.count(MADE) == made0 + 24
+        pair.p.wait_log(ENDED, sum(ended0.values()) + 24, timeout=60)
+        now = ended(pair)
+        assert now.get("done", 0) == ended0.get("done", 0) + 24
+        assert sum(now.values()) == sum(ended0.values()) + 24
+        pair.p.wait_kv_free(30)
+        d1.wait_kv_free(30)
+    finally:
+        if proxy is not None:
+            proxy.kill()
+            proxy.wait(10)
+        d1.kill()
+
+
+@FULL
+def test_tp2_a_prefill_engine_of_a_smaller_size_is_refused_by_name(pair: Pair) -> None:
     """D at TP 2 given one rank's lease (a P at TP 1's params) prefills itself, says
     why, and gives the lease it was named back at once."""
     params = lease_from(pair.p)

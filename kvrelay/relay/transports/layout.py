@@ -44,6 +44,7 @@ The description and the stream are the same either way, so a GPU P serves a CPU 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -178,6 +179,39 @@ def layer_cache(kv_caches: Mapping[str, Any], num_blocks: int | None = None,
         return tensor_cache(kv_caches, num_blocks, backend)
     placement, storages = describe(kv_caches, num_blocks, backend)
     return HostCache(placement, [_bytes_of(s) for s in storages])
+
+
+def head_slice(kv_caches: Mapping[str, Any], first: int, count: int) -> dict[str, Any]:
+    """Heads ``first .. first + count - 1`` of each layer's ``[B, H, N, C]`` view (views,
+    no copy): the part of a decode worker's cache one prefill worker of a larger
+    tensor-parallel size serves (heterogeneous TP)."""
+    return {name: t[:, first:first + count] for name, t in kv_caches.items()}
+
+
+def named_as(cache: HostCache | TensorCache, whole: HostCache | TensorCache
+             ) -> HostCache | TensorCache:
+    """A head slice of ``whole`` (a prefill worker's heads), named as that worker's own
+    cache is: the same dims in the same physical order with fewer heads, so the same
+    stream, and dense (today's ``regions`` name) where a cache of those heads in that
+    order, its blocks packed as ``whole``'s are, is dense (heads outside the blocks are
+    not, unless one head drops the dim). Only the name changes: the slice's ranges stay
+    its own (one per block where the heads are strided apart)."""
+    layout = cache.layout
+    w_order, w_strides = whole.layout.order, whole.placement.strides
+    w_p = w_order.index("B")
+    packed = w_strides[w_p] == layout.element_size * math.prod(
+        _size(whole.layout, d, 0) for d in w_order[w_p + 1:])
+    strides: list[int] = []  # a packed cache of these heads
+    extent = layout.element_size
+    for d in reversed(layout.order):
+        strides.insert(0, extent)
+        extent *= _size(layout, d, cache.num_blocks)
+    if layout.order[0] == "L":
+        strides[0] = 0  # the placement's convention: layers found by their offsets
+    dense = packed and _dense(layout, strides)
+    cache.placement = dataclasses.replace(
+        cache.placement, layout=dataclasses.replace(layout, contiguous=dense))
+    return cache
 
 
 def tensor_cache(kv_caches: Mapping[str, Any], num_blocks: int | None = None,

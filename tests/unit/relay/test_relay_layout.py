@@ -10,6 +10,7 @@ tests/vllm/test_vllm_layouts.py."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from kvrelay.relay.client import RelayUnavailable
 from kvrelay.relay.geometry import KvGeometry
 from kvrelay.relay.transports import nixl
-from kvrelay.relay.transports.layout import layer_cache
+from kvrelay.relay.transports.layout import head_slice, layer_cache, named_as
 from kvrelay.testing.kv import move_over_nixl, move_over_tcp
 
 # vLLM's KVCacheLayout (vllm/v1/kv_cache_layout.py, identical in 0.32 and 0.34): the
@@ -215,3 +216,76 @@ def test_the_description_reads_only_shapes_and_strides() -> None:
             for i in range(2)}
     placement, _ = describe(meta, 4)
     assert placement.layout == layer_cache(host, 4).layout
+
+
+def head_slices(d: dict[str, torch.Tensor], k: int, n: int, cache: Any) -> list[Any]:
+    """D's cache cut for a prefill engine of ``k`` times its workers: slice ``i`` is
+    heads ``i*n .. i*n+n-1``, named as a cache of those heads alone (the connector's
+    heterogeneous TP)."""
+    return [named_as(layer_cache(head_slice(d, i * n, n), cache.num_blocks,
+                                 cache.layout.backend), cache)
+            for i in range(k)]
+
+
+def assert_heads_moved(ps: list[dict[str, torch.Tensor]], d: dict[str, torch.Tensor],
+                       remote: list[int], local: list[int], k: int, n: int) -> None:
+    """D's heads ``i*n ..`` of block ``local[j]`` are P rank ``i``'s block ``remote[j]``
+    (torch's own indexing is the oracle); D holds nothing else."""
+    for i, p in enumerate(ps):
+        for name in p:
+            for r, lb in zip(remote, local, strict=True):
+                got = d[name][lb * k:(lb + 1) * k, i * n:(i + 1) * n].contiguous()
+                want = p[name][r * k:(r + 1) * k].contiguous()
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
+                    i, name, r, lb)
+    for name in d:
+        for lb in local:
+            d[name][lb * k:(lb + 1) * k].zero_()
+    for v in d.values():
+        assert not v.view(torch.uint8).any(), "bytes outside the blocks read were written"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.sampled_from([2, 3]))
+def test_head_slices_of_a_smaller_tp_size_take_each_ranks_blocks_byte_for_byte(
+        c: dict, ranks: int) -> None:
+    """P at ``ranks`` times D's tensor-parallel size: D's worker cut into one head slice
+    per P rank; each slice carries the name of P's rank's cache (what HELLO compares),
+    and P's ranks' blocks land in their slices over tcp, byte for byte, in every
+    stride order vLLM has (MLA has no heads to split: left out)."""
+    n = c["heads"]
+    shape = {x: c[x] for x in ("order", "layers", "k", "tokens", "content", "dtype", "pad",
+                               "apart")}
+    ps = [views(blocks=c["blocks"][0], heads=n, fill=True, **shape) for _ in range(ranks)]
+    d = views(blocks=c["blocks"][1], heads=n * ranks, **shape)
+    whole = layer_cache(d, c["blocks"][1])
+    for p, part in zip(ps, head_slices(d, ranks, n, whole), strict=True):
+        pc = layer_cache(p, c["blocks"][0])
+        assert part.layout.name == pc.layout.name
+        move_over_tcp(pc, part, c["remote"], c["local"])
+    assert_heads_moved(ps, d, c["remote"], c["local"], c["k"], n)
+
+
+@pytest.mark.skipif(not nixl.available(), reason=nixl.INSTALL_HINT)
+@pytest.mark.parametrize("order", ["LBHNC", "LBNHC", "BLNHC"])
+def test_head_slices_take_each_ranks_blocks_over_nixl(order: str) -> None:
+    """The same through NIXL READs, each slice's own agent over the one D cache."""
+    shape = dict(order=order, layers=3, k=1, tokens=2, content=8, dtype=torch.bfloat16)
+    ps = [views(blocks=10, heads=2, fill=True, **shape) for _ in range(2)]
+    d = views(blocks=7, heads=4, **shape)
+    remote, local = [4, 5, 6, 0, 9, 2], [1, 2, 3, 6, 0, 5]
+    for p, part in zip(ps, head_slices(d, 2, 2, layer_cache(d, 7)), strict=True):
+        move_over_nixl(layer_cache(p, 10), part, remote, local)
+    assert_heads_moved(ps, d, remote, local, 1, 2)
+
+
+def test_a_head_slice_of_todays_cpu_cache_is_named_as_that_ranks_cache() -> None:
+    """P at TP 2 (2 heads a rank, vLLM-CPU's contiguous LBHNC) and D at TP 1 (4 heads):
+    each of D's slices is named ``regions:`` as P's rank's cache is, and hashes alike."""
+    p = layer_cache({f"l{i}": torch.zeros(3, 8, 2, 4, 16)[i] for i in range(3)}, 8,
+                    "CPU_ATTN")
+    d4 = torch.zeros(3, 8, 4, 4, 16)
+    d = {f"l{i}": d4[i] for i in range(3)}
+    for part in head_slices(d, 2, 2, layer_cache(d, 8, "CPU_ATTN")):
+        assert part.layout.name == p.layout.name == "regions:3x512"
+        assert len(part.placement.ranges([0, 1])) == 3 * 2  # strided: a range per block

@@ -19,10 +19,18 @@ from kvrelay.relay.prefill import KvTransferParams
 from kvrelay.relay.receiver import Phase
 from kvrelay.relay.transports import nixl
 from kvrelay.relay.transports.base import TransferState
-from kvrelay.relay.transports.layout import layer_cache, tensor_cache
+from kvrelay.relay.transports.layout import head_slice, layer_cache, named_as, tensor_cache
 from kvrelay.relay.transports.staging import HostCopier, StagedBlocks
 from kvrelay.vllm import faults
-from kvrelay.vllm.decode import RANK_FIELDS, DecodeSide, LoadSpec, VllmKvLoads, trusts
+from kvrelay.vllm.decode import (
+    RANK_FIELDS,
+    DecodeSide,
+    LoadSpec,
+    MappedDecode,
+    VllmKvLoads,
+    p_ranks_refused,
+    trusts,
+)
 from kvrelay.vllm.prefill import HoldSpec, PrefillSide, VllmLeaseBlocks, prompt_digest
 from kvrelay.vllm.settings import ConnectorSettings, parse_cpus
 
@@ -587,6 +595,68 @@ def test_a_given_back_lease_of_each_rank_is_aborted_once() -> None:
     finally:
         for side in (*ps, *ds):
             side.close()
+
+
+def test_one_decode_worker_pulls_two_prefill_ranks_into_its_head_halves() -> None:
+    """Heterogeneous TP: P at TP 2 (2 heads a rank), D at TP 1 (4 heads). D's worker has
+    a side per P rank over its head slice, named as that rank's cache; each pulls its
+    rank's lease; vLLM hears of the load once, after both, and each lease ends once. A
+    load one rank fails is reported once, failed."""
+    settings = ConnectorSettings(lease_timeout=10.0)
+    p_caches = [vllm_like_cache(True) for _ in range(2)]
+    storage = torch.zeros(LAYERS, BLOCKS, 2 * HEADS, BS, 2 * HEAD)
+    d_cache = {f"model.layers.{i}.self_attn.attn": storage[i] for i in range(LAYERS)}
+    whole = layer_cache(d_cache)
+    ps = [PrefillSide(settings, layer_cache(c), f"c{r}", f"P{r}") for r, c in
+          enumerate(p_caches)]
+    parts = [named_as(layer_cache(head_slice(d_cache, r * HEADS, HEADS)), whole)
+             for r in range(2)]
+    assert [part.layout.name for part in parts] == [layer_cache(c).layout.name
+                                                    for c in p_caches]
+    mapped = MappedDecode([DecodeSide(settings, part, f"c{r}", "D", rank=r, workers=2)
+                           for r, part in enumerate(parts)])
+    try:
+        holds, params = name_rank_leases(ps)
+        for p in ps:
+            p.hold_all(holds)
+        blocks = [7, 8, 9]
+        mapped.sides[1].transport.delay = 0.3  # rank 1's pull ends last
+        mapped.start([LoadSpec("req", params, PROMPT, blocks, 0)], [])
+        wait_for(lambda: mapped.sides[0].loads.finished == {"req"}, "rank 0's pull")
+        assert mapped.take_finished() == (set(), set())  # rank 1 still copies
+        reports: list[tuple[set[str], set[str]]] = []
+        wait_for(lambda: bool(reports.append(mapped.take_finished()) or reports[-1][0]),
+                 "both pulls")
+        assert reports[-1] == ({"req"}, set()) and mapped.take_finished() == (set(), set())
+        for r in range(2):
+            for layer, src in p_caches[r].items():
+                got = d_cache[layer][blocks][:, r * HEADS:(r + 1) * HEADS]
+                assert torch.equal(got, src[[5, 2, 3]])
+        assert [p.take_released() for p in ps] == [{"req"}, {"req"}]
+        assert all(p.table.release_reason(e["lease_id"]).value == "done"
+                   for p, e in zip(ps, params["ranks"], strict=True))
+        # rank 1's lease already gone: that pull fails, rank 0's commits; one report
+        holds, params = name_rank_leases(ps)
+        for p in ps:
+            p.hold_all(holds)
+        ps[1].table.abort("P1", params["ranks"][1]["lease_id"], time.monotonic())
+        mapped.start([LoadSpec("req2", params, PROMPT, blocks, 0)], [])
+        reports = []
+        wait_for(lambda: bool(reports.append(mapped.take_finished()) or reports[-1][0]),
+                 "the failed load")
+        assert reports[-1] == ({"req2"}, {"req2"})
+    finally:
+        for side in (*ps, mapped):
+            side.close()
+
+
+def test_a_prefill_engine_is_pulled_from_at_the_same_size_or_a_multiple() -> None:
+    assert p_ranks_refused(2, 2, 4) == "" and p_ranks_refused(4, 2, 2) == ""
+    assert p_ranks_refused(2, 1, 4) == ""
+    for p_workers, workers, heads in ((1, 2, 2), (3, 2, 2), (4, 1, 2)):
+        why = p_ranks_refused(p_workers, workers, heads)
+        assert f"from {p_workers} tensor-parallel workers, this engine has {workers} " \
+            f"workers of {heads} KV heads" in why
 
 
 def test_relay_port_is_offset_by_worker_and_the_advertised_host(
