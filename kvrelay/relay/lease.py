@@ -37,6 +37,21 @@ every block equals the one recorded when the lease was made, so the copy happene
 while the blocks could not change. Any other answer tells the reader its copy may
 be torn.
 
+Parts (``splittable`` tables: vLLM's prefill workers, for decode engines with more
+tensor-parallel workers than P, docs/vllm.md): a HELD lease ``X`` can be cut into ``k``
+parts, leases ``X/0/k`` .. ``X/k-1/k`` over the same blocks, each a lease like any
+other (its own attempt, deadline and one release) that serves head slice ``i`` of ``k``
+(``Lease.part``). The first ACQUIRE or ABORT naming a part of a HELD ``X`` makes all
+``k`` and releases ``X`` (reason ``split``) in one step: the parts hold the blocks
+before ``X`` lets go of them, so they are never free in between, and ``X``'s generations
+are theirs (the fence still covers the copy since ``X`` was made). A part of a lease
+being pulled whole is refused (``lease_busy``), and ``X`` itself is released once split.
+ABORTs of parts of a lease not made yet are remembered as ABORTs are: when ``X`` is made
+it is split and those parts released at once. The proxy's ABORT of a split ``X`` (no
+holder) releases its live parts, as it would have released ``X``.
+
+    HELD --ACQUIRE or ABORT of a part of k--> RELEASED(split), k parts HELD
+
 Pure: the clock comes in as ``now`` arguments, lease ids from ``new_lease_id``.
 Deadlines sit in a heap with lazy deletion (an entry whose deadline no longer
 matches its lease is skipped), so arming, renewing and expiring cost O(log n).
@@ -55,6 +70,7 @@ from kvrelay.relay.port import LeaseBlocks
 from kvrelay.relay.protocol import ErrorCode
 
 MAX_EARLY_ABORTS = 4096  # ABORTs of pending leases remembered (the oldest are dropped)
+MAX_PARTS = 64  # parts a lease may be split into (a decode engine's workers per P rank)
 
 
 class LeaseState(enum.Enum):
@@ -68,6 +84,7 @@ class ReleaseReason(enum.Enum):
     FAILED = "failed"
     ABORTED = "aborted"
     EXPIRED = "expired"
+    SPLIT = "split"  # cut into parts (leases of their own) for another engine's workers
 
 
 class LeaseEvent(enum.Enum):
@@ -77,6 +94,7 @@ class LeaseEvent(enum.Enum):
     RELEASE_FAILED = "release_failed"
     ABORT = "abort"
     EXPIRE = "expire"
+    SPLIT = "split"
 
 
 class Status(enum.Enum):
@@ -101,9 +119,26 @@ LEASE_TRANSITIONS: dict[tuple[LeaseState, LeaseEvent], tuple[LeaseState, Release
     (L.PULLING, LE.ABORT): (L.RELEASED, R.ABORTED),
     (L.HELD, LE.EXPIRE): (L.RELEASED, R.EXPIRED),
     (L.PULLING, LE.EXPIRE): (L.RELEASED, R.EXPIRED),
+    (L.HELD, LE.SPLIT): (L.RELEASED, R.SPLIT),
 }
 
 del L, LE, R
+
+
+def part_id(lease_id: str, i: int, k: int) -> str:
+    """The id of part ``i`` of ``k`` of lease ``lease_id``."""
+    return f"{lease_id}/{i}/{k}"
+
+
+def parse_part(lease_id: str) -> tuple[str, int, int] | None:
+    """(lease, i, k) of a part's id; None for any other id."""
+    parent, sep, tail = lease_id.partition("/")
+    i, sep2, k = tail.partition("/")
+    if not (sep and sep2 and i.isascii() and i.isdigit() and k.isascii() and k.isdigit()
+            and len(i) <= 2 and len(k) <= 2):
+        return None
+    n, of = int(i), int(k)
+    return (parent, n, of) if 2 <= of <= MAX_PARTS and n < of else None
 
 
 def new_random_lease_id() -> str:
@@ -131,6 +166,7 @@ class Lease:
     # ACQUIRE; ``block_ids`` and ``generations`` then hold the rest, the pulled range).
     first_block: int = 0
     prompt_digest: bytes = b""  # protocol.prompt_digest of the request's prompt
+    part: tuple[int, int] | None = None  # (i, k): head slice i of k (a split lease's part)
 
     def held_by(self, holder: str, attempt: str) -> bool:
         return self.holder == holder and self.attempt == attempt
@@ -189,6 +225,7 @@ class LeaseTable:
         tombstone_ttl: float | None = None,
         new_lease_id: Callable[[], str] = new_random_lease_id,
         pending: Callable[[str], bool] | None = None,
+        splittable: bool = False,
     ) -> None:
         if not 0 < acquire_timeout <= hard_cap:
             raise ValueError(
@@ -200,6 +237,10 @@ class LeaseTable:
         self.hard_cap = hard_cap
         self.tombstone_ttl = hard_cap if tombstone_ttl is None else tombstone_ttl
         self._new_id = new_lease_id
+        # May a HELD lease be cut into parts (the port's blocks may be held by several
+        # leases at once: vLLM's prefill workers)? Otherwise a part's id is unknown.
+        self.splittable = splittable
+        self._parts: dict[str, list[str]] = {}  # a split lease's parts, while remembered
         # A lease id the engine has handed out but not made yet (vLLM: the scheduler
         # names it, the worker makes it a step later): answered NOT_YET, not unknown.
         self.pending = pending
@@ -254,6 +295,16 @@ class LeaseTable:
         heapq.heappush(self._deadlines, (lease.deadline, lease_id))
         if self._aborted_early.pop(lease_id, None) is not None:
             self._release(lease, LeaseEvent.ABORT, now)
+        elif self.splittable and self._aborted_early:
+            parts = [(q, pid) for pid in self._aborted_early
+                     if (q := parse_part(pid)) is not None and q[0] == lease_id]
+            if parts:  # a decode worker gave its part up before this lease was made
+                self._split(lease, parts[0][0][2], now)
+                for _q, pid in parts:
+                    del self._aborted_early[pid]
+                    part = self.leases.get(pid)
+                    if part is not None:
+                        self._release(part, LeaseEvent.ABORT, now)
         return lease
 
     # -- messages from decode engines ----------------------------------------------
@@ -264,8 +315,8 @@ class LeaseTable:
         """Bind the lease to this attempt. ``first_block`` > 0: the decode engine has the
         blocks before it cached; they are released now and the lease covers the rest
         (none, when it has them all: it still acquires, to check its params against
-        the lease, and commits an empty copy)."""
-        lease, answer = self._find(engine_id, lease_id, holder, attempt)
+        the lease, and commits an empty copy). A part's id splits its HELD lease first."""
+        lease, answer = self._find(engine_id, lease_id, holder, attempt, split_at=now)
         if lease is None:
             return answer
         if lease.state is LeaseState.PULLING:
@@ -335,13 +386,21 @@ class LeaseTable:
         """ABORT from a decode attempt (``holder``/``attempt``: refused while another
         attempt pulls), or from the proxy (None: valid in any live state; a pulling
         attempt's commit then fails)."""
-        lease, answer = self._find(engine_id, lease_id, holder or "", attempt or "")
+        lease, answer = self._find(engine_id, lease_id, holder or "", attempt or "",
+                                   split_at=now)
         if lease is None:
             if answer.code is ErrorCode.NOT_YET:
                 self._aborted_early[lease_id] = now
                 self._aborted_early.move_to_end(lease_id)
                 while len(self._aborted_early) > MAX_EARLY_ABORTS:
                     self._aborted_early.popitem(last=False)
+            elif holder is None and answer.reason is ReleaseReason.SPLIT:
+                # the proxy gives up a lease that was split: its live parts go too, as
+                # the lease itself would (a part's pull then fails its commit)
+                for pid in self._parts.get(lease_id, ()):
+                    part = self.leases.get(pid)
+                    if part is not None:
+                        self._release(part, LeaseEvent.ABORT, now)
             return answer
         if (holder is not None and lease.state is LeaseState.PULLING
                 and not lease.held_by(holder, attempt or "")):
@@ -428,9 +487,11 @@ class LeaseTable:
 
     # -- internals -----------------------------------------------------------------
     def _find(
-        self, engine_id: str, lease_id: str, holder: str, attempt: str, *, commit: bool = False
+        self, engine_id: str, lease_id: str, holder: str, attempt: str, *, commit: bool = False,
+        split_at: float | None = None,
     ) -> tuple[Lease | None, Answer]:
-        """The live lease, or the answer for a message about no live lease."""
+        """The live lease, or the answer for a message about no live lease.
+        ``split_at``: a part's id of a HELD lease splits it then (ACQUIRE, ABORT)."""
         if engine_id != self.engine_id:
             return None, self._stale(
                 f"lease {lease_id} belongs to engine {engine_id}, this is engine "
@@ -440,6 +501,11 @@ class LeaseTable:
         if lease is not None:
             return lease, Answer(Status.OK)
         tomb = self._tombstones.get(lease_id)
+        part = parse_part(lease_id) if self.splittable and tomb is None else None
+        if part is not None:
+            found = self._part_of(part, lease_id, split_at)
+            if found is not None:
+                return found
         if tomb is None and self.pending is not None and self.pending(lease_id):
             return None, Answer(Status.ERROR, error=f"lease {lease_id} is not made yet",
                                 code=ErrorCode.NOT_YET)
@@ -487,6 +553,48 @@ class LeaseTable:
         reason = lease.reason.value
         self.stats.released[reason] = self.stats.released.get(reason, 0) + 1
 
+    def _part_of(self, part: tuple[str, int, int], lease_id: str, split_at: float | None
+                 ) -> tuple[Lease | None, Answer] | None:
+        """``_find`` for an unknown part's id (``part`` parsed): the part, made now by
+        splitting its HELD lease (``split_at``); a refusal while the lease is pulled
+        whole; the lease's own answer once it was released whole; else None."""
+        whole = self.leases.get(part[0])
+        if whole is not None:
+            if whole.state is not LeaseState.HELD:
+                return None, self._stale(f"lease {part[0]} is being pulled whole: its parts "
+                                         "cannot be", ErrorCode.LEASE_BUSY)
+            if split_at is not None:
+                self._split(whole, part[2], split_at)
+                return self.leases[lease_id], Answer(Status.OK)
+            return None
+        gone = self._tombstones.get(part[0])
+        if gone is None or gone.reason is ReleaseReason.SPLIT:
+            return None
+        # a part of a lease released whole (expired, aborted, pulled): as the lease
+        self.stats.stale_messages += 1
+        return None, Answer(Status.RELEASED, LeaseState.RELEASED, gone.reason,
+                            f"lease {part[0]} was already released ({gone.reason.value})")
+
+    def _split(self, lease: Lease, k: int, now: float) -> None:
+        """Cut HELD ``lease`` into ``k`` parts over its blocks (the module docstring): the
+        parts hold the blocks before the lease is released, so they never go free."""
+        ids = list(lease.block_ids)
+        for i in range(k):
+            pid = part_id(lease.lease_id, i, k)
+            self.blocks.hold(lease.request_id, ids, pid)
+            part = Lease(
+                lease_id=pid, request_id=lease.request_id, block_ids=list(ids),
+                generations=list(lease.generations), num_tokens=lease.num_tokens,
+                first_token=lease.first_token, prompt_digest=lease.prompt_digest,
+                created=now, deadline=min(now + self.acquire_timeout, lease.hard_deadline),
+                hard_deadline=lease.hard_deadline, part=(i, k))
+            self.leases[pid] = part
+            self.stats.created += 1
+            self.stats.active["held"] += 1
+            heapq.heappush(self._deadlines, (part.deadline, pid))
+        self._parts[lease.lease_id] = [part_id(lease.lease_id, i, k) for i in range(k)]
+        self._release(lease, LeaseEvent.SPLIT, now)
+
     def _rearm(self, lease: Lease, now: float) -> None:
         lease.deadline = min(now + self.acquire_timeout, lease.hard_deadline)
         heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
@@ -506,4 +614,4 @@ class LeaseTable:
             tomb = next(iter(tombs.values()))
             if now - tomb.released_at < self.tombstone_ttl:
                 return
-            tombs.popitem(last=False)
+            self._parts.pop(tombs.popitem(last=False)[0], None)

@@ -7,7 +7,7 @@ counters are totals since start.
     kvrelay_leases{state}                  gauge: live leases (held, pulling)
     kvrelay_leases_created_total           counter: leases made (P); created == the
                                            released ones + the live ones, from one scrape
-    kvrelay_leases_released_total{reason}  counter: done, failed, aborted, expired
+    kvrelay_leases_released_total{reason}  counter: done, failed, aborted, expired, split
     kvrelay_relay_stale_messages_total     counter: P: messages about released, unknown
                                            or foreign leases; D: replies to an earlier
                                            phase (answered or dropped, nothing else)
@@ -67,9 +67,10 @@ def prefill_metrics(table: LeaseTable, server: RelayServer | None = None) -> lis
                  "KV leases made on this prefill engine (each ends once: released by one "
                  "reason, or live in kvrelay_leases)", st.created),
         Family("kvrelay_leases_released", "counter",
-               "KV leases released, by reason (done, failed, aborted, expired)", ("reason",),
+               "KV leases released, by reason (done, failed, aborted, expired; split: cut "
+               "into parts, each a lease of its own)", ("reason",),
                {(r,): float(st.released.get(r, 0))
-                for r in ("done", "failed", "aborted", "expired")}),
+                for r in ("done", "failed", "aborted", "expired", "split")}),
         _counter("kvrelay_relay_stale_messages",
                  "Relay messages about released, unknown or foreign leases", st.stale_messages),
         _counter("kvrelay_kv_fence_failures",

@@ -133,6 +133,7 @@ class RelayServer:
         *,
         kv_bytes: np.ndarray | None = None,
         kv_blocks: HostBlocks | StagedBlocks | None = None,
+        part_blocks: Callable[[int, int], HostBlocks | StagedBlocks] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.table = table
@@ -143,6 +144,8 @@ class RelayServer:
         # (tcp.block_io: a cache in device memory is staged through host buffers).
         self.kv_blocks = kv_blocks if kv_blocks is not None else (
             HostBlocks(kv_bytes) if kv_bytes is not None else None)
+        # A split lease's part (i, k) reads head slice i of k of the blocks (lease.py)
+        self.part_blocks = part_blocks
         self.clock = clock
         self.stats = ServerStats()
         self.relay = PrefillRelay(table, address="", compat=config.compat, clock=clock)
@@ -462,14 +465,25 @@ class RelayServer:
                 self._bump("reads_denied")
             conn.sendall(P.encode(answer_reply(msg.seq, ans)))
             return
-        assert self.kv_blocks is not None
-        nbytes = len(msg.block_ids) * self.kv_blocks.block_bytes
+        blocks = self.kv_blocks
+        part = ans.lease.part if ans.lease is not None else None
+        if part is not None:
+            try:
+                if self.part_blocks is None:
+                    raise ValueError("this relay serves whole leases only")
+                blocks = self.part_blocks(*part)
+            except ValueError as e:
+                self._bump("reads_denied")
+                conn.sendall(P.encode(P.Reply(msg.seq, "error", code=E.READ_DENIED.value,
+                                              error=f"lease {msg.lease_id}: {e}")))
+                return
+        assert blocks is not None
+        nbytes = len(msg.block_ids) * blocks.block_bytes
         conn.sendall(P.encode(P.Reply(msg.seq, "ok", nbytes=nbytes)))
         # The stream must be taken within send_timeout (checked between system calls,
         # each bounded by it too): a peer that asks and does not read cannot pin this
         # thread (and its slot) for longer.
-        self.kv_blocks.send(conn, msg.block_ids,
-                            deadline=time.monotonic() + self.config.send_timeout)
+        blocks.send(conn, msg.block_ids, deadline=time.monotonic() + self.config.send_timeout)
         self._bump("bytes_sent", nbytes)
         if msg.commit:
             # Every byte has left P's blocks: the verdict RELEASE(ok) would get now.

@@ -89,12 +89,15 @@ def build_prefill_side(
     kv_cache: Any, kv_blocks: Any, layout: str = "block_major", kv_dtype: str = "",
     shm: dict[str, Any] | None = None,
     lock: threading.Lock | None = None, clock: Callable[[], float] = time.monotonic,
+    part_blocks: Callable[[int, int], Any] | None = None,
 ) -> PrefillParts:
     """The lease table over ``blocks`` and a started relay server for it. ``kv_cache``:
     what NIXL registers and CUDA IPC exports (a tensor, or vLLM's regions); ``kv_blocks``:
-    how the tcp transport reads blocks; ``shm``: the shared-memory cache's descriptor."""
+    how the tcp transport reads blocks; ``shm``: the shared-memory cache's descriptor;
+    ``part_blocks``: how tcp reads head slice i of k of them (leases split into parts,
+    for decode engines of more tensor-parallel workers: the table splits only with it)."""
     table = LeaseTable(blocks, engine_id=engine_id, acquire_timeout=settings.lease_timeout,
-                       hard_cap=settings.lease_max)
+                       hard_cap=settings.lease_max, splittable=part_blocks is not None)
     transports, nixl = _served(settings, kv_cache, shm)
     cfg = RelayServerConfig(
         compat=compat, host=settings.relay_host, port=settings.relay_port,
@@ -103,7 +106,7 @@ def build_prefill_side(
         send_timeout=settings.lease_timeout,
         idle_timeout=max(120.0, 2 * settings.lease_timeout))
     server = RelayServer(table, lock or threading.Lock(), cfg, kv_blocks=kv_blocks,
-                         clock=clock)
+                         part_blocks=part_blocks, clock=clock)
     server.start()
     log.info("relay for decode engines on %s (transports: %s)", server.address,
              ", ".join(sorted(transports)))

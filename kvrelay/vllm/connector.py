@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from kvrelay.relay.geometry import KvGeometry
 from kvrelay.relay.prefill import KvTransferParams
 from kvrelay.relay.remote import RemoteKv
-from kvrelay.relay.transports.layout import head_slice, named_as
+from kvrelay.relay.transports.layout import head_slice, named_as, widened
 from kvrelay.vllm.api import (
     P2P_SOURCE,
     KVConnectorBase_V1,
@@ -300,20 +300,37 @@ class KvRelayConnector(KVConnectorBase_V1):
                 workers=self.tp_size, kv_dtype=kv_dtype))
 
             def mapped(p_workers: int) -> MappedDecode:
+                p_heads = max(1, mc.get_total_num_kv_heads() // p_workers)
+
+                def p_compat(p_rank: int, p_layout: str) -> str:
+                    rank_id = f"|tp{p_rank}/{p_workers}" if p_workers > 1 else ""
+                    return dataclasses.replace(
+                        geometry, num_kv_heads=p_heads, layout=p_layout,
+                    ).compat_hash(model_id + rank_id)
+
+                if p_workers < self.tp_size:
+                    # P has 1/k of our workers: our heads are slice rank%k of k of P's
+                    # rank rank//k's; we pull that part of its leases (MappedDecode).
+                    k = self.tp_size // p_workers
+                    wide = widened(cache, k).name
+                    log.info("kvrelay: pulling from prefill engines of %d tensor-parallel "
+                             "workers: this worker's heads are part %d of %d of their rank "
+                             "%d's", p_workers, rank % k, k, rank // k)
+                    return MappedDecode([DecodeSide(
+                        self.settings, cache, p_compat(rank // k, wide), engine_id,
+                        self._ready, rank=rank // k, workers=p_workers, kv_dtype=kv_dtype,
+                        part=(rank % k, k), layout=wide)])
                 # P has k times our workers: our heads are P's ranks rank*k .. rank*k+k-1
                 # (MappedDecode); each side pulls its P rank's lease into its slice.
                 k, heads = p_workers // self.tp_size, layout.heads * self.tp_size // p_workers
-                p_heads = max(1, mc.get_total_num_kv_heads() // p_workers)
                 sides = []
                 for i in range(k):
                     part = named_as(worker_cache(
                         head_slice(kv_caches, i * heads, heads), self._num_blocks, backend,
                         self.settings, buffer_device(self._vllm_config)), cache)
                     p_rank = rank * k + i
-                    p_compat = dataclasses.replace(
-                        geometry, num_kv_heads=p_heads, layout=part.layout.name,
-                    ).compat_hash(f"{model_id}|tp{p_rank}/{p_workers}")
-                    sides.append(DecodeSide(self.settings, part, p_compat, engine_id,
+                    sides.append(DecodeSide(self.settings, part,
+                                            p_compat(p_rank, part.layout.name), engine_id,
                                             self._ready, rank=p_rank, workers=p_workers,
                                             kv_dtype=kv_dtype))
                 log.info("kvrelay: pulling from prefill engines of %d tensor-parallel "
@@ -561,7 +578,8 @@ class KvRelayConnector(KVConnectorBase_V1):
         try:
             kv = RemoteKv.from_client(params, vocab_size=self.vocab_size)
             entries = rank_entries(params)
-            refused = p_ranks_refused(len(entries), self.tp_size, self._heads)
+            refused = p_ranks_refused(len(entries), self.tp_size, self._heads,
+                                      self.settings.kv_transport)
             if refused:
                 raise ValueError(refused)
             for entry in entries:  # every rank's lease, relay and compat

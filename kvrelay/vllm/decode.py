@@ -44,6 +44,7 @@ from typing import Any
 
 from kvrelay.relay import protocol as P
 from kvrelay.relay.client import is_local
+from kvrelay.relay.lease import part_id
 from kvrelay.relay.port import Failure
 from kvrelay.relay.receiver import Phase, Policy
 from kvrelay.relay.remote import RemoteKv
@@ -216,11 +217,16 @@ class DecodeSide:
     def __init__(self, settings: ConnectorSettings, cache: HostCache | TensorCache,
                  compat: str, engine_id: str,
                  ready: threading.Event | None = None, *, rank: int = 0,
-                 workers: int = 1, kv_dtype: str = "") -> None:
+                 workers: int = 1, kv_dtype: str = "", part: tuple[int, int] | None = None,
+                 layout: str | None = None) -> None:
         self.settings = settings
-        # This worker's tensor-parallel rank among ``workers``: it pulls its own heads,
-        # from the lease of P's worker of the same rank (``rank_entries``).
+        # The rank of the prefill worker whose leases this side pulls, among P's
+        # ``workers`` (``rank_entries``): this worker's own rank at the same size.
         self.rank, self.workers = rank, workers
+        # (i, k): this worker holds head slice i of k of that P worker's heads, so it
+        # pulls part i of k of each lease (lease.py, Parts) and HELLOs with that worker's
+        # ``layout`` name (layout.widened) and compat.
+        self.part = part
         self.loads = VllmKvLoads(ready, timing=lambda rid: self.receiver.timing(rid),
                                  nbytes=self._nbytes)
         self.kv_blocks = kv_blocks(cache, settings)
@@ -228,7 +234,7 @@ class DecodeSide:
         # kv_load_failure_policy decides between recompute and an error.
         parts = build_decode_side(
             self.loads, settings.sides(), engine_id=engine_id, compat=compat,
-            kv_cache=cache, kv_blocks=self.kv_blocks, layout=cache.layout.name,
+            kv_cache=cache, kv_blocks=self.kv_blocks, layout=layout or cache.layout.name,
             kv_dtype=kv_dtype, policy=Policy.RECOMPUTE, new_attempt=lambda: secrets.token_hex(8))
         self.receiver, self.transport = parts.receiver, parts.transport
         self.client = parts.clients[0]
@@ -314,12 +320,19 @@ class DecodeSide:
             if i % self.workers != self.rank:
                 continue
             try:
-                kv = RemoteKv.from_client(entry)  # a relay that is host:port, or nothing
+                kv = RemoteKv.from_client(self._ours(entry))  # host:port, or nothing
             except ValueError:
                 continue
             if self.trusts(kv.relay):
                 self.client.send(kv.relay, P.Abort(0, kv.engine_id, kv.lease_id,
                                                    self.engine_id, secrets.token_hex(8)))
+
+    def _ours(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """A P worker's lease params as this side pulls them: its part, if it has one."""
+        lid = entry.get("lease_id")
+        if self.part is None or not isinstance(lid, str):
+            return entry
+        return {**entry, "lease_id": part_id(lid, *self.part)}
 
     def _nbytes(self, rid: str) -> int:
         load = self.receiver.loads.get(rid)
@@ -334,7 +347,7 @@ class DecodeSide:
         try:
             faults.hit("submit", spec.request_id)
             # this worker's rank's lease (the scheduler checked there is one per rank)
-            kv = RemoteKv.from_client(rank_entries(spec.params)[self.rank])
+            kv = RemoteKv.from_client(self._ours(rank_entries(spec.params)[self.rank]))
             if not self.trusts(kv.relay):
                 raise ValueError(UNTRUSTED.format(relay=kv.relay))
             self.receiver.submit(spec.request_id, spec.prompt_token_ids, SamplingParams(), kv,
@@ -437,15 +450,20 @@ class DecodeSide:
 
 
 class MappedDecode:
-    """A decode worker pulling from a prefill engine with ``k`` times its tensor-parallel
-    workers (heterogeneous TP): worker ``r``'s heads are P's ranks ``r*k .. r*k+k-1``
+    """A decode worker pulling from a prefill engine of another tensor-parallel size.
+
+    P with ``k`` times its workers: worker ``r``'s heads are P's ranks ``r*k .. r*k+k-1``
     heads, side by side. Each of those P ranks serves its own lease (P is unchanged), so
     worker ``r`` runs ``k`` decode sides, side ``i`` over the head slice P's rank
     ``r*k+i`` fills (layout.head_slice) with that rank's compat, and pulls that rank's
     lease (``DecodeSide`` with ``rank`` = P's rank among P's ``workers``: its own entry
     of ``ranks``, and its own lease to give back). A load is reported to vLLM once all
     ``k`` pulls of it ended, failed when any did: each side reports each load once, so
-    the count reaches ``k`` once."""
+    the count reaches ``k`` once.
+
+    P with ``1/k`` of its workers: worker ``r``'s heads are slice ``r % k`` of ``k`` of P's
+    rank ``r // k``'s; one side over the whole cache pulls part ``r % k`` of that rank's
+    lease (``DecodeSide.part``: the lease is split on P, each part a lease of its own)."""
 
     def __init__(self, sides: list[DecodeSide]) -> None:
         self.sides = sides
@@ -481,18 +499,28 @@ class MappedDecode:
             side.close()
 
 
-def p_ranks_refused(p_workers: int, workers: int, heads: int) -> str:
+def p_ranks_refused(p_workers: int, workers: int, heads: int, transport: str = "tcp"
+                    ) -> str:
     """Why this decode engine (``workers`` tensor-parallel workers of ``heads`` KV heads
     each) cannot pull from a prefill engine of ``p_workers`` workers ('' where it can:
-    the same size, or ``k`` times it with the heads splitting evenly)."""
+    the same size; ``k`` times it with the heads splitting evenly; ``1/k`` of it with
+    more than one head a worker, over tcp)."""
     if p_workers == workers:
         return ""
-    if p_workers < workers or p_workers % workers or heads * workers % p_workers:
-        return (f"ranks: the prefill engine serves the KV from {p_workers} "
-                f"tensor-parallel workers, this engine has {workers} workers of {heads} "
-                f"KV heads each: a decode engine pulls from a prefill engine of the same "
-                f"--tensor-parallel-size or a multiple of it whose workers split its heads "
-                f"evenly (a smaller prefill engine is not supported yet)")
+    why = (f"ranks: the prefill engine serves the KV from {p_workers} tensor-parallel "
+           f"workers, this engine has {workers} workers of {heads} KV heads each: ")
+    if p_workers > workers and (p_workers % workers or heads * workers % p_workers):
+        return why + ("a larger prefill engine must have a multiple of this engine's "
+                      "workers, splitting its heads evenly")
+    if p_workers < workers:
+        if workers % p_workers:
+            return why + "a smaller prefill engine must have a divisor of its workers"
+        if heads < 2:
+            return why + ("with one head a worker, where a prefill worker's heads lie in "
+                          "its blocks is not known here (not supported yet)")
+        if transport != "tcp":
+            return why + (f"a smaller prefill engine's leases are read in parts over tcp "
+                          f"only, this engine's kv_transport is {transport}")
     return ""
 
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from kvrelay.relay import protocol as P
 from kvrelay.relay.sides import build_prefill_side
-from kvrelay.relay.transports.layout import HostCache, TensorCache
+from kvrelay.relay.transports.layout import HostCache, TensorCache, head_part
 from kvrelay.vllm import faults
 from kvrelay.vllm.devices import fence, kv_blocks
 from kvrelay.vllm.settings import ConnectorSettings
@@ -59,7 +59,11 @@ class VllmLeaseBlocks:
         self._holds = np.zeros(num_blocks, dtype=np.int32)  # leases holding each block
         # lease id -> (request id, the blocks it still holds)
         self._leases: dict[str, tuple[str, set[int]]] = {}
-        self._released: list[tuple[str, str]] = []  # (request, lease) of ended leases
+        # Leases holding blocks, per request: a split lease's parts are several (lease.py),
+        # and the request is reported once, when its last lease lets go.
+        self._per_request: dict[str, int] = {}
+        # (request, lease, the request's last lease?) of ended leases
+        self._released: list[tuple[str, str, bool]] = []
 
     def hold(self, request_id: str, block_ids: Sequence[int], lease_id: str) -> None:
         ids = set(block_ids)
@@ -70,6 +74,7 @@ class VllmLeaseBlocks:
         # Prefix-cached blocks may be shared by two finished requests: counted per lease.
         self._holds[list(ids)] += 1
         self._leases[lease_id] = (request_id, ids)
+        self._per_request[request_id] = self._per_request.get(request_id, 0) + 1
 
     def release(self, lease_id: str, block_ids: Sequence[int]) -> None:
         if not block_ids and lease_id not in self._leases:
@@ -84,14 +89,18 @@ class VllmLeaseBlocks:
         self._holds[idx] -= 1
         self._gen[[b for b in idx if self._holds[b] == 0]] += 1
         if not held:
-            # The lease's last block: vLLM may free the request now (finished_sending).
+            # The lease's last block; the request's last lease: vLLM may free it now
+            # (finished_sending).
             del self._leases[lease_id]
-            self._released.append((request_id, lease_id))
+            left = self._per_request.pop(request_id) - 1
+            if left:
+                self._per_request[request_id] = left
+            self._released.append((request_id, lease_id, not left))
             self.ready.set()
 
     def unheld(self, request_id: str) -> None:
         """A hold whose lease could not be made: vLLM may free the request at once."""
-        self._released.append((request_id, ""))
+        self._released.append((request_id, "", True))
         self.ready.set()
 
     def generations(self, block_ids: Sequence[int]) -> list[int]:
@@ -101,8 +110,9 @@ class VllmLeaseBlocks:
         entry = self._leases.get(lease_id)
         return entry is not None and entry[1] == set(block_ids)
 
-    def take_released(self) -> list[tuple[str, str]]:
-        """(request id, lease id) of each lease ended since the last call."""
+    def take_released(self) -> list[tuple[str, str, bool]]:
+        """(request id, lease id, whether it was the request's last) of each lease ended
+        since the last call."""
         out, self._released = self._released, []
         return out
 
@@ -131,10 +141,22 @@ class PrefillSide:
         self.blocks = VllmLeaseBlocks(num_blocks, ready)
         self._made_upto = 0  # the sequence number of the last hold taken (hold_all)
         self.kv_blocks = kv_blocks(cache, settings)
+        self._part_blocks: dict[tuple[int, int], Any] = {}
+
+        def part_blocks(i: int, k: int) -> Any:
+            """tcp's reads of head slice i of k: a lease split for a decode engine of k
+            times this engine's tensor-parallel workers (docs/vllm.md)."""
+            with self.lock:
+                got = self._part_blocks.get((i, k))
+                if got is None:
+                    got = self._part_blocks[i, k] = kv_blocks(head_part(cache, i, k),
+                                                              settings)
+            return got
+
         parts = build_prefill_side(
             self.blocks, settings.sides(worker, serve=True), engine_id=engine_id, compat=compat,
             kv_cache=cache, kv_blocks=self.kv_blocks, layout=cache.layout.name,
-            kv_dtype=kv_dtype, lock=self.lock)
+            kv_dtype=kv_dtype, lock=self.lock, part_blocks=part_blocks)
         self.table, self.server, self.nixl = parts.table, parts.server, parts.nixl
         self.table.pending = self.pending
         self.compat = compat
@@ -193,13 +215,13 @@ class PrefillSide:
         with self.lock:
             released = self.blocks.take_released()
             reasons = [self.table.release_reason(lid) if lid else None
-                       for _, lid in released]
-        for (rid, lid), why in zip(released, reasons, strict=True):
+                       for _, lid, _last in released]
+        for (rid, lid, last), why in zip(released, reasons, strict=True):
             name = why.value if why else "not_made"
             self._ended[name] = self._ended.get(name, 0) + 1
-            log.debug("kvrelay: lease %s of request %s ended (%s): its blocks return to "
-                      "vLLM", lid or "-", rid, name)
-        return {rid for rid, _ in released}
+            log.debug("kvrelay: lease %s of request %s ended (%s)%s", lid or "-", rid, name,
+                      ": its blocks return to vLLM" if last else "")
+        return {rid for rid, _, last in released if last}
 
     def collect_stats(self, data: dict[str, Any]) -> None:
         """Leases made and ended by reason since the last call, into ``data``."""

@@ -10,13 +10,15 @@ SmolLM2's 3 KV heads do not split in two: the model is a tiny Llama with 4 KV he
 the same tensor-parallel size: P itself, asked without kv_transfer_params.
 
 `make test` runs this module's default tests on one pair (about 2 minutes);
-`make test-vllm-tp` adds the abort storm, a D at TP 1 pulling from the TP 2 P (each of
-its loads two leases, one per P rank, into its two head halves) and the refusal of a P
-of a smaller size.
+`make test-vllm-tp` adds heterogeneous TP both ways: a D at TP 1 pulling from the TP 2
+P (each of its loads two leases, one per P rank, into its two head halves), and a P at
+TP 1 feeding the TP 2 D (its lease split in two parts, one per D worker). It also adds
+params that misname P's size, refused at HELLO, and the abort storm.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -86,6 +88,36 @@ def ended(pr: Pair) -> dict[str, int]:
     return out
 
 
+@contextlib.contextmanager
+def proxied(extra: VllmEngine, p: VllmEngine, d: VllmEngine, log: Path) -> Iterator[str]:
+    """``extra`` (P's or D's peer of another size) started and healthy, and a proxy of
+    its own from ``p`` to ``d``: its URL; both stopped after."""
+    extra.start()
+    proxy = None
+    try:
+        extra.wait_healthy()
+        port = free_port()
+        proxy = start_proxy(p, d, port, log)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if proxy is not None:
+            proxy.kill()
+            proxy.wait(10)
+        extra.kill()
+
+
+def all_colocated(url: str, want: dict[str, str], n: int = 12) -> None:
+    """``n`` completions through ``url``, 4 at a time, every other one streamed: each
+    the colocated text of its prompt (a request's error is raised here)."""
+    def run(i: int) -> str | None:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        return None if completion(url, i % 2 == 1, prompt) == want[prompt] else prompt
+
+    with ThreadPoolExecutor(4) as pool:
+        wrong = [p for p in pool.map(run, range(n), timeout=300) if p]
+    assert not wrong
+
+
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_tp2_texts_equal_colocated(pair: Pair, kind: str, stream: bool) -> None:
@@ -139,24 +171,12 @@ def test_tp2_prefill_serves_a_decode_engine_at_tp1(pair: Pair, tmp_path: Path) -
     equal colocated vLLM (completions, whole and streamed, 4 at a time), no fallback,
     every lease of both ranks ended once (done), and P's and D's caches empty after."""
     d1 = VllmEngine("decode-tp1", "kv_consumer", tmp_path / "d1.log", dict(pair.d.extra),
-                    env={"VLLM_CPU_OMP_THREADS_BIND": "1"}, model=pair.p.model).start()
-    proxy = None
-    try:
-        d1.wait_healthy()
-        port = free_port()
-        proxy = start_proxy(pair.p, d1, port, tmp_path / "proxy1.log")
-        url = f"http://127.0.0.1:{port}"
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "1"}, model=pair.p.model)
+    with proxied(d1, pair.p, d1, tmp_path / "proxy1.log") as url:
         want = {p: completion(pair.p.url, False, p) for p in PROMPTS}
         pair.p.wait_log(ENDED, pair.p.count(MADE), timeout=60)
         made0, ended0 = pair.p.count(MADE), ended(pair)
-
-        def run(i: int) -> str | None:
-            prompt = PROMPTS[i % len(PROMPTS)]
-            return None if completion(url, i % 2 == 1, prompt) == want[prompt] else prompt
-
-        with ThreadPoolExecutor(4) as pool:  # a request's error is raised here
-            wrong = [p for p in pool.map(run, range(12), timeout=300) if p]
-        assert not wrong
+        all_colocated(url, want)
         assert d1.count(PULLING) == 24 and d1.count(FELL_BACK) == 0  # 2 pulls a load
         assert d1.count(r"pulling from prefill engines of 2 tensor-parallel workers") == 1
         assert pair.p.count(MADE) == made0 + 24
@@ -166,24 +186,44 @@ def test_tp2_prefill_serves_a_decode_engine_at_tp1(pair: Pair, tmp_path: Path) -
         assert sum(now.values()) == sum(ended0.values()) + 24
         pair.p.wait_kv_free(30)
         d1.wait_kv_free(30)
-    finally:
-        if proxy is not None:
-            proxy.kill()
-            proxy.wait(10)
-        d1.kill()
 
 
 @FULL
-def test_tp2_a_prefill_engine_of_a_smaller_size_is_refused_by_name(pair: Pair) -> None:
-    """D at TP 2 given one rank's lease (a P at TP 1's params) prefills itself, says
-    why, and gives the lease it was named back at once."""
+def test_tp1_prefill_serves_the_tp2_decode_engine(pair: Pair, tmp_path: Path) -> None:
+    """Heterogeneous TP the other way: a P at TP 1 behind a proxy of its own, feeding
+    the TP 2 D. Each of D's workers pulls its part of P's one lease (the first ACQUIRE
+    splits it on P, each part a lease of its own): texts equal colocated vLLM
+    (completions, whole and streamed, 4 at a time), two pulls a load and no fallback,
+    every lease split once and each part ended once (done), and both caches empty."""
+    p1 = VllmEngine("prefill-tp1", "kv_producer", tmp_path / "p1.log", dict(pair.p.extra),
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0"}, model=pair.p.model)
+    with proxied(p1, p1, pair.d, tmp_path / "proxy2.log") as url:
+        want = {p: completion(pair.p.url, False, p) for p in PROMPTS}
+        pulls, fallbacks = pair.d.count(PULLING), pair.d.count(FELL_BACK)
+        all_colocated(url, want)
+        assert pair.d.count(PULLING) == pulls + 24 and pair.d.count(FELL_BACK) == fallbacks
+        assert pair.d.count(r"this worker's heads are part \d of 2 of their rank 0's") == 2
+        assert p1.count(MADE) == 12
+        p1.wait_log(ENDED, 36, timeout=60)
+        why = re.findall(ENDED, p1.log.read_text(errors="replace"))
+        assert sorted(set(why)) == ["done", "split"]
+        assert why.count("split") == 12 and why.count("done") == 24
+        p1.wait_kv_free(30)
+        pair.d.wait_kv_free(30)
+
+
+@FULL
+def test_tp2_params_that_misname_the_prefill_engines_size_never_load(pair: Pair) -> None:
+    """D at TP 2 given one rank's lease as if P had one worker: D's workers take it for
+    a TP 1 P's and ask for its parts, whose compat (2 heads, rank 0 of 2) is not what
+    they expect (4 heads, one worker). P refuses them at HELLO, and D prefills itself."""
     params = lease_from(pair.p)
     one = {k: v for k, v in params.items() if k != "ranks"}
-    refused = r"kv_transfer_params refused \(ranks: the prefill engine serves the KV from 1 "
-    before = pair.d.count(refused)
+    before = pair.d.count(FELL_BACK)
     assert decode_on(pair.d, one) == completion(pair.p.url, False)
-    assert pair.d.count(refused) == before + 1
-    # The named lease (rank 0's) is given back; rank 1's, named nowhere, expires.
+    assert pair.d.count(FELL_BACK) == before + 2  # one load a worker, none committed
+    assert "refused hello" in pair.d.tail(20000)
+    # Neither of P's leases is pulled: rank 0's and rank 1's expire.
     pair.p.wait_kv_free(30)
 
 

@@ -196,22 +196,59 @@ def named_as(cache: HostCache | TensorCache, whole: HostCache | TensorCache
     order, its blocks packed as ``whole``'s are, is dense (heads outside the blocks are
     not, unless one head drops the dim). Only the name changes: the slice's ranges stay
     its own (one per block where the heads are strided apart)."""
-    layout = cache.layout
-    w_order, w_strides = whole.layout.order, whole.placement.strides
+    layout = dataclasses.replace(cache.layout, contiguous=_packed_dense(cache.layout, whole))
+    cache.placement = dataclasses.replace(cache.placement, layout=layout)
+    return cache
+
+
+def widened(cache: HostCache | TensorCache, k: int) -> KvLayout:
+    """The layout of the cache of which this one is a head slice of ``k`` (a prefill
+    worker's, at 1/k of this engine's tensor-parallel size): the same dims in the same
+    order with ``k`` times the heads, named as ``named_as`` would name it. Raises
+    ValueError where this cache holds one head (its order says nothing of where the
+    heads go)."""
+    if "H" not in cache.layout.order:
+        raise ValueError("this engine's workers hold one KV head each: where a prefill "
+                         "worker's heads lie in its blocks is not known here")
+    wide = dataclasses.replace(cache.layout, heads=cache.layout.heads * k)
+    return dataclasses.replace(wide, contiguous=_packed_dense(wide, cache))
+
+
+def _packed_dense(layout: KvLayout, like: HostCache | TensorCache) -> bool:
+    """Would a cache of ``layout``, its blocks packed as ``like``'s are (no padding where
+    ``like`` has none), be dense (``_dense``)?"""
+    w_order, w_strides = like.layout.order, like.placement.strides
     w_p = w_order.index("B")
     packed = w_strides[w_p] == layout.element_size * math.prod(
-        _size(whole.layout, d, 0) for d in w_order[w_p + 1:])
-    strides: list[int] = []  # a packed cache of these heads
+        _size(like.layout, d, 0) for d in w_order[w_p + 1:])
+    strides: list[int] = []  # a packed cache of this layout
     extent = layout.element_size
     for d in reversed(layout.order):
         strides.insert(0, extent)
-        extent *= _size(layout, d, cache.num_blocks)
+        extent *= _size(layout, d, like.num_blocks)
     if layout.order[0] == "L":
         strides[0] = 0  # the placement's convention: layers found by their offsets
-    dense = packed and _dense(layout, strides)
-    cache.placement = dataclasses.replace(
-        cache.placement, layout=dataclasses.replace(layout, contiguous=dense))
-    return cache
+    return packed and _dense(layout, strides)
+
+
+def head_part(cache: HostCache | TensorCache, i: int, k: int) -> HostCache | TensorCache:
+    """Heads ``i*h .. i*h+h-1`` (h = heads / k) of a described cache, as a cache of
+    those heads (the same buffers): what a part ``i`` of ``k`` of a lease serves, to a
+    decode worker holding those heads alone. Raises ValueError where the heads do not
+    split in ``k``."""
+    layout, placement = cache.layout, cache.placement
+    if k < 1 or layout.heads % k or "H" not in layout.order:
+        raise ValueError(f"{layout.heads} KV heads do not split into {k} parts")
+    h = layout.heads // k
+    d = layout.order.index("H")
+    offset = i * h * placement.strides[d]
+    order, strides = layout.order, placement.strides
+    if h == 1:  # a dim of size 1 occupies no bytes
+        order, strides = order[:d] + order[d + 1:], strides[:d] + strides[d + 1:]
+    part = KvPlacement(dataclasses.replace(layout, order=order, heads=h, contiguous=False),
+                       placement.num_blocks, placement.buffers,
+                       tuple((b, o + offset) for b, o in placement.bases), tuple(strides))
+    return dataclasses.replace(cache, placement=part)
 
 
 def tensor_cache(kv_caches: Mapping[str, Any], num_blocks: int | None = None,

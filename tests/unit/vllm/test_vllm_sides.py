@@ -19,7 +19,13 @@ from kvrelay.relay.prefill import KvTransferParams
 from kvrelay.relay.receiver import Phase
 from kvrelay.relay.transports import nixl
 from kvrelay.relay.transports.base import TransferState
-from kvrelay.relay.transports.layout import head_slice, layer_cache, named_as, tensor_cache
+from kvrelay.relay.transports.layout import (
+    head_slice,
+    layer_cache,
+    named_as,
+    tensor_cache,
+    widened,
+)
 from kvrelay.relay.transports.staging import HostCopier, StagedBlocks
 from kvrelay.vllm import faults
 from kvrelay.vllm.decode import (
@@ -290,15 +296,34 @@ def test_lease_blocks_shared_prefix_and_one_report() -> None:
     blocks.release("L1", [1])  # a partial pull's leading block
     assert blocks.generations([1, 2, 3]) == g and blocks.take_released() == []
     blocks.release("L1", [2])
-    assert blocks.take_released() == [("a", "L1")]
+    assert blocks.take_released() == [("a", "L1", True)]
     assert blocks.generations([1, 2, 3]) == [g[0], g[1] + 1, g[2]]  # 1 is still L2's
     with pytest.raises(KeyError):
         blocks.release("L1", [2])  # the lease is gone: a second release cannot report
     blocks.release("L1", [])  # its table's final release after a pull of no blocks
     assert blocks.take_released() == []
     blocks.release("L2", [1, 3])
-    assert blocks.take_released() == [("b", "L2")]
+    assert blocks.take_released() == [("b", "L2", True)]
     assert blocks.generations([1, 3]) == [g[0] + 1, g[2] + 1]
+
+
+def test_a_split_leases_parts_report_their_request_once_after_the_last() -> None:
+    """A lease cut into parts (lease.py, Parts): the parts hold the blocks before the
+    lease lets go; its request is reported once, at its last part's end, and the blocks'
+    generations move only then."""
+    blocks = VllmLeaseBlocks(8)
+    blocks.hold("a", [1, 2], "L")
+    g = blocks.generations([1, 2])
+    for i in range(2):
+        blocks.hold("a", [1, 2], f"L/{i}/2")
+    blocks.release("L", [1, 2])
+    blocks.release("L/0/2", [1, 2])
+    assert blocks.take_released() == [("a", "L", False), ("a", "L/0/2", False)]
+    assert blocks.generations([1, 2]) == g  # L/1/2 still holds them
+    blocks.release("L/1/2", [2])  # a partial pull's leading block... and the rest
+    blocks.release("L/1/2", [1])
+    assert blocks.take_released() == [("a", "L/1/2", True)]
+    assert blocks.generations([1, 2]) == [g[0] + 1, g[1] + 1]
 
 
 def test_kv_loads_quarantine_defers_the_report() -> None:
@@ -540,6 +565,17 @@ def name_rank_leases(ps: list[PrefillSide]) -> tuple[list[HoldSpec], dict[str, A
     return holds, dict(params, **entries[0], ranks=entries)
 
 
+def load_on_each(ds: list[DecodeSide], params: dict[str, Any], blocks: list[int]) -> None:
+    """Every worker of ``ds`` loads request "req" into ``blocks``; each reports it once,
+    committed."""
+    for d in ds:
+        d.start([LoadSpec("req", params, PROMPT, blocks, 0)], [])
+    for d in ds:
+        got: dict[str, bool] = {}
+        wait_for(finished(d, got), "D's load")
+        assert got == {"req": False}
+
+
 def test_each_rank_makes_only_its_own_leases_and_d_ranks_pull_their_own() -> None:
     """Two P workers (ranks) and two D workers in one process, each rank's cache holding
     other values: the scheduler's holds go to every P worker, each makes its own lease;
@@ -557,12 +593,7 @@ def test_each_rank_makes_only_its_own_leases_and_d_ranks_pull_their_own() -> Non
             p.hold_all(holds)  # vLLM hands every worker the step's metadata
         assert [len(p.table.leases) for p in ps] == [1, 1]
         blocks = [7, 8, 9]
-        for d in ds:
-            d.start([LoadSpec("req", params, PROMPT, blocks, 0)], [])
-        for d in ds:
-            got: dict[str, bool] = {}
-            wait_for(finished(d, got), "D's load")
-            assert got == {"req": False}
+        load_on_each(ds, params, blocks)
         for r in range(2):
             for layer, src in p_caches[r].items():
                 assert torch.equal(d_caches[r][layer][blocks], src[[5, 2, 3]])
@@ -650,13 +681,54 @@ def test_one_decode_worker_pulls_two_prefill_ranks_into_its_head_halves() -> Non
             side.close()
 
 
-def test_a_prefill_engine_is_pulled_from_at_the_same_size_or_a_multiple() -> None:
+def test_two_decode_workers_pull_the_parts_of_one_prefill_workers_lease() -> None:
+    """Heterogeneous TP the other way: P at TP 1 (4 heads), D at TP 2 (2 heads a worker).
+    Each D worker HELLOs with P's layout name (layout.widened) and pulls part r of 2 of
+    P's one lease: the first ACQUIRE splits it, P serves each part its head slice, and
+    P's request is reported once, after both parts ended."""
+    settings = ConnectorSettings(lease_timeout=10.0)
+    storage = torch.randn(LAYERS, BLOCKS, 2 * HEADS, BS, 2 * HEAD)
+    p_cache = {f"model.layers.{i}.self_attn.attn": storage[i] for i in range(LAYERS)}
+    d_caches = [vllm_like_cache(False) for _ in range(2)]
+    p = PrefillSide(settings, layer_cache(p_cache), "c0", "P0")
+    wides = [widened(layer_cache(c), 2).name for c in d_caches]
+    assert wides == [layer_cache(p_cache).layout.name] * 2
+    ds = [DecodeSide(settings, layer_cache(c), "c0", f"D{r}", rank=0, workers=1,
+                     part=(r, 2), layout=wides[r]) for r, c in enumerate(d_caches)]
+    try:
+        hold, params = name_lease(p, "req")
+        p.hold_all([hold])
+        blocks = [7, 8, 9]
+        ds[1].transport.delay = 0.3  # part 1's pull ends last
+        load_on_each(ds, params, blocks)
+        for r in range(2):
+            for layer, src in p_cache.items():
+                want = src[[5, 2, 3]][:, r * HEADS:(r + 1) * HEADS]
+                assert torch.equal(d_caches[r][layer][blocks], want)
+        released: set[str] = set()
+        wait_for(lambda: bool(released.update(p.take_released()) or released), "P's report")
+        assert released == {"req"} and p.take_released() == set()
+        lid = params["lease_id"]
+        assert p.table.release_reason(lid).value == "split"
+        assert [p.table.release_reason(f"{lid}/{r}/2").value for r in range(2)] == ["done"] * 2
+    finally:
+        for side in (p, *ds):
+            side.close()
+
+
+def test_a_prefill_engine_is_pulled_from_at_the_same_size_a_multiple_or_a_divisor() -> None:
     assert p_ranks_refused(2, 2, 4) == "" and p_ranks_refused(4, 2, 2) == ""
-    assert p_ranks_refused(2, 1, 4) == ""
-    for p_workers, workers, heads in ((1, 2, 2), (3, 2, 2), (4, 1, 2)):
-        why = p_ranks_refused(p_workers, workers, heads)
+    assert p_ranks_refused(2, 1, 4) == "" and p_ranks_refused(1, 2, 2) == ""
+    assert p_ranks_refused(2, 4, 2) == ""
+    for p_workers, workers, heads, transport, why in (
+            (3, 2, 2, "tcp", "a multiple of this engine's workers"),
+            (4, 1, 2, "tcp", "splitting its heads evenly"),
+            (2, 3, 2, "tcp", "a divisor of its workers"),
+            (1, 2, 1, "tcp", "with one head a worker"),
+            (1, 2, 2, "nixl", "over tcp only, this engine's kv_transport is nixl")):
+        got = p_ranks_refused(p_workers, workers, heads, transport)
         assert f"from {p_workers} tensor-parallel workers, this engine has {workers} " \
-            f"workers of {heads} KV heads" in why
+            f"workers of {heads} KV heads each: " in got and why in got, got
 
 
 def test_relay_port_is_offset_by_worker_and_the_advertised_host(
