@@ -225,7 +225,7 @@ class LeaseTable:
         tombstone_ttl: float | None = None,
         new_lease_id: Callable[[], str] = new_random_lease_id,
         pending: Callable[[str], bool] | None = None,
-        splittable: bool = False,
+        splittable: Callable[[int], bool] | None = None,
     ) -> None:
         if not 0 < acquire_timeout <= hard_cap:
             raise ValueError(
@@ -237,9 +237,12 @@ class LeaseTable:
         self.hard_cap = hard_cap
         self.tombstone_ttl = hard_cap if tombstone_ttl is None else tombstone_ttl
         self._new_id = new_lease_id
-        # May a HELD lease be cut into parts (the port's blocks may be held by several
-        # leases at once: vLLM's prefill workers)? Otherwise a part's id is unknown.
+        # May a HELD lease be cut into k parts (the port's blocks may be held by several
+        # leases at once, and the cache's heads split in k: vLLM's prefill workers)?
+        # None: never, a part's id is unknown.
         self.splittable = splittable
+        # ABORTs of parts of pending leases (in ``_aborted_early``), by lease
+        self._early_parts: dict[str, list[str]] = {}
         self._parts: dict[str, list[str]] = {}  # a split lease's parts, while remembered
         # A lease id the engine has handed out but not made yet (vLLM: the scheduler
         # names it, the worker makes it a step later): answered NOT_YET, not unknown.
@@ -295,16 +298,17 @@ class LeaseTable:
         heapq.heappush(self._deadlines, (lease.deadline, lease_id))
         if self._aborted_early.pop(lease_id, None) is not None:
             self._release(lease, LeaseEvent.ABORT, now)
-        elif self.splittable and self._aborted_early:
-            parts = [(q, pid) for pid in self._aborted_early
-                     if (q := parse_part(pid)) is not None and q[0] == lease_id]
-            if parts:  # a decode worker gave its part up before this lease was made
-                self._split(lease, parts[0][0][2], now)
-                for _q, pid in parts:
-                    del self._aborted_early[pid]
-                    part = self.leases.get(pid)
-                    if part is not None:
-                        self._release(part, LeaseEvent.ABORT, now)
+        elif lease_id in self._early_parts:
+            # a decode worker gave its part up before this lease was made
+            pids = self._early_parts.pop(lease_id)
+            parsed = parse_part(pids[0])
+            assert parsed is not None
+            self._split(lease, parsed[2], now)
+            for pid in pids:
+                self._aborted_early.pop(pid, None)
+                part = self.leases.get(pid)
+                if part is not None:
+                    self._release(part, LeaseEvent.ABORT, now)
         return lease
 
     # -- messages from decode engines ----------------------------------------------
@@ -392,15 +396,20 @@ class LeaseTable:
             if answer.code is ErrorCode.NOT_YET:
                 self._aborted_early[lease_id] = now
                 self._aborted_early.move_to_end(lease_id)
+                cut = parse_part(lease_id) if self.splittable is not None else None
+                if cut is not None:
+                    same = self._early_parts.setdefault(cut[0], [])
+                    if lease_id not in same:
+                        same.append(lease_id)
                 while len(self._aborted_early) > MAX_EARLY_ABORTS:
-                    self._aborted_early.popitem(last=False)
+                    self._forget_early(self._aborted_early.popitem(last=False)[0])
             elif holder is None and answer.reason is ReleaseReason.SPLIT:
                 # the proxy gives up a lease that was split: its live parts go too, as
                 # the lease itself would (a part's pull then fails its commit)
                 for pid in self._parts.get(lease_id, ()):
-                    part = self.leases.get(pid)
-                    if part is not None:
-                        self._release(part, LeaseEvent.ABORT, now)
+                    live = self.leases.get(pid)
+                    if live is not None:
+                        self._release(live, LeaseEvent.ABORT, now)
             return answer
         if (holder is not None and lease.state is LeaseState.PULLING
                 and not lease.held_by(holder, attempt or "")):
@@ -448,7 +457,8 @@ class LeaseTable:
         self._prune_tombstones(now)
         early = self._aborted_early
         while early and next(iter(early.values())) <= now - self.acquire_timeout:
-            early.popitem(last=False)  # never made within a lease timeout: forget it
+            # never made within a lease timeout: forget it
+            self._forget_early(early.popitem(last=False)[0])
         return expired
 
     def release_all(self, now: float) -> None:
@@ -501,7 +511,8 @@ class LeaseTable:
         if lease is not None:
             return lease, Answer(Status.OK)
         tomb = self._tombstones.get(lease_id)
-        part = parse_part(lease_id) if self.splittable and tomb is None else None
+        part = (parse_part(lease_id) if self.splittable is not None and tomb is None
+                else None)
         if part is not None:
             found = self._part_of(part, lease_id, split_at)
             if found is not None:
@@ -560,6 +571,11 @@ class LeaseTable:
         whole; the lease's own answer once it was released whole; else None."""
         whole = self.leases.get(part[0])
         if whole is not None:
+            assert self.splittable is not None
+            if not self.splittable(part[2]):
+                return None, self._stale(
+                    f"lease {part[0]} cannot be cut into {part[2]} parts: this worker's KV "
+                    f"heads do not split so", ErrorCode.BAD_RANGE)
             if whole.state is not LeaseState.HELD:
                 return None, self._stale(f"lease {part[0]} is being pulled whole: its parts "
                                          "cannot be", ErrorCode.LEASE_BUSY)
@@ -574,6 +590,16 @@ class LeaseTable:
         self.stats.stale_messages += 1
         return None, Answer(Status.RELEASED, LeaseState.RELEASED, gone.reason,
                             f"lease {part[0]} was already released ({gone.reason.value})")
+
+    def _forget_early(self, lease_id: str) -> None:
+        """An early ABORT dropped from ``_aborted_early``: from its lease's parts too."""
+        part = parse_part(lease_id)
+        same = self._early_parts.get(part[0]) if part is not None else None
+        if part is not None and same is not None:
+            if lease_id in same:
+                same.remove(lease_id)
+            if not same:
+                del self._early_parts[part[0]]
 
     def _split(self, lease: Lease, k: int, now: float) -> None:
         """Cut HELD ``lease`` into ``k`` parts over its blocks (the module docstring): the

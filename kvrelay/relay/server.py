@@ -406,6 +406,11 @@ class RelayServer:
                        hello.client_id)
             raise P.ProtocolError("hello is not authenticated: wrong or missing relay secret",
                                   E.AUTH_FAILED)
+        if not hello.client_id:
+            # every lease message must name its connection's client id as holder; an
+            # empty one would read as the in-process proxy's (no holder)
+            raise P.ProtocolError("hello names no client_id (the decode engine's id)",
+                                  E.REFUSED)
         if hello.compat != cfg.compat and hello.kv_dtype and cfg.kv_dtype and (
                 hello.kv_dtype != cfg.kv_dtype):
             raise P.ProtocolError(

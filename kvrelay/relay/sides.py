@@ -90,14 +90,17 @@ def build_prefill_side(
     shm: dict[str, Any] | None = None,
     lock: threading.Lock | None = None, clock: Callable[[], float] = time.monotonic,
     part_blocks: Callable[[int, int], Any] | None = None,
+    splits: Callable[[int], bool] | None = None,
 ) -> PrefillParts:
     """The lease table over ``blocks`` and a started relay server for it. ``kv_cache``:
     what NIXL registers and CUDA IPC exports (a tensor, or vLLM's regions); ``kv_blocks``:
     how the tcp transport reads blocks; ``shm``: the shared-memory cache's descriptor;
-    ``part_blocks``: how tcp reads head slice i of k of them (leases split into parts,
-    for decode engines of more tensor-parallel workers: the table splits only with it)."""
+    ``part_blocks``: how tcp reads head slice i of k of them, and ``splits``: whether
+    the heads split in k (leases cut into parts, for decode engines of more
+    tensor-parallel workers: the table splits only with both)."""
     table = LeaseTable(blocks, engine_id=engine_id, acquire_timeout=settings.lease_timeout,
-                       hard_cap=settings.lease_max, splittable=part_blocks is not None)
+                       hard_cap=settings.lease_max,
+                       splittable=splits if part_blocks is not None else None)
     transports, nixl = _served(settings, kv_cache, shm)
     cfg = RelayServerConfig(
         compat=compat, host=settings.relay_host, port=settings.relay_port,

@@ -50,6 +50,7 @@ from kvrelay.vllm.decode import (
     DecodeSide,
     LoadSpec,
     MappedDecode,
+    mapped_size,
     p_ranks_refused,
     rank_entries,
     trusts,
@@ -386,18 +387,20 @@ class KvRelayConnector(KVConnectorBase_V1):
         """The side that pulls (or gives back) these params' leases: ours, or for a
         prefill engine of more tensor-parallel workers (which the scheduler checked)
         the sides mapping its ranks' heads onto ours, built at its first load."""
-        try:
-            p_workers = len(rank_entries(params))
-        except ValueError:
-            p_workers = self.tp_size
         assert self.decode is not None
-        if p_workers == self.tp_size or self._mapping is None:
+        p_workers = mapped_size(params, self.tp_size, self._heads, self.settings.kv_transport)
+        if p_workers is None or self._mapping is None:
             return self.decode
         mapped = self._mapped.get(p_workers)
         if mapped is None:
             mapping = self._mapping
-            mapped = self._mapped[p_workers] = run_on_relay_cpus(
-                self.settings, lambda: mapping(p_workers))
+            try:
+                mapped = self._mapped[p_workers] = run_on_relay_cpus(
+                    self.settings, lambda: mapping(p_workers))
+            except Exception:  # those loads fail on our side (compat): vLLM recomputes
+                log.exception("kvrelay: no decode side for prefill engines of %d "
+                              "tensor-parallel workers", p_workers)
+                return self.decode
         return mapped
 
     def wait_for_layer_load(self, layer_name: str) -> None:

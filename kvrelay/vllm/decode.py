@@ -524,6 +524,21 @@ def p_ranks_refused(p_workers: int, workers: int, heads: int, transport: str = "
     return ""
 
 
+def mapped_size(params: dict[str, Any], workers: int, heads: int, transport: str
+                ) -> int | None:
+    """The prefill engine's worker count these params name, where this decode engine
+    pulls them through sides of its own for that size (``MappedDecode``); None where its
+    own side takes them: the same size, or a size the scheduler refuses (refused params
+    are given back: worker r aborts P's leases i with i mod T = r, whole)."""
+    try:
+        p_workers = len(rank_entries(params))
+    except ValueError:
+        return None
+    if p_workers == workers or p_ranks_refused(p_workers, workers, heads, transport):
+        return None
+    return p_workers
+
+
 MAX_RANKS = 64  # tensor-parallel workers a prefill engine's params may name
 RANK_FIELDS = frozenset({"lease_id", "relay", "engine_id", "compat"})
 

@@ -43,6 +43,8 @@ import numpy as np
 from kvrelay.relay import protocol as P
 from kvrelay.relay.sides import build_prefill_side
 from kvrelay.relay.transports.layout import HostCache, TensorCache, head_part
+from kvrelay.relay.transports.staging import StagedBlocks
+from kvrelay.relay.transports.tcp import block_io
 from kvrelay.vllm import faults
 from kvrelay.vllm.devices import fence, kv_blocks
 from kvrelay.vllm.settings import ConnectorSettings
@@ -145,18 +147,26 @@ class PrefillSide:
 
         def part_blocks(i: int, k: int) -> Any:
             """tcp's reads of head slice i of k: a lease split for a decode engine of k
-            times this engine's tensor-parallel workers (docs/vllm.md)."""
+            times this engine's tensor-parallel workers (docs/vllm.md). Staged (a cache
+            on a GPU): the whole cache's reader seen through the slice, its fences,
+            copier and kept buffers shared (no memory of its own)."""
             with self.lock:
                 got = self._part_blocks.get((i, k))
                 if got is None:
-                    got = self._part_blocks[i, k] = kv_blocks(head_part(cache, i, k),
-                                                              settings)
+                    part = head_part(cache, i, k)
+                    whole = self.kv_blocks
+                    got = self._part_blocks[i, k] = (
+                        whole.view(part) if isinstance(whole, StagedBlocks)
+                        and isinstance(part, TensorCache) else block_io(part))
             return got
+
+        def splits(k: int) -> bool:  # a lease may be cut into k parts: heads split
+            return "H" in cache.layout.order and cache.layout.heads % k == 0
 
         parts = build_prefill_side(
             self.blocks, settings.sides(worker, serve=True), engine_id=engine_id, compat=compat,
             kv_cache=cache, kv_blocks=self.kv_blocks, layout=cache.layout.name,
-            kv_dtype=kv_dtype, lock=self.lock, part_blocks=part_blocks)
+            kv_dtype=kv_dtype, lock=self.lock, part_blocks=part_blocks, splits=splits)
         self.table, self.server, self.nixl = parts.table, parts.server, parts.nixl
         self.table.pending = self.pending
         self.compat = compat

@@ -38,6 +38,7 @@ cache (its ``finally`` waits for them): a handle that polls DONE or FAILED never
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import socket
 import threading
@@ -224,8 +225,18 @@ class StagedBlocks:
                          else max(1, pinned_bytes // self.staging_bytes))
         self.pinned = True  # until the allocator refuses
         self._lock = threading.Lock()
+        self._pool = self  # whose kept buffer pairs a transfer takes (``view``: another's)
         # Per block: the mark its next copy waits for (fence); None: nothing to wait for.
         self._fences: list[Any] = [None] * self.cut.num_blocks
+
+    def view(self, cache: TensorCache) -> StagedBlocks:
+        """The same memory described otherwise (a head part of a lease, layout.head_part):
+        a reader sharing this one's copier, fences and kept buffers, so a fence here
+        orders its copies too and it adds no page-locked memory."""
+        v = copy.copy(self)  # the fences list, lock and copier are shared, not copied
+        v.cut = _Described(cache, self.cut.buffer_bytes)
+        v.block_bytes = v.cut.block_bytes
+        return v
 
     @property
     def staging_bytes(self) -> int:
@@ -235,8 +246,8 @@ class StagedBlocks:
     @property
     def kept_bytes(self) -> int:
         """Host memory held between transfers (the kept pairs)."""
-        with self._lock:
-            return self._kept * self.staging_bytes
+        with self._pool._lock:
+            return self._pool._kept * self.staging_bytes
 
     def fence(self, block_ids: Sequence[int]) -> None:
         """On the engine's thread: later copies of these blocks wait for the device work
@@ -260,22 +271,23 @@ class StagedBlocks:
     def _buffers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # Page-locked allocation costs milliseconds: pairs are kept and reused (at most
         # one per transfer running at once: max_per_relay per relay on D).
-        with self._lock:
-            pair = self._free.pop() if self._free else None
-            keep = pair is not None or self.max_kept is None or self._kept < self.max_kept
+        pool = self._pool
+        with pool._lock:
+            pair = pool._free.pop() if pool._free else None
+            keep = pair is not None or pool.max_kept is None or pool._kept < pool.max_kept
             if pair is None and keep:
-                self._kept += 1
+                pool._kept += 1
         if pair is None:
             if not keep:
                 log.debug("staging: every kept buffer pair in use; this transfer stages "
                           "through pageable memory")
-            pair = (self._buffer(keep), self._buffer(keep))
+            pair = (pool._buffer(keep), pool._buffer(keep))
         try:
             yield pair
         finally:
             if keep:
-                with self._lock:
-                    self._free.append(pair)
+                with pool._lock:
+                    pool._free.append(pair)
 
     def _buffer(self, pinned: bool = True) -> torch.Tensor:
         shape = (self.cut.buffer_bytes,)

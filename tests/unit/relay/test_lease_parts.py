@@ -11,14 +11,14 @@ from kvrelay.relay.lease import LeaseState, LeaseTable, ReleaseReason, Status, p
 from kvrelay.relay.protocol import ErrorCode
 from kvrelay.vllm.prefill import VllmLeaseBlocks
 
-ENGINE = "P"
+ENGINE = "P"  # its worker holds 4 KV heads: leases split in 2 or 4
 
 
 def make(splittable: bool = True, pending: set[str] | None = None
          ) -> tuple[VllmLeaseBlocks, LeaseTable]:
     blocks = VllmLeaseBlocks(16)
     table = LeaseTable(blocks, engine_id=ENGINE, acquire_timeout=5.0, hard_cap=20.0,
-                       splittable=splittable,
+                       splittable=(lambda k: 4 % k == 0) if splittable else None,
                        pending=(lambda lid: lid.partition("/")[0] in pending)
                        if pending is not None else None)
     return blocks, table
@@ -88,16 +88,41 @@ def test_parts_given_up_before_the_lease_is_made_are_released_when_it_is() -> No
 def test_unacquired_parts_expire_and_the_request_is_reported_once() -> None:
     blocks, table = make()
     made(table)
-    assert table.abort(ENGINE, "L/2/3", 1.0, "D", "a1").ok  # splits, then this part
-    assert table.acquire(ENGINE, "L/0/3", "D", "a2", 2.0).ok
+    assert table.abort(ENGINE, "L/3/4", 1.0, "D", "a1").ok  # splits, then this part
+    assert table.acquire(ENGINE, "L/0/4", "D", "a2", 2.0).ok
     expired = table.expire(10.0)
-    assert sorted(x.lease_id for x in expired) == ["L/0/3", "L/1/3"]
-    assert [e[2] for e in blocks.take_released()] == [False, False, False, True]
+    assert sorted(x.lease_id for x in expired) == ["L/0/4", "L/1/4", "L/2/4"]
+    assert [e[2] for e in blocks.take_released()] == [False] * 4 + [True]
     assert not table.leases
 
 
+def test_parts_the_heads_do_not_split_into_are_refused_before_any_split() -> None:
+    _, table = make()
+    made(table)
+    ans = table.acquire(ENGINE, "L/0/3", "D", "a1", 1.0)  # 4 heads do not cut in 3
+    assert ans.code is ErrorCode.BAD_RANGE and "cannot be cut into 3 parts" in ans.error
+    assert table.abort(ENGINE, "L/1/3", 1.0, "D", "a1").code is ErrorCode.BAD_RANGE
+    assert set(table.leases) == {"L"} and table.leases["L"].state is LeaseState.HELD
+
+
+def test_early_part_aborts_are_found_by_their_lease_and_forgotten_with_it() -> None:
+    """Early ABORTs of parts are indexed by their lease (making a lease never scans
+    them all), and an early ABORT forgotten (its bound, or a lease timeout) leaves no
+    index entry behind."""
+    _, table = make(pending={"L", "M"})
+    for i in range(2):
+        table.abort(ENGINE, f"M/{i}/2", 0.0, "D", "a")
+    table.abort(ENGINE, "L/1/2", 0.0, "D", "a")
+    assert table._early_parts == {"M": ["M/0/2", "M/1/2"], "L": ["L/1/2"]}
+    made(table, "L", now=1.0)
+    assert table._early_parts == {"M": ["M/0/2", "M/1/2"]}
+    assert set(table.leases) == {"L/0/2"}
+    table.expire(10.0)  # M never made within a lease timeout: its early aborts go
+    assert table._early_parts == {} and not table._aborted_early
+
+
 @settings(max_examples=300, deadline=None)
-@given(k=st.integers(2, 4), ops=st.lists(st.tuples(
+@given(k=st.sampled_from([2, 4]), ops=st.lists(st.tuples(
     st.sampled_from(["acquire", "ok", "failed", "abort", "tick", "heartbeat"]),
     st.integers(0, 3)), max_size=30))
 def test_any_order_of_part_messages_reports_the_request_once_after_every_part(

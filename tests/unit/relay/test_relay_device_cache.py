@@ -30,7 +30,7 @@ from kvrelay.relay import protocol as P
 from kvrelay.relay.transports import nixl
 from kvrelay.relay.transports.base import PeerInfo, TransferState
 from kvrelay.relay.transports.cuda_ipc import CudaIpcTransport, TorchCudaIpc, descriptor
-from kvrelay.relay.transports.layout import TensorCache, layer_cache, tensor_cache
+from kvrelay.relay.transports.layout import TensorCache, head_part, layer_cache, tensor_cache
 from kvrelay.relay.transports.staging import HostCopier, StagedBlocks, byte_chunks
 from kvrelay.relay.transports.tcp import HostBlocks, block_io
 from kvrelay.testing.kv import move_over_nixl, move_over_tcp
@@ -186,6 +186,30 @@ def test_copies_of_fenced_blocks_wait_for_the_latest_mark_before_the_first_copy(
     copier.log.clear()
     staged_send(staged, [5, 6])  # never fenced: nothing to wait for
     assert all(e == ("copy",) for e in copier.log)
+
+
+def test_a_head_parts_staged_reader_shares_the_caches_fences_and_buffers() -> None:
+    """A split lease's part (layout.head_part) read through ``StagedBlocks.view``: the
+    fence taken for the whole cache orders its copies, it sends exactly its heads'
+    bytes, and it keeps no buffers of its own."""
+    v = views("LBNHC", 2, 8, 1, 4, 4, 8, torch.float32, fill=True)
+    cache = tensor_cache(v, 8)
+    copier = MarkingCopier()
+    staged = StagedBlocks(cache, chunk_bytes=100, copier=copier, pinned_bytes=5000)
+    part = head_part(cache, 1, 2)
+    assert isinstance(part, TensorCache)
+    seen = staged.view(part)
+    staged.fence([2, 3])  # the engine's thread, before the lease exists
+    sent = staged_send(seen, [3, 2])
+    assert copier.log[0] == ("after", [1]) and copier.log[1] == ("copy",)
+    # LBNHC: per layer, per block, per token its heads 2-3 (the part's), in that order
+    want = b"".join(bytes(t[b, 2:4].transpose(0, 1).contiguous().numpy())
+                    for t in v.values() for b in (3, 2))
+    got = b"".join(bytes(x.numpy()) for x in part.pieces([3, 2]))
+    assert sent == got == want
+    # the pair it used is the cache's, kept there
+    assert seen.kept_bytes == staged.kept_bytes == staged.staging_bytes
+    assert len(staged._free) == 1 and staged._kept == 1 and seen._pool is staged
 
 
 def test_pinned_staging_keeps_at_most_its_budget() -> None:

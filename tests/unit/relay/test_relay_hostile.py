@@ -308,6 +308,20 @@ def test_holder_must_be_the_connections_hello_client(prefill: Prefill) -> None:
     assert prefill.server.stats.not_holder == 2
 
 
+def test_a_hello_without_a_client_id_is_refused(prefill: Prefill) -> None:
+    """Bug: with client_id "" every lease message's holder "" matched the connection,
+    and an ABORT without a holder is the in-process proxy's: valid against any live
+    lease, whoever pulls it (and every part of a split lease)."""
+    lease_id, _ = prefill.lease("r")
+    s, reply = hello(prefill.addr, "")
+    with s:
+        assert reply.status == "error" and reply.code == E.REFUSED.value
+        assert "client_id" in reply.error
+        assert closed_by_peer(s)
+    with prefill.lock:
+        assert prefill.table.leases[lease_id].state is LeaseState.HELD
+
+
 def test_read_one_block_2000_times_is_refused_after_the_first(prefill: Prefill) -> None:
     """Bug: a holder could READ one block 2,000 times (2 KB of requests -> 737 MB)."""
     lease_id, ids = prefill.lease("r")

@@ -34,6 +34,7 @@ from kvrelay.vllm.decode import (
     LoadSpec,
     MappedDecode,
     VllmKvLoads,
+    mapped_size,
     p_ranks_refused,
     trusts,
 )
@@ -729,6 +730,20 @@ def test_a_prefill_engine_is_pulled_from_at_the_same_size_a_multiple_or_a_diviso
         got = p_ranks_refused(p_workers, workers, heads, transport)
         assert f"from {p_workers} tensor-parallel workers, this engine has {workers} " \
             f"workers of {heads} KV heads each: " in got and why in got, got
+
+
+def test_only_a_prefill_size_the_scheduler_accepts_gets_sides_of_its_own() -> None:
+    """The worker routes a load or give-back by the number of P ranks its params name
+    (``mapped_size``). Sizes the scheduler refuses (params a client wrote, given back)
+    go to the worker's own side, which aborts P's leases whole: no side is built."""
+    entry = dict.fromkeys(RANK_FIELDS, "")
+    got = {n: mapped_size({"ranks": [entry] * n}, 2, 2, "tcp") for n in (1, 2, 3, 4, 5, 64)}
+    assert got == {1: 1, 2: None, 3: None, 4: 4, 5: None, 64: None}
+    assert mapped_size({"ranks": "junk"}, 2, 2, "tcp") is None
+    assert mapped_size({"lease_id": "L"}, 1, 2, "tcp") is None  # one P worker, one ours
+    assert mapped_size({"ranks": [entry]}, 2, 1, "tcp") is None  # one head a worker
+    assert mapped_size({"ranks": [entry]}, 2, 2, "nixl") is None
+    assert mapped_size({"ranks": [entry] * 4}, 2, 2, "nixl") == 4
 
 
 def test_relay_port_is_offset_by_worker_and_the_advertised_host(
