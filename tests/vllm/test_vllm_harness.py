@@ -95,3 +95,43 @@ def test_vllm_032_prefill_and_decode_of_different_tp_sizes(tp: str) -> None:
 @pytest.mark.parametrize("tp", ["2:1", "1:2"])
 def test_vllm_034_prefill_and_decode_of_different_tp_sizes(tp: str) -> None:
     check_tp(run_harness(VLLM34, SEEDS_TP, tp=tp), "0.34", tp)
+
+
+@pytest.mark.skipif(not VLLM34.exists(), reason="vLLM 0.34 runs under make test-vllm34 "
+                    "(KVRELAY_VLLM34_VENV names its venv)")
+def test_vllm_034_schedulers_never_get_a_report_they_cannot_take() -> None:
+    summary = run_harness(VLLM34)
+    assert summary["vllm"].startswith("0.34")
+    check_exercised(summary["totals"])
+
+
+GROUPS = """
+import torch
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                        SlidingWindowSpec)
+from kvrelay.vllm.api import KVConnectorRole
+from kvrelay.vllm.connector import KvRelayConnector
+from tests.vllm.harness import BLOCK, HEAD, HEADS, make_config
+
+kw = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+kcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+    KVCacheGroupSpec(["a"], FullAttentionSpec(**kw)),
+    KVCacheGroupSpec(["b"], SlidingWindowSpec(**kw, sliding_window=64))])
+try:
+    KvRelayConnector(make_config("kv_producer", {}, Scheduler), KVConnectorRole.WORKER, kcc)
+except ValueError as e:
+    print("REFUSED", e)
+"""
+
+
+@pytest.mark.skipif(bool(missing()), reason=missing() or "vLLM venv present")
+def test_several_kv_cache_groups_are_refused_naming_the_model_type() -> None:
+    """A sliding-window group of its own (vLLM's hybrid allocator on): refused at start,
+    naming the model type and each group's kind (docs/vllm.md, hybrid models)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), KVRELAY_VLLM_MODEL=str(MODEL))
+    proc = subprocess.run([str(PYTHON), "-c", GROUPS], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert "REFUSED" in proc.stdout, proc.stderr[-3000:]
+    assert "model_type 'llama'" in proc.stdout
+    assert "FullAttentionSpec, SlidingWindowSpec" in proc.stdout
