@@ -194,7 +194,7 @@ class KvRelayConnector(KVConnectorBase_V1):
         # worker side
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
-        # Heterogeneous TP (D): the sides pulling from a P of more workers, by its size,
+        # Heterogeneous TP (D): the sides pulling from a P of another size, by its size,
         # built at its first load (``_decode_for``).
         self._mapping: Callable[[int], MappedDecode] | None = None
         self._mapped: dict[int, MappedDecode] = {}
@@ -385,7 +385,7 @@ class KvRelayConnector(KVConnectorBase_V1):
 
     def _decode_for(self, params: dict[str, Any]) -> DecodeSide | MappedDecode:
         """The side that pulls (or gives back) these params' leases: ours, or for a
-        prefill engine of more tensor-parallel workers (which the scheduler checked)
+        prefill engine of another tensor-parallel size (which the scheduler accepted)
         the sides mapping its ranks' heads onto ours, built at its first load."""
         assert self.decode is not None
         p_workers = mapped_size(params, self.tp_size, self._heads, self.settings.kv_transport)
