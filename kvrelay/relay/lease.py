@@ -243,7 +243,7 @@ class LeaseTable:
         self.splittable = splittable
         # ABORTs of parts of pending leases (in ``_aborted_early``), by lease
         self._early_parts: dict[str, list[str]] = {}
-        self._parts: dict[str, list[str]] = {}  # a split lease's parts, while remembered
+        self._parts: dict[str, int] = {}  # how many parts a split lease has, while remembered
         # A lease id the engine has handed out but not made yet (vLLM: the scheduler
         # names it, the worker makes it a step later): answered NOT_YET, not unknown.
         self.pending = pending
@@ -406,8 +406,9 @@ class LeaseTable:
             elif holder is None and answer.reason is ReleaseReason.SPLIT:
                 # the proxy gives up a lease that was split: its live parts go too, as
                 # the lease itself would (a part's pull then fails its commit)
-                for pid in self._parts.get(lease_id, ()):
-                    live = self.leases.get(pid)
+                k = self._parts.get(lease_id, 0)
+                for i in range(k):
+                    live = self.leases.get(part_id(lease_id, i, k))
                     if live is not None:
                         self._release(live, LeaseEvent.ABORT, now)
             return answer
@@ -618,7 +619,7 @@ class LeaseTable:
             self.stats.created += 1
             self.stats.active["held"] += 1
             heapq.heappush(self._deadlines, (part.deadline, pid))
-        self._parts[lease.lease_id] = [part_id(lease.lease_id, i, k) for i in range(k)]
+        self._parts[lease.lease_id] = k
         self._release(lease, LeaseEvent.SPLIT, now)
 
     def _rearm(self, lease: Lease, now: float) -> None:

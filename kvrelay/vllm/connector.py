@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from kvrelay.relay.geometry import KvGeometry
 from kvrelay.relay.prefill import KvTransferParams
 from kvrelay.relay.remote import RemoteKv
-from kvrelay.relay.transports.layout import head_slice, named_as, widened
+from kvrelay.relay.transports.layout import head_part, named_as, widened
 from kvrelay.vllm.api import (
     P2P_SOURCE,
     KVConnectorBase_V1,
@@ -323,12 +323,10 @@ class KvRelayConnector(KVConnectorBase_V1):
                         part=(rank % k, k), layout=wide)])
                 # P has k times our workers: our heads are P's ranks rank*k .. rank*k+k-1
                 # (MappedDecode); each side pulls its P rank's lease into its slice.
-                k, heads = p_workers // self.tp_size, layout.heads * self.tp_size // p_workers
+                k = p_workers // self.tp_size
                 sides = []
                 for i in range(k):
-                    part = named_as(worker_cache(
-                        head_slice(kv_caches, i * heads, heads), self._num_blocks, backend,
-                        self.settings, buffer_device(self._vllm_config)), cache)
+                    part = named_as(head_part(cache, i, k), cache)
                     p_rank = rank * k + i
                     sides.append(DecodeSide(self.settings, part,
                                             p_compat(p_rank, part.layout.name), engine_id,

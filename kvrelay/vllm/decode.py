@@ -455,7 +455,7 @@ class MappedDecode:
     P with ``k`` times its workers: worker ``r``'s heads are P's ranks ``r*k .. r*k+k-1``
     heads, side by side. Each of those P ranks serves its own lease (P is unchanged), so
     worker ``r`` runs ``k`` decode sides, side ``i`` over the head slice P's rank
-    ``r*k+i`` fills (layout.head_slice) with that rank's compat, and pulls that rank's
+    ``r*k+i`` fills (layout.head_part) with that rank's compat, and pulls that rank's
     lease (``DecodeSide`` with ``rank`` = P's rank among P's ``workers``: its own entry
     of ``ranks``, and its own lease to give back). A load is reported to vLLM once all
     ``k`` pulls of it ended, failed when any did: each side reports each load once, so

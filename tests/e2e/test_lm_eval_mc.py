@@ -44,15 +44,18 @@ ITEMS: list[dict[str, Any]] = [
     {"question": "Paris is the capital of",
      "choices": ["France.", "the world", "naïve"], "answer": 0},
 ]
-TASK_YAML = """\
+# The items as a task: its name, data and prompt (format fields: task, data).
+TASK_HEAD = """\
 task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
-output_type: multiple_choice
 doc_to_text: "Q: {{{{question}}}}\\nA:"
+"""
+TASK_YAML = TASK_HEAD + """\
+output_type: multiple_choice
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: answer
 metric_list:
@@ -67,15 +70,8 @@ metric_list:
 
 # Greedy answers to the same questions: through P/D, D decodes them on P's KV.
 GEN_TASK = "kvrelay_tiny_gen"
-GEN_TASK_YAML = """\
-task: {task}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
+GEN_TASK_YAML = TASK_HEAD + """\
 output_type: generate_until
-doc_to_text: "Q: {{{{question}}}}\\nA:"
 doc_to_target: "{{{{choices[answer]}}}}"
 generation_kwargs:
   until: ["<|never|>"]

@@ -181,13 +181,6 @@ def layer_cache(kv_caches: Mapping[str, Any], num_blocks: int | None = None,
     return HostCache(placement, [_bytes_of(s) for s in storages])
 
 
-def head_slice(kv_caches: Mapping[str, Any], first: int, count: int) -> dict[str, Any]:
-    """Heads ``first .. first + count - 1`` of each layer's ``[B, H, N, C]`` view (views,
-    no copy): the part of a decode worker's cache one prefill worker of a larger
-    tensor-parallel size serves (heterogeneous TP)."""
-    return {name: t[:, first:first + count] for name, t in kv_caches.items()}
-
-
 def named_as(cache: HostCache | TensorCache, whole: HostCache | TensorCache
              ) -> HostCache | TensorCache:
     """A head slice of ``whole`` (a prefill worker's heads), named as that worker's own
@@ -233,9 +226,10 @@ def _packed_dense(layout: KvLayout, like: HostCache | TensorCache) -> bool:
 
 def head_part(cache: HostCache | TensorCache, i: int, k: int) -> HostCache | TensorCache:
     """Heads ``i*h .. i*h+h-1`` (h = heads / k) of a described cache, as a cache of
-    those heads (the same buffers): what a part ``i`` of ``k`` of a lease serves, to a
-    decode worker holding those heads alone. Raises ValueError where the heads do not
-    split in ``k``."""
+    those heads (the same buffers, no copy): what part ``i`` of ``k`` of a lease serves
+    to a decode worker holding those heads alone, and the slice of a decode worker's
+    cache that one prefill worker of k times its tensor-parallel size fills. Raises
+    ValueError where the heads do not split in ``k``."""
     layout, placement = cache.layout, cache.placement
     if k < 1 or layout.heads % k or "H" not in layout.order:
         raise ValueError(f"{layout.heads} KV heads do not split into {k} parts")

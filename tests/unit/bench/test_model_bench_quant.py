@@ -19,10 +19,9 @@ def test_agreement_counts_the_shared_start() -> None:
     assert quant.agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]]) == (1, 0.75)
 
 
-@needs_native
-def test_bench_quant_prints_a_row_per_dtype(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def run_quant(tmp_path: Path, capsys: pytest.CaptureFixture[str], *more: str) -> list[str]:
+    """``kvrelay bench quant`` on a tiny mixed-type GGUF and a short text, a few tiny
+    measures, with ``more`` flags: its output lines."""
     path = write_tiny_gguf(tmp_path / "tiny.gguf", seed=5)
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
@@ -31,9 +30,16 @@ def test_bench_quant_prints_a_row_per_dtype(
     args = parser.parse_args(["quant", "--model", str(path), "--text", str(text),
                               "--num-prompts", "3", "--prompt-len", "8", "--output-len", "4",
                               "--ppl-tokens", "40", "--steps", "3", "--rounds", "1",
-                              "--threads", "1", "--batch", "1", "2"])
+                              "--threads", "1", *more])
     assert args.func(args) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    return capsys.readouterr().out.strip().splitlines()
+
+
+@needs_native
+def test_bench_quant_prints_a_row_per_dtype(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = run_quant(tmp_path, capsys, "--batch", "1", "2")
     rows = [r for r in lines if r.startswith(("float32", "bfloat16"))]
     assert [r.split()[0] for r in rows] == ["float32", "bfloat16"]
     assert sum("batch 2: TPOT none" in r for r in lines) == 2
@@ -49,18 +55,7 @@ def test_bench_quant_compares_an_8bit_kv_cache(
 ) -> None:
     """``--kv-cache-dtype fp8``: both engines serve the GGUF as stored, one with the
     model dtype's KV and one with fp8; the row names both and the perplexity change."""
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", seed=5)
-    text = tmp_path / "text.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    parser = argparse.ArgumentParser()
-    quant.register(parser.add_subparsers())
-    args = parser.parse_args(["quant", "--model", str(path), "--text", str(text),
-                              "--num-prompts", "3", "--prompt-len", "8", "--output-len", "4",
-                              "--ppl-tokens", "40", "--steps", "3", "--rounds", "1",
-                              "--threads", "1", "--dtype", "bfloat16",
-                              "--kv-cache-dtype", "fp8"])
-    assert args.func(args) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    lines = run_quant(tmp_path, capsys, "--dtype", "bfloat16", "--kv-cache-dtype", "fp8")
     assert "KV caches: auto against fp8" in lines[0]
     assert "ppl auto" in lines[1] and "ppl fp8" in lines[1] and "auto/fp8" in lines[1]
     row = next(r for r in lines if r.startswith("bfloat16")).split()

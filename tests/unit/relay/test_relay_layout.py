@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvrelay.relay.client import RelayUnavailable
 from kvrelay.relay.geometry import KvGeometry
 from kvrelay.relay.transports import nixl
-from kvrelay.relay.transports.layout import head_slice, layer_cache, named_as
+from kvrelay.relay.transports.layout import head_part, layer_cache, named_as
 from kvrelay.testing.kv import move_over_nixl, move_over_tcp
 
 # vLLM's KVCacheLayout (vllm/v1/kv_cache_layout.py, identical in 0.32 and 0.34): the
@@ -218,13 +218,11 @@ def test_the_description_reads_only_shapes_and_strides() -> None:
     assert placement.layout == layer_cache(host, 4).layout
 
 
-def head_slices(d: dict[str, torch.Tensor], k: int, n: int, cache: Any) -> list[Any]:
+def head_slices(k: int, cache: Any) -> list[Any]:
     """D's cache cut for a prefill engine of ``k`` times its workers: slice ``i`` is
-    heads ``i*n .. i*n+n-1``, named as a cache of those heads alone (the connector's
-    heterogeneous TP)."""
-    return [named_as(layer_cache(head_slice(d, i * n, n), cache.num_blocks,
-                                 cache.layout.backend), cache)
-            for i in range(k)]
+    heads ``i*n .. i*n+n-1`` (n = heads / k), named as a cache of those heads alone (the
+    connector's heterogeneous TP)."""
+    return [named_as(head_part(cache, i, k), cache) for i in range(k)]
 
 
 def assert_heads_moved(ps: list[dict[str, torch.Tensor]], d: dict[str, torch.Tensor],
@@ -259,7 +257,7 @@ def test_head_slices_of_a_smaller_tp_size_take_each_ranks_blocks_byte_for_byte(
     ps = [views(blocks=c["blocks"][0], heads=n, fill=True, **shape) for _ in range(ranks)]
     d = views(blocks=c["blocks"][1], heads=n * ranks, **shape)
     whole = layer_cache(d, c["blocks"][1])
-    for p, part in zip(ps, head_slices(d, ranks, n, whole), strict=True):
+    for p, part in zip(ps, head_slices(ranks, whole), strict=True):
         pc = layer_cache(p, c["blocks"][0])
         assert part.layout.name == pc.layout.name
         move_over_tcp(pc, part, c["remote"], c["local"])
@@ -274,7 +272,7 @@ def test_head_slices_take_each_ranks_blocks_over_nixl(order: str) -> None:
     ps = [views(blocks=10, heads=2, fill=True, **shape) for _ in range(2)]
     d = views(blocks=7, heads=4, **shape)
     remote, local = [4, 5, 6, 0, 9, 2], [1, 2, 3, 6, 0, 5]
-    for p, part in zip(ps, head_slices(d, 2, 2, layer_cache(d, 7)), strict=True):
+    for p, part in zip(ps, head_slices(2, layer_cache(d, 7)), strict=True):
         move_over_nixl(layer_cache(p, 10), part, remote, local)
     assert_heads_moved(ps, d, remote, local, 1, 2)
 
@@ -286,6 +284,6 @@ def test_a_head_slice_of_todays_cpu_cache_is_named_as_that_ranks_cache() -> None
                     "CPU_ATTN")
     d4 = torch.zeros(3, 8, 4, 4, 16)
     d = {f"l{i}": d4[i] for i in range(3)}
-    for part in head_slices(d, 2, 2, layer_cache(d, 8, "CPU_ATTN")):
+    for part in head_slices(2, layer_cache(d, 8, "CPU_ATTN")):
         assert part.layout.name == p.layout.name == "regions:3x512"
         assert len(part.placement.ranges([0, 1])) == 3 * 2  # strided: a range per block

@@ -20,7 +20,7 @@ from kvrelay.relay.receiver import Phase
 from kvrelay.relay.transports import nixl
 from kvrelay.relay.transports.base import TransferState
 from kvrelay.relay.transports.layout import (
-    head_slice,
+    head_part,
     layer_cache,
     named_as,
     tensor_cache,
@@ -641,7 +641,7 @@ def test_one_decode_worker_pulls_two_prefill_ranks_into_its_head_halves() -> Non
     whole = layer_cache(d_cache)
     ps = [PrefillSide(settings, layer_cache(c), f"c{r}", f"P{r}") for r, c in
           enumerate(p_caches)]
-    parts = [named_as(layer_cache(head_slice(d_cache, r * HEADS, HEADS)), whole)
+    parts = [named_as(head_part(whole, r, 2), whole)
              for r in range(2)]
     assert [part.layout.name for part in parts] == [layer_cache(c).layout.name
                                                     for c in p_caches]
